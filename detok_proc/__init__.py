@@ -1,0 +1,2 @@
+"""The tokenizer process: prompt tokenization, chat templates and incremental detokenization,
+between the frontend socket and the engine core."""

@@ -1,0 +1,102 @@
+"""The `pagoda` command: `pagoda generate`, `pagoda download-default`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags that build an EngineConfig; shared by every command that runs an engine."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model directory or hub id (default: SmolLM2-135M-Instruct, prepared on first use)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--kv-cache-memory", default="2GiB", help="memory for the KV cache pool, e.g. 2GiB, 512MiB")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget of one engine step (longer prompts are prefilled in chunks)")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit (default: the model's max_position_embeddings)")
+    g.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
+    g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    from engine_core.config import EngineConfig, parse_size
+
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                        kv_cache_memory=parse_size(args.kv_cache_memory),
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                        max_model_len=args.max_model_len, seed=args.seed, num_threads=args.num_threads)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine_core.llm import LLM
+    from engine_core.sampling_params import SamplingParams
+
+    started = time.monotonic()
+    config = engine_config_from_args(args)
+    from dataclasses import asdict
+
+    llm = LLM(**asdict(config))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sample_seed)
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    completion = outputs[0].outputs[0]
+    print(completion.text)
+    logging.getLogger("pagoda").info("%d tokens, finish_reason=%s, %.1fs since launch",
+                                     len(completion.token_ids), completion.finish_reason,
+                                     time.monotonic() - started)
+    return 0
+
+
+def cmd_download_default(args: argparse.Namespace) -> int:
+    from engine_core.default_model import ensure_default_model
+
+    print(ensure_default_model())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt with the offline engine")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template (a user message)")
+    gen.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = disabled")
+    gen.add_argument("--sample-seed", type=int, default=None, help="seed of this request's sampling")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    dl = sub.add_parser("download-default", help="prepare the default model in the cache and print its path")
+    dl.set_defaults(func=cmd_download_default)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pagoda: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

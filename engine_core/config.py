@@ -1,0 +1,61 @@
+"""The engine's configuration: one typed object, built once from CLI flags or keyword arguments."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB', '512MiB', '1.5G', '1000000' -> bytes (K/M/G/T with or without 'i' are powers of 1024)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 2GiB, 512MiB)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return int(number * 1024 ** " KMGT".index(unit or " "))
+
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' = float32 on the CPU (the fast dtype there), bfloat16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None = the default model
+    dtype: str = "auto"
+    device: str = "auto"  # auto = cuda when available, else cpu
+    block_size: int = 16
+    kv_cache_memory: int = 2 * 1024 ** 3  # bytes for the KV pool (CPU)
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set (tests)
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; default = torch's choice
+
+    def __post_init__(self):
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

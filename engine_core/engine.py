@@ -1,0 +1,108 @@
+"""`EngineCore`: the plain, in-process engine: add requests, `step()`, read per-step outputs.
+
+No sockets and no threads here; the server wraps this in a process that adds them, and tests and the
+offline `LLM` drive it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine_core.config import EngineConfig
+from engine_core.kv_cache import KVCacheManager
+from engine_core.loader import resolve_model
+from engine_core.model_config import ModelConfig
+from engine_core.model_runner import ModelRunner
+from engine_core.outputs import StepOutput
+from engine_core.request import Request, RequestStatus
+from engine_core.sampling_params import SamplingParams
+from engine_core.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        started = time.monotonic()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.model_dir = resolve_model(config.model)
+        self.model_cfg = ModelConfig.from_dir(self.model_dir)
+        self.runner = ModelRunner(config, self.model_dir, self.model_cfg)
+        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size)
+        capacity = self.kv_manager.pool.num_usable_blocks * config.block_size
+        self.max_model_len = self._max_model_len(capacity)
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens; max concurrency at full context "
+                    "length (%d): %.2fx; model %s loaded in %.1fs", self.kv_manager.pool.num_usable_blocks,
+                    config.block_size, capacity, self.max_model_len, capacity / self.max_model_len,
+                    self.model_cfg.architecture, time.monotonic() - started)
+
+    def _max_model_len(self, capacity: int) -> int:
+        limit = self.model_cfg.max_position_embeddings
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+        if wanted > capacity:
+            logger.warning("KV cache holds only %d tokens; max_model_len lowered from %d", capacity, wanted)
+            wanted = capacity
+        return wanted
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; raises ValueError (nothing queued) if it cannot be served."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, leaving no room to generate")
+        vocab = self.model_cfg.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params.validate()
+        request = Request(request_id, prompt_token_ids, params, self.model_cfg.eos_token_ids)
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset_check(self) -> None:
+        """Assert the block pool's invariants (used when idle and in tests)."""
+        self.kv_manager.pool.check_integrity()
+
+    # ---- one iteration ------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        result = self.runner.execute(sched)
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled)}
+        outputs = []
+        for request in sched.requests:
+            token = result.sampled.get(request.request_id)
+            if token is None:
+                continue
+            logprobs = result.logprobs.get(request.request_id)
+            outputs.append(StepOutput(
+                request_id=request.request_id, new_token_ids=[token],
+                new_logprobs=[logprobs] if logprobs is not None else [],
+                finish_reason=request.finish_reason if request.request_id in finished else None,
+                num_prompt_tokens=request.num_prompt_tokens))
+        return outputs
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions_total
+
+    def request_status(self, request_id: str) -> RequestStatus | None:
+        request = self.scheduler.requests.get(request_id)
+        return None if request is None else request.status

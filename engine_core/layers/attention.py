@@ -1,0 +1,54 @@
+"""Paged attention as the model sees it: write this step's K/V into the cache, then attend.
+
+`AttentionMetadata` describes the step's flattened batch. Requests whose query is a single token
+(decodes) come first in the batch and are served by one batched decode call; the rest (prefill chunks,
+possibly over a cached prefix) by the varlen prefill call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    num_decodes: int  # the first `num_decodes` sequences (and tokens) are single-token decodes
+    num_decode_tokens: int
+    seq_lens: torch.Tensor  # [B] int64: context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    query_start_loc: torch.Tensor  # [B+1] int64, for the prefill sequences (relative to them)
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        self.sliding_window = sliding_window
+        self.key_cache: torch.Tensor | None = None  # bound by the model runner
+        self.value_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q `[T, H, D]`, k/v `[T, Hkv, D]` -> `[T, H, D]`."""
+        kernels.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
+        nd, ndt = meta.num_decodes, meta.num_decode_tokens
+        if ndt == q.shape[0]:
+            return kernels.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables,
+                                                  meta.seq_lens, self.scale, self.sliding_window)
+        out = torch.empty_like(q)
+        if nd:
+            out[:ndt] = kernels.paged_decode_attention(q[:ndt], self.key_cache, self.value_cache,
+                                                       meta.block_tables[:nd], meta.seq_lens[:nd], self.scale,
+                                                       self.sliding_window)
+        out[ndt:] = kernels.paged_prefill_attention(q[ndt:], self.key_cache, self.value_cache,
+                                                    meta.block_tables[nd:], meta.query_start_loc,
+                                                    meta.seq_lens[nd:], self.scale, self.sliding_window)
+        return out

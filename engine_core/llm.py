@@ -1,0 +1,120 @@
+"""The offline API, shaped like vLLM's: `LLM(model).generate(prompts, params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import fields
+from typing import Sequence, Union
+
+import msgspec
+from tqdm import tqdm
+
+from detok_proc.tokenizer import encode_chat, load_tokenizer
+from engine_core.config import EngineConfig, parse_size
+from engine_core.engine import EngineCore
+from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
+from engine_core.sampling_params import SamplingParams
+
+PromptType = Union[str, dict]
+
+_CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+class LLM:
+    """An engine on one model, run in this process.
+
+    `LLM()` uses the default model (SmolLM2-135M-Instruct, prepared on first use); `model=` takes any
+    Hugging Face model directory or hub id. Keyword arguments are `EngineConfig` fields
+    (`dtype`, `block_size`, `kv_cache_memory` ("2GiB"), `max_num_batched_tokens`, `max_num_seqs`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        unknown = set(engine_args) - _CONFIG_FIELDS
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        if "kv_cache_memory" in engine_args:
+            engine_args["kv_cache_memory"] = parse_size(engine_args["kv_cache_memory"])
+        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        self.tokenizer = load_tokenizer(self.engine.model_dir)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts are strings or `{"prompt_token_ids": [...]}` dicts; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        encoded = [self._encode(p) for p in prompts]
+        return self._run(encoded, params_list, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of them, through the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        encoded = [(None, encode_chat(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message,
+                                      chat_template_kwargs=chat_template_kwargs))
+                   for conv in conversations]
+        return self._run(encoded, self._params_per_prompt(sampling_params, len(encoded)), use_tqdm)
+
+    def _params_per_prompt(self, params, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        if len(params) != count:
+            raise ValueError(f"{len(params)} sampling params for {count} prompts")
+        return list(params)
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        raise TypeError("a prompt is a string or a dict with 'prompt_token_ids'")
+
+    def _run(self, encoded, params_list, use_tqdm: bool) -> list[RequestOutput]:
+        # n > 1 becomes n sibling requests; a seeded request's i-th sibling uses seed + i.
+        slots: dict[str, tuple[int, int]] = {}
+        for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list)):
+            for sample in range(params.n):
+                child = params if params.n == 1 else msgspec.structs.replace(
+                    params, n=1, seed=None if params.seed is None else params.seed + sample)
+                request_id = f"{next(self._ids)}"
+                self.engine.add_request(request_id, token_ids, child)
+                slots[request_id] = (index, sample)
+        tokens = {rid: [] for rid in slots}
+        logprobs = {rid: [] for rid in slots}
+        reasons: dict[str, str] = {}
+        bar = tqdm(total=len(slots), desc="Generating", disable=not use_tqdm or len(slots) < 8)
+        while len(reasons) < len(slots):
+            for out in self.engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+                logprobs[out.request_id].extend(out.new_logprobs)
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+                    bar.update(1)
+        bar.close()
+        results = [RequestOutput(str(i), prompt, ids, [None] * params.n)
+                   for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list))]
+        for rid, (index, sample) in slots.items():
+            params = params_list[index]
+            results[index].outputs[sample] = CompletionOutput(
+                index=sample, finish_reason=reasons[rid], token_ids=tokens[rid],
+                text=self.tokenizer.decode(tokens[rid], skip_special_tokens=params.skip_special_tokens),
+                **self._logprob_fields(tokens[rid], logprobs[rid], params))
+        return results
+
+    def _logprob_fields(self, token_ids: list[int], entries: list[tuple], params: SamplingParams) -> dict:
+        if params.logprobs is None:
+            return {}
+        per_token = []
+        for token, (sampled_lp, top) in zip(token_ids, entries):
+            entry = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid])) for rank, (tid, lp) in enumerate(top)}
+            if token not in entry:
+                entry[token] = Logprob(sampled_lp, None, self.tokenizer.decode([token]))
+            per_token.append(entry)
+        return {"logprobs": per_token, "cumulative_logprob": sum(lp for lp, _ in entries)}

@@ -1,0 +1,63 @@
+"""Finding a model and streaming its safetensors weights into our modules in their final dtype."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model(model: str | None) -> Path:
+    """A local directory as is; None = the default model (prepared on first use); else a hub id."""
+    if model is None:
+        from engine_core.default_model import ensure_default_model
+
+        return ensure_default_model()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+        return path
+    if path.exists() or model.count("/") != 1:
+        raise FileNotFoundError(f"model {model!r} is neither a model directory nor a hub id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+    return Path(snapshot_download(model, allow_patterns=patterns))
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / shard for shard in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+    return files
+
+
+def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every shard; tensors are memory-mapped, one at a time."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: Path, model_cfg, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    from engine_core.models import model_class
+
+    cls = model_class(model_cfg.architecture)
+    with torch.device(device):
+        model = cls(model_cfg, dtype)
+    model.load_weights(iterate_weights(model_dir))
+    model.eval()
+    return model

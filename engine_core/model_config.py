@@ -1,0 +1,90 @@
+"""A model's architecture facts, read once from its Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_window: int | None
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        model_dir = Path(model_dir)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError(f"{model_dir}/config.json names no architecture")
+        num_heads = cfg["num_attention_heads"]
+        rope = _rope_parameters(cfg)
+        return cls(
+            architecture=archs[0],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            vocab_size=cfg["vocab_size"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.pop("rope_theta", 10000.0)),
+            rope_scaling=rope or None,
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+            sliding_window=_sliding_window(cfg),
+            eos_token_ids=_eos_ids(model_dir, cfg),
+            raw=cfg,
+        )
+
+
+def _rope_parameters(cfg: dict) -> dict:
+    """transformers 5 writes `rope_parameters: {rope_theta, rope_type, ...}`; older configs have a
+    top-level `rope_theta` and an optional `rope_scaling`. Read both into one dict."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if "rope_theta" not in params and "rope_theta" in cfg:
+        params["rope_theta"] = cfg["rope_theta"]
+    params.update(cfg.get("rope_scaling") or {})
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if rope_type != "default":
+        params["rope_type"] = rope_type
+    return params
+
+
+def _sliding_window(cfg: dict) -> int | None:
+    window = cfg.get("sliding_window")
+    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+def _eos_ids(model_dir: Path, cfg: dict) -> frozenset[int]:
+    """EOS ids from generation_config.json (what `generate` stops on), else config.json."""
+    ids = None
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        ids = json.loads(gen_path.read_text()).get("eos_token_id")
+    if ids is None:
+        ids = cfg.get("eos_token_id")
+    if ids is None:
+        return frozenset()
+    return frozenset(ids if isinstance(ids, list) else [ids])

@@ -1,0 +1,176 @@
+"""The Llama family: Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k norm).
+
+They differ only in switches read from the config: QKV bias, per-head q/k RMSNorm, sliding window.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+import kernels
+from engine_core.layers.attention import Attention, AttentionMetadata
+from engine_core.layers.linear import Linear, MergedLinear
+from engine_core.layers.rotary import RotaryEmbedding
+from engine_core.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return kernels.rms_norm(x, self.weight, self.eps)
+        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, dtype)
+        self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype)
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.sliding_window)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_sizes, dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, dtype, qk_norm)
+        self.mlp = LlamaMLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, positions, hidden, residual, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+# Checkpoint names of the projections we merge -> (our merged module, shard index).
+_MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class LlamaForCausalLM(nn.Module):
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
+                                         requires_grad=False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, self.qk_norm) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # The LM head is a Linear ([hidden, vocab]); tied models share the embedding's storage through
+        # `embed_tokens` = lm_head's transpose (see `load_weights`).
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        if cfg.tie_word_embeddings:
+            del self.embed_tokens
+            self.embed_tokens = None
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def embedding_table(self) -> torch.Tensor:
+        return self.lm_head.weight_t.t() if self.embed_tokens is None else self.embed_tokens
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embedding_table()[input_ids]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume (checkpoint name, tensor) pairs; every parameter must be filled exactly once."""
+        pending = {name for name, _ in self.named_parameters()}
+        loaded_lm_head = False
+        for name, tensor in weights:
+            target = self._load_one(name, tensor)
+            if target is None:
+                continue
+            loaded_lm_head |= target.startswith("lm_head")
+            pending.discard(target)
+        if self.cfg.tie_word_embeddings and not loaded_lm_head:
+            raise ValueError("checkpoint has no embedding table")
+        if pending:
+            raise ValueError(f"checkpoint is missing weights: {sorted(pending)[:8]}")
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> str | None:
+        if "rotary_emb" in name:
+            return None
+        name = name.removeprefix("model.")
+        if name == "embed_tokens.weight":
+            if self.embed_tokens is None:
+                self.lm_head.load(tensor)
+                return "lm_head.weight_t"
+            self.embed_tokens.copy_(tensor)
+            return "embed_tokens"
+        if name == "lm_head.weight":
+            if self.cfg.tie_word_embeddings:
+                return None
+            self.lm_head.load(tensor)
+            return "lm_head.weight_t"
+        module_path, _, kind = name.rpartition(".")  # kind: weight | bias
+        parent_path, _, leaf = module_path.rpartition(".")
+        if leaf in _MERGED:
+            merged_name, shard = _MERGED[leaf]
+            module = self.get_submodule(f"{parent_path}.{merged_name}")
+            if kind == "weight":
+                module.load_shard(shard, tensor)
+            else:
+                start, size = module.offsets[shard], module.out_sizes[shard]
+                module.bias[start:start + size].copy_(tensor)
+            return f"{parent_path}.{merged_name}.{'weight_t' if kind == 'weight' else 'bias'}"
+        module = self.get_submodule(module_path)
+        if isinstance(module, Linear) and kind == "weight":
+            module.load(tensor)
+            return f"{module_path}.weight_t"
+        getattr(module, kind).copy_(tensor)
+        return name
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,90 @@
+"""A request as the engine core tracks it: tokens, progress, KV blocks and its random generator."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from engine_core.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Prompt + generated tokens, and how many of them already have K/V in the cache.
+
+    The scheduler's one rule: `num_computed_tokens` catches up with `num_tokens`. Prefill, chunked
+    prefill and decode are all that rule; preemption resets `num_computed_tokens` to 0.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def stop_status(self, max_model_len: int) -> RequestStatus | None:
+        """The finished status the last appended token puts this request in, if any."""
+        token = self.all_token_ids[-1]
+        params = self.params
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in self.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

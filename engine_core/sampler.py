@@ -1,0 +1,163 @@
+"""Vectorized sampling over a batch of logits rows.
+
+Penalties, min_tokens masking, temperature, top-k, top-p and min-p are applied to the whole batch with
+tensor ops; only requests with their own `seed` draw noise from their own generator (so a seeded
+request gives the same tokens whatever else shares its batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_core.request import Request
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors, built once per step from the requests that sample."""
+
+    requests: list[Request]
+    temperature: torch.Tensor  # [B]; 0 = greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [B] int64, vocab size where disabled
+    top_p: torch.Tensor | None  # [B]
+    min_p: torch.Tensor | None  # [B]
+    penalized: bool
+    max_logprobs: int  # largest `logprobs` asked for, -1 if none
+
+    @classmethod
+    def from_requests(cls, requests: list[Request], vocab_size: int) -> "SamplingBatch":
+        params = [r.params for r in requests]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        all_greedy = all(p.temperature == 0.0 for p in params)
+        top_k = top_p = min_p = None
+        if not all_greedy:
+            if any(p.top_k > 0 for p in params):
+                top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params])
+            if any(p.top_p < 1.0 for p in params):
+                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+            if any(p.min_p > 0.0 for p in params):
+                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(requests, temperature, all_greedy, top_k, top_p, min_p,
+                   penalized=any(p.uses_penalties for p in params),
+                   max_logprobs=max(logprobs) if logprobs else -1)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (sampled token's logprob, [(token_id, logprob), ...] top-N) or None when not asked for.
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition (prompt + output tokens), presence and frequency (output tokens) penalties."""
+    batch, vocab = logits.shape
+    device = logits.device
+    out_counts = torch.zeros(batch, vocab, dtype=torch.float32, device=device)
+    seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
+    for row, request in enumerate(requests):  # builds index tensors only; the math below is batched
+        if not request.params.uses_penalties:
+            continue
+        outputs = torch.tensor(request.output_token_ids, dtype=torch.int64, device=device)
+        if outputs.numel():
+            out_counts[row].index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.float32))
+        prompt = torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=device)
+        seen[row, prompt] = True
+    seen |= out_counts > 0
+    rep = torch.tensor([r.params.repetition_penalty for r in requests], device=device)[:, None]
+    presence = torch.tensor([r.params.presence_penalty for r in requests], device=device)[:, None]
+    frequency = torch.tensor([r.params.frequency_penalty for r in requests], device=device)[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - frequency * out_counts - presence * (out_counts > 0).float()
+    return logits
+
+
+def mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Forbid EOS and stop tokens while a request has produced fewer than min_tokens."""
+    rows, cols = [], []
+    for row, request in enumerate(requests):
+        if request.num_output_tokens < request.params.min_tokens:
+            banned = set(request.stop_token_ids)
+            if not request.params.ignore_eos:
+                banned |= request.eos_token_ids
+            rows.extend([row] * len(banned))
+            cols.extend(banned)
+    if rows:
+        logits = logits.clone()  # never write into the raw logits that logprobs are computed from
+        logits[rows, cols] = _NEG_INF
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * batch.min_p.to(logits.device)[:, None]
+        logits = logits.masked_fill(probs < threshold, _NEG_INF)
+    if batch.top_k is None and batch.top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if batch.top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(ranks >= batch.top_k.to(logits.device)[:, None], _NEG_INF)
+    if batch.top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+        sorted_logits = sorted_logits.masked_fill(mass_before >= batch.top_p.to(logits.device)[:, None], _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter_(-1, order, sorted_logits)
+
+
+def _exponential_noise(batch: SamplingBatch, shape, device) -> torch.Tensor:
+    noise = torch.empty(shape, device=device).exponential_()
+    for row, request in enumerate(batch.requests):
+        if request.generator is not None and request.params.temperature > 0:
+            noise[row] = torch.empty(shape[1]).exponential_(generator=request.generator).to(device)
+    return noise
+
+
+def _gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch):
+    logprobs = torch.log_softmax(raw_logits, dim=-1)
+    sampled = logprobs.gather(-1, token_ids[:, None]).squeeze(-1).tolist()
+    k = max(batch.max_logprobs, 0)
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    result = []
+    for row, request in enumerate(batch.requests):
+        n = request.params.logprobs
+        if n is None:
+            result.append(None)
+            continue
+        top = list(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist())) if n else []
+        result.append((sampled[row], top))
+    return result
+
+
+class Sampler:
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """`logits` [B, V] float32 for the rows in `batch.requests`, in that order."""
+        raw_logits = logits
+        if batch.penalized:
+            logits = apply_penalties(logits, batch.requests)
+        logits = mask_min_tokens(logits, batch.requests)
+        greedy_tokens = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            tokens = greedy_tokens
+        else:
+            temperature = batch.temperature.to(logits.device)
+            scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+            scaled = apply_top_k_top_p_min_p(scaled, batch)
+            probs = torch.softmax(scaled, dim=-1)
+            # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p without a CDF search.
+            sampled = (probs / _exponential_noise(batch, probs.shape, probs.device)).argmax(dim=-1)
+            tokens = torch.where(temperature > 0, sampled, greedy_tokens)
+        logprobs = (_gather_logprobs(raw_logits, tokens, batch) if batch.max_logprobs >= 0
+                    else [None] * len(batch.requests))
+        return SamplerOutput(tokens.tolist(), logprobs)

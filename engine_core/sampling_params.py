@@ -1,0 +1,62 @@
+"""Per-request sampling parameters, shaped like vLLM's so its users can switch.
+
+A msgspec Struct so the same object crosses process boundaries unchanged.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None = up to the model's context length
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = []
+    logprobs: int | None = None  # number of top logprobs besides the sampled token's
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError with a message fit for an API error if a field is out of range."""
+        checks = [
+            (self.n >= 1, "n must be at least 1"),
+            (self.temperature >= 0.0, "temperature must be non-negative"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be -1 (disabled) or a positive integer"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty must be positive"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens must be non-negative"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             "min_tokens must not exceed max_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)

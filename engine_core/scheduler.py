@@ -1,0 +1,157 @@
+"""Iteration-level continuous batching under a token budget.
+
+One rule covers prefill, chunked prefill and decode: each step hands out tokens so that a request's
+`num_computed_tokens` catches up with its `num_tokens`. Running requests are served first (oldest
+first), then waiting ones, while the step's token budget, `max_num_seqs` and the KV pool allow. When a
+running request cannot get a block, the newest running request is preempted (its blocks freed, its
+progress reset) and put back at the head of the waiting queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine_core.kv_cache import KVCacheManager
+from engine_core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step: requests in batch order and how many new tokens each computes."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.requests)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, kv_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int):
+        self.kv = kv_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions_total = 0
+
+    # ---- queue management -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of every queue and return its blocks; idempotent."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.pool.usage(),
+                              self.num_preemptions_total)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        for request, n in zip(out.requests, out.num_scheduled_tokens):
+            request.num_computed_tokens += n  # advanced now, so the next schedule plans the next chunk
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:  # only possible while its sampled token is still in flight
+                index += 1
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is request:
+                    return budget
+            out.requests.append(request)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, admitting=True):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.requests.append(request)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Recompute preemption: free everything, restart from token 0 later (before newer arrivals)."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        if request in out.requests:  # it was scheduled earlier in this step: undo that
+            i = out.requests.index(request)
+            out.requests.pop(i)
+            out.num_scheduled_tokens.pop(i)
+        out.preempted.append(request)
+
+    # ---- after the model ran ------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append each sampled token, finish the requests that stop; return the finished ones."""
+        finished = []
+        for request in out.requests:
+            token = sampled.get(request.request_id)
+            if token is None or request.status.finished:
+                continue
+            request.append_token(token)
+            status = request.stop_status(self.max_model_len)
+            if status is not None:
+                self.finish(request, status)
+                finished.append(request)
+        return finished

@@ -1,0 +1,56 @@
+"""Kernel dispatch: model code calls these functions; each picks its implementation by device.
+
+Every op has a plain torch implementation (`kernels.torch_ref`), used on the CPU and as the reference
+in tests. A Triton implementation with the same signature registers itself in `_TRITON` and is chosen
+for CUDA tensors when `triton` imports; anything without one falls back to torch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kernels.torch_ref import attention as _attn
+from kernels.torch_ref import layers as _layers
+
+_TORCH: dict[str, Callable] = {
+    "reshape_and_cache": _attn.reshape_and_cache,
+    "paged_decode_attention": _attn.paged_decode_attention,
+    "paged_prefill_attention": _attn.paged_prefill_attention,
+    "rms_norm": _layers.rms_norm,
+    "fused_add_rms_norm": _layers.fused_add_rms_norm,
+    "silu_and_mul": _layers.silu_and_mul,
+    "rotary_embedding": _layers.rotary_embedding,
+}
+_TRITON: dict[str, Callable] = {}
+
+
+def register_triton(name: str, fn: Callable) -> None:
+    if name not in _TORCH:
+        raise KeyError(f"unknown kernel {name!r}")
+    _TRITON[name] = fn
+
+
+def implementation(name: str, device: torch.device) -> Callable:
+    if device.type == "cuda" and name in _TRITON:
+        return _TRITON[name]
+    return _TORCH[name]
+
+
+def _dispatching(name: str) -> Callable:
+    def call(first: torch.Tensor, *args, **kwargs):
+        return implementation(name, first.device)(first, *args, **kwargs)
+
+    call.__name__ = name
+    call.__doc__ = _TORCH[name].__doc__
+    return call
+
+
+reshape_and_cache = _dispatching("reshape_and_cache")
+paged_decode_attention = _dispatching("paged_decode_attention")
+paged_prefill_attention = _dispatching("paged_prefill_attention")
+rms_norm = _dispatching("rms_norm")
+fused_add_rms_norm = _dispatching("fused_add_rms_norm")
+silu_and_mul = _dispatching("silu_and_mul")
+rotary_embedding = _dispatching("rotary_embedding")

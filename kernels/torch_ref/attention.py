@@ -1,0 +1,84 @@
+"""Attention over the paged KV cache, in plain torch.
+
+Cache layout (per layer): key_cache / value_cache `[num_blocks, block_size, num_kv_heads, head_dim]`;
+a sequence's token at position p lives in block `block_table[p // block_size]`, row `p % block_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write `key`/`value` `[T, Hkv, D]` into the cache slots `slot_mapping` `[T]`; slots < 0 are skipped."""
+    if (slot_mapping < 0).any():
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    num_kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def _gather_sequences(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """`[B, max_len, Hkv, D]` view of each sequence's cached tokens (rows past its length are junk)."""
+    block_size = cache.shape[1]
+    num_blocks = -(-max_len // block_size)
+    gathered = cache[block_tables[:, :num_blocks]]  # [B, nb, bs, Hkv, D]
+    batch = gathered.shape[0]
+    return gathered.view(batch, num_blocks * block_size, *cache.shape[2:])[:, :max_len]
+
+
+def _key_mask(query_pos: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
+              sliding_window: int | None) -> torch.Tensor:
+    """Boolean `[B, Q, max_len]`: key j is visible to the query at position p iff j <= p (and within
+    the sliding window) and j < seq_len."""
+    key_pos = torch.arange(max_len, device=seq_lens.device)
+    visible = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
+    if sliding_window is not None:
+        visible &= key_pos[None, None, :] > query_pos[:, :, None] - sliding_window
+    return visible
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None = None) -> torch.Tensor:
+    """One query token per sequence: `query` `[B, H, D]` attends to the sequence's first `seq_lens[b]`
+    cached tokens (its own K/V already written). Returns `[B, H, D]`. Batched, no per-sequence loop."""
+    batch, num_heads, head_dim = query.shape
+    max_len = int(seq_lens.max())
+    keys = _gather_sequences(key_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, L, D]
+    values = _gather_sequences(value_cache, block_tables, max_len).transpose(1, 2)
+    mask = _key_mask((seq_lens - 1)[:, None], seq_lens, max_len, sliding_window)  # [B, 1, L]
+    out = F.scaled_dot_product_attention(query[:, :, None, :], keys, values, attn_mask=mask[:, None],
+                                         scale=scale, enable_gqa=True)
+    return out.view(batch, num_heads, head_dim)
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention for a variable-length batch of query chunks over a paged prefix.
+
+    Sequence b owns query rows `query_start_loc[b]:query_start_loc[b+1]`, which are its last tokens:
+    positions `seq_lens[b] - q_len .. seq_lens[b] - 1`. All of its K/V (prefix + the new tokens) are
+    already in the cache. `query` `[T, H, D]` -> `[T, H, D]`.
+    """
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b in range(len(lens)):  # prefill chunks are few and large: a loop over them costs nothing
+        start, end, seq_len = starts[b], starts[b + 1], lens[b]
+        q_len = end - start
+        keys = _gather_sequences(key_cache, block_tables[b:b + 1], seq_len)[0].transpose(0, 1)  # [Hkv, L, D]
+        values = _gather_sequences(value_cache, block_tables[b:b + 1], seq_len)[0].transpose(0, 1)
+        q = query[start:end].transpose(0, 1)  # [H, q_len, D]
+        if q_len == seq_len and sliding_window is None:
+            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
+            mask = _key_mask(query_pos, seq_lens[b:b + 1], seq_len, sliding_window)[0]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)
+    return out
