@@ -71,14 +71,15 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     for b in range(len(lens)):  # prefill chunks are few and large: a loop over them costs nothing
         start, end, seq_len = starts[b], starts[b + 1], lens[b]
         q_len = end - start
-        keys = _gather_sequences(key_cache, block_tables[b:b + 1], seq_len)[0].transpose(0, 1)  # [Hkv, L, D]
-        values = _gather_sequences(value_cache, block_tables[b:b + 1], seq_len)[0].transpose(0, 1)
-        q = query[start:end].transpose(0, 1)  # [H, q_len, D]
+        # 4-D [1, heads, len, D] inputs: torch's CPU flash kernel takes them (3-D falls back to math).
+        keys = _gather_sequences(key_cache, block_tables[b:b + 1], seq_len).transpose(1, 2)
+        values = _gather_sequences(value_cache, block_tables[b:b + 1], seq_len).transpose(1, 2)
+        q = query[None, start:end].transpose(1, 2)
         if q_len == seq_len and sliding_window is None:
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
-            mask = _key_mask(query_pos, seq_lens[b:b + 1], seq_len, sliding_window)[0]
+            mask = _key_mask(query_pos, seq_lens[b:b + 1], seq_len, sliding_window)[:, None]
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
     return out

@@ -1,0 +1,104 @@
+"""Greedy tokens of the real SmolLM2-135M-Instruct equal HF transformers `generate`, in four modes:
+one request at a time, all in one batch, chunked prefill, and a KV pool so small that requests are
+preempted and recomputed."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_core.llm import LLM
+from engine_core.sampling_params import SamplingParams
+from tests.helpers import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 64
+
+PARAGRAPHS = [
+    "The river town woke slowly. Fishermen checked their nets by lantern light while the bakery on the "
+    "corner pulled its first loaves from the oven, and the smell of bread drifted over the water.",
+    "In computing, a cache is a small, fast store that keeps copies of data likely to be needed again. "
+    "Caches trade memory for time: a hit avoids a slow trip to main memory or disk.",
+    "Photosynthesis converts light energy into chemical energy. Plants absorb carbon dioxide and water "
+    "and, using sunlight captured by chlorophyll, produce glucose and release oxygen.",
+    "The committee met on Tuesday to review the budget. After a long debate about road repairs, the "
+    "members agreed to fund the new library and postpone the stadium renovation.",
+    "To make a simple tomato sauce, warm olive oil in a pan, add chopped garlic, then crushed tomatoes, "
+    "a pinch of salt and fresh basil. Simmer for twenty minutes, stirring now and then.",
+    "Mountains form when tectonic plates collide. Over millions of years, the crust folds and rises, "
+    "while wind, rain and ice wear the peaks down into valleys and ridges.",
+]
+
+
+def golden_prompts(tokenizer) -> list[list[int]]:
+    """10 prompts from 1 to ~1,500 tokens."""
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        PARAGRAPHS[0],
+        " ".join(PARAGRAPHS[:3]) + " In summary,",
+        "Question: Why is the sky blue?\nAnswer:",
+        "\n\n".join(PARAGRAPHS * 2) + "\n\nWrite a short title for the text above:",
+        "\n".join(f"{i}. {PARAGRAPHS[i % 6]}" for i in range(14)) + "\nThe main topics were",
+        "\n".join(PARAGRAPHS[::-1] * 6) + "\nThe last paragraph was about",
+        "List three colors: red,",
+    ]
+    prompts = [tokenizer.encode(t) for t in texts]
+    prompts.insert(0, tokenizer.encode("Once")[:1])  # a 1-token prompt
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    result = golden_prompts(tokenizer)
+    lengths = sorted(len(p) for p in result)
+    assert lengths[0] == 1 and 1200 <= lengths[-1] <= 1600, lengths
+    return result
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model, prompts):
+    return [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+
+
+def _generate(llm: LLM, prompts, one_at_a_time: bool = False) -> list[list[int]]:
+    batches = [[p] for p in prompts] if one_at_a_time else [prompts]
+    results = []
+    for batch in batches:
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False)
+        results.extend(o.outputs[0].token_ids for o in outs)
+    pool = llm.engine.kv_manager.pool
+    assert pool.num_free_blocks == pool.num_usable_blocks
+    return results
+
+
+def _assert_same(ours, reference):
+    for i, (a, b) in enumerate(zip(ours, reference)):
+        assert a == b, f"prompt {i}: first difference at token {next(j for j, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y)}"
+
+
+def test_one_at_a_time(default_model_dir, prompts, hf_reference):
+    llm = LLM(str(default_model_dir))
+    _assert_same(_generate(llm, prompts, one_at_a_time=True), hf_reference)
+
+
+def test_all_in_one_batch(default_model_dir, prompts, hf_reference):
+    llm = LLM(str(default_model_dir))
+    _assert_same(_generate(llm, prompts), hf_reference)
+
+
+def test_chunked_prefill(default_model_dir, prompts, hf_reference):
+    # 96-token steps: long prompts take many steps, each mixed with the other requests' decodes.
+    llm = LLM(str(default_model_dir), max_num_batched_tokens=96)
+    _assert_same(_generate(llm, prompts), hf_reference)
+
+
+def test_preemption(default_model_dir, prompts, hf_reference):
+    # 110 blocks of 16 = 1,760 tokens: the longest request alone needs ~100, so the batch cannot fit.
+    llm = LLM(str(default_model_dir), num_kv_blocks=111, max_num_batched_tokens=512)
+    ours = _generate(llm, prompts)
+    assert llm.engine.num_preemptions > 0
+    _assert_same(ours, hf_reference)
