@@ -83,6 +83,8 @@ class EngineCore:
     def step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
         if not sched:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("the KV cache cannot hold the next waiting request even alone")
             return []
         result = self.runner.execute(sched)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled)}

@@ -117,7 +117,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(request, num_new, admitting=True):
+            # The free-block watermark applies only when others run: alone, a request may use it all.
+            if not self.kv.allocate_slots(request, num_new, admitting=bool(self.running)):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING

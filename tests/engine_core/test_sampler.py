@@ -1,0 +1,122 @@
+"""The sampler on hand-made logits (exact expectations) and on the real model (seeds, top_k=1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine_core.request import Request
+from engine_core.sampler import Sampler, SamplingBatch, apply_penalties
+from engine_core.sampling_params import SamplingParams
+
+VOCAB = 8
+
+
+def req(prompt, outputs=(), **params):
+    r = Request("r", list(prompt), SamplingParams(**params), eos_token_ids=frozenset({0}))
+    for t in outputs:
+        r.append_token(t)
+    return r
+
+
+def sample(logits_rows, requests):
+    logits = torch.tensor(logits_rows, dtype=torch.float32)
+    return Sampler(VOCAB)(logits, SamplingBatch.from_requests(requests, VOCAB))
+
+
+def test_penalties_change_logits_as_specified():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5, 3.0, 0.0, 0.0]])
+    # prompt has token 1, outputs have token 2 twice and token 3 once.
+    r = req([1], [2, 2, 3], repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    out = apply_penalties(logits.clone(), [r])[0]
+    expected = logits[0].clone()
+    expected[1] = -2.0 * 2.0  # seen in prompt, negative -> multiplied
+    expected[2] = 1.0 / 2.0 - 0.5 - 2 * 0.25  # positive -> divided, then presence + 2x frequency
+    expected[3] = -1.0 * 2.0 - 0.5 - 0.25
+    assert torch.allclose(out, expected)
+
+
+def test_penalties_only_touch_their_own_rows():
+    logits = torch.tensor([[1.0] * VOCAB, [1.0] * VOCAB])
+    plain, penalized = req([1]), req([1], [2], frequency_penalty=1.0)
+    out = apply_penalties(logits.clone(), [plain, penalized])
+    assert torch.equal(out[0], logits[0]) and out[1, 2] == 0.0
+
+
+def test_greedy_and_min_tokens():
+    rows = [[0.0, 5.0, 1.0, 0, 0, 0, 0, 0], [9.0, 1.0, 0, 0, 0, 0, 0, 0], [9.0, 1.0, 0, 0, 0, 0, 0, 0]]
+    out = sample(rows, [req([1], temperature=0), req([1], temperature=0, max_tokens=4),
+                        req([1], temperature=0, min_tokens=2, max_tokens=4)])
+    assert out.token_ids == [1, 0, 1]  # EOS (0) is masked for the min_tokens request only
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    torch.manual_seed(0)
+    row = [math.log(p) for p in (0.5, 0.3, 0.1, 0.05, 0.03, 0.01, 0.005, 0.005)]
+    cases = [(dict(top_k=2), {0, 1}), (dict(top_p=0.75), {0, 1}), (dict(top_p=0.85), {0, 1, 2}),
+             (dict(min_p=0.15), {0, 1, 2}), (dict(top_k=3, top_p=0.7), {0, 1})]
+    for params, allowed in cases:
+        seen = set()
+        for _ in range(300):
+            seen.update(sample([row], [req([1], temperature=1.0, **params)]).token_ids)
+        assert seen == allowed, params
+
+
+def test_temperature_sampling_follows_the_distribution():
+    torch.manual_seed(0)
+    row = [math.log(0.7), math.log(0.3)] + [-math.inf] * 6
+    draws = [sample([row] * 50, [req([1], temperature=1.0) for _ in range(50)]).token_ids for _ in range(40)]
+    share = sum(t == 0 for d in draws for t in d) / 2000
+    assert 0.65 < share < 0.75
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    row = [1.0, 2.0, 3.0, 0.0, 0, 0, 0, 0]
+    out = sample([row], [req([1], temperature=0, logprobs=2, min_tokens=1, max_tokens=3)])
+    ref = torch.log_softmax(torch.tensor(row), -1)
+    sampled_lp, top = out.logprobs[0]
+    assert out.token_ids == [2] and sampled_lp == pytest.approx(ref[2].item())
+    assert [t for t, _ in top] == [2, 1] and top[1][1] == pytest.approx(ref[1].item())
+
+
+# ---- on the real model ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    from engine_core.llm import LLM
+
+    return LLM(str(default_model_dir))
+
+
+PROMPTS = ["The best way to learn a language is", "Once upon a time, in a small village,",
+           "Here is a recipe for pancakes:", "The three laws of motion are"]
+
+
+def _tokens(outputs):
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = _tokens(llm.generate(PROMPTS[0], seeded, use_tqdm=False))[0]
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (5, 30, 12)]
+    mixed = llm.generate(PROMPTS[1:] + PROMPTS[:1], others + [seeded], use_tqdm=False)
+    assert _tokens(mixed)[-1] == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=99, max_tokens=24, ignore_eos=True)
+    assert _tokens(llm.generate(PROMPTS[0], other_seed, use_tqdm=False))[0] != alone
+
+
+def test_top_k_1_equals_greedy(llm):
+    greedy = _tokens(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False))
+    top1 = _tokens(llm.generate(PROMPTS, SamplingParams(temperature=1.3, top_k=1, max_tokens=20), use_tqdm=False))
+    assert top1 == greedy
+
+
+def test_repetition_penalty_changes_greedy_output(llm):
+    prompt = "one two one two one two one two"
+    plain = _tokens(llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False))[0]
+    penal = _tokens(llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.8),
+                                 use_tqdm=False))[0]
+    assert plain != penal
