@@ -1,8 +1,9 @@
 """Kernel dispatch: model code calls these functions; each picks its implementation by device.
 
-Every op has a plain torch implementation (`kernels.torch_ref`), used on the CPU and as the reference
-in tests. A Triton implementation with the same signature registers itself in `_TRITON` and is chosen
-for CUDA tensors when `triton` imports; anything without one falls back to torch.
+Every op has a plain torch implementation (`kernels.torch_ref`), the reference in tests and the
+fallback everywhere. On the CPU, ops with a compiled C kernel (`kernels.cpu`) use it when it builds;
+a Triton implementation with the same signature registers itself in `_TRITON` and is chosen for CUDA
+tensors. `PAGODA_DISABLE_CPU_KERNELS=1` forces the torch path on the CPU.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _TORCH: dict[str, Callable] = {
     "rotary_embedding": _layers.rotary_embedding,
 }
 _TRITON: dict[str, Callable] = {}
+_CPU_COMPILED = {"paged_decode_attention"}
 
 
 def register_triton(name: str, fn: Callable) -> None:
@@ -35,6 +37,11 @@ def register_triton(name: str, fn: Callable) -> None:
 def implementation(name: str, device: torch.device) -> Callable:
     if device.type == "cuda" and name in _TRITON:
         return _TRITON[name]
+    if device.type == "cpu" and name in _CPU_COMPILED:
+        from kernels import cpu
+
+        if cpu.available():
+            return getattr(cpu, name)
     return _TORCH[name]
 
 

@@ -109,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.layers]
 
     def embedding_table(self) -> torch.Tensor:
-        return self.lm_head.weight_t.t() if self.embed_tokens is None else self.embed_tokens
+        return self.lm_head.weight if self.embed_tokens is None else self.embed_tokens
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embedding_table()[input_ids]
@@ -124,52 +124,38 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Consume (checkpoint name, tensor) pairs; every parameter must be filled exactly once."""
+        """Consume (checkpoint name, tensor) pairs; every parameter must be filled."""
         pending = {name for name, _ in self.named_parameters()}
-        loaded_lm_head = False
         for name, tensor in weights:
-            target = self._load_one(name, tensor)
+            target = self._target(name)
             if target is None:
                 continue
-            loaded_lm_head |= target.startswith("lm_head")
-            pending.discard(target)
-        if self.cfg.tie_word_embeddings and not loaded_lm_head:
-            raise ValueError("checkpoint has no embedding table")
+            param_name, shard = target
+            param = self.get_parameter(param_name)
+            if shard is not None:
+                param = self.get_submodule(param_name.rpartition(".")[0]).shard(shard, param)
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+            param.copy_(tensor)
+            pending.discard(param_name)
         if pending:
             raise ValueError(f"checkpoint is missing weights: {sorted(pending)[:8]}")
 
-    def _load_one(self, name: str, tensor: torch.Tensor) -> str | None:
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        """Our parameter (and merged shard index) for a checkpoint tensor name; None to skip it."""
         if "rotary_emb" in name:
             return None
         name = name.removeprefix("model.")
         if name == "embed_tokens.weight":
-            if self.embed_tokens is None:
-                self.lm_head.load(tensor)
-                return "lm_head.weight_t"
-            self.embed_tokens.copy_(tensor)
-            return "embed_tokens"
+            return ("lm_head.weight", None) if self.embed_tokens is None else ("embed_tokens", None)
         if name == "lm_head.weight":
-            if self.cfg.tie_word_embeddings:
-                return None
-            self.lm_head.load(tensor)
-            return "lm_head.weight_t"
+            return None if self.embed_tokens is None else ("lm_head.weight", None)
         module_path, _, kind = name.rpartition(".")  # kind: weight | bias
         parent_path, _, leaf = module_path.rpartition(".")
         if leaf in _MERGED:
             merged_name, shard = _MERGED[leaf]
-            module = self.get_submodule(f"{parent_path}.{merged_name}")
-            if kind == "weight":
-                module.load_shard(shard, tensor)
-            else:
-                start, size = module.offsets[shard], module.out_sizes[shard]
-                module.bias[start:start + size].copy_(tensor)
-            return f"{parent_path}.{merged_name}.{'weight_t' if kind == 'weight' else 'bias'}"
-        module = self.get_submodule(module_path)
-        if isinstance(module, Linear) and kind == "weight":
-            module.load(tensor)
-            return f"{module_path}.weight_t"
-        getattr(module, kind).copy_(tensor)
-        return name
+            return f"{parent_path}.{merged_name}.{kind}", shard
+        return name, None
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

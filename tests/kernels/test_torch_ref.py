@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kernels
+from kernels.torch_ref import attention as ref_attention
 from kernels.torch_ref import layers
 
 
@@ -61,7 +62,7 @@ def test_paged_decode_attention(head_dim, block_size, groups, sliding_window):
     kc, vc, bt, keys, values = scatter_to_cache(seq_lens, block_size, num_kv_heads, head_dim, gen)
     q = torch.randn(len(seq_lens), num_kv_heads * groups, head_dim, generator=gen)
     scale = head_dim ** -0.5
-    out = kernels.paged_decode_attention(q, kc, vc, bt, torch.tensor(seq_lens), scale, sliding_window)
+    out = ref_attention.paged_decode_attention(q, kc, vc, bt, torch.tensor(seq_lens), scale, sliding_window)
     for b, n in enumerate(seq_lens):
         ref = naive_attention(q[b:b + 1], keys[b], values[b], n - 1, scale, sliding_window)[0]
         torch.testing.assert_close(out[b].double(), ref, atol=2e-5, rtol=1e-4)
@@ -80,7 +81,7 @@ def test_paged_prefill_attention_over_prefix(head_dim, block_size, groups, slidi
     qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist())
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    out[:] = kernels.paged_prefill_attention(q, kc, vc, bt, qsl, torch.tensor(seq_lens), scale, sliding_window)
+    out[:] = ref_attention.paged_prefill_attention(q, kc, vc, bt, qsl, torch.tensor(seq_lens), scale, sliding_window)
     for b, (n, ql) in enumerate(zip(seq_lens, query_lens)):
         ref = naive_attention(q[qsl[b]:qsl[b + 1]], keys[b], values[b], n - ql, scale, sliding_window)
         torch.testing.assert_close(out[qsl[b]:qsl[b + 1]].double(), ref, atol=2e-5, rtol=1e-4)
@@ -122,3 +123,22 @@ def test_norms_and_activation():
     torch.testing.assert_close(normed, layers.rms_norm(x + res, w, 1e-6))
     gate_up = torch.randn(4, 32)
     torch.testing.assert_close(layers.silu_and_mul(gate_up), torch.nn.functional.silu(gate_up[:, :16]) * gate_up[:, 16:])
+
+
+@pytest.mark.parametrize("head_dim,block_size,groups", SHAPES)
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_compiled_cpu_decode_attention_matches_reference(head_dim, block_size, groups, sliding_window):
+    from kernels import cpu
+    from kernels.torch_ref.attention import paged_decode_attention as reference
+
+    assert cpu.available(), "the C kernel must build on this machine (gcc is part of the setup)"
+    gen = torch.Generator().manual_seed(3 + head_dim + groups)
+    seq_lens = [1, block_size, 2 * block_size, 37, 3 * block_size + 1] * 3  # enough work for threads
+    kc, vc, bt, _, _ = scatter_to_cache(seq_lens, block_size, 2, head_dim, gen)
+    q = torch.randn(len(seq_lens), 2 * groups, head_dim, generator=gen)
+    lens = torch.tensor(seq_lens)
+    ours = cpu.paged_decode_attention(q, kc, vc, bt, lens, head_dim ** -0.5, sliding_window)
+    ref = reference(q, kc, vc, bt, lens, head_dim ** -0.5, sliding_window)
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    one = cpu.paged_decode_attention(q[3:4], kc, vc, bt[3:4], lens[3:4], head_dim ** -0.5, sliding_window)
+    torch.testing.assert_close(one, ref[3:4], atol=2e-5, rtol=1e-4)

@@ -1,0 +1,108 @@
+/* Paged decode attention for the CPU, float32: one query token per sequence attends to its cached
+ * keys/values directly through the block table, so no gathered copy of the K/V is ever made (torch
+ * alone must gather them first, which costs more than the attention itself).
+ *
+ * Cache layout: [num_blocks, block_size, num_kv_heads, head_dim]. Work is split over sequences; each
+ * scores all its heads in one sequential pass over its K rows (a token's keys for every head are one
+ * contiguous row), then accumulates V in one pass (two-pass softmax, scores in a small workspace).
+ * Built and loaded at run time by kernels/cpu/__init__.py.
+ */
+#include <float.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int64_t *block_tables, *seq_lens;
+    float *out, *workspace;
+    int64_t batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len, window;
+    float scale;
+    int64_t first_seq, last_seq; /* this worker's range of sequences */
+} Job;
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static void run_sequences(const Job *j, float *scores) {
+    const int64_t group = j->num_heads / j->num_kv_heads, d = j->head_dim, bs = j->block_size;
+    const int64_t heads = j->num_heads, kv_heads = j->num_kv_heads, token_stride = kv_heads * d;
+    for (int64_t b = j->first_seq; b < j->last_seq; b++) {
+        const int64_t len = j->seq_lens[b];
+        const int64_t start = (j->window > 0 && len > j->window) ? len - j->window : 0;
+        const int64_t n = len - start;
+        const int64_t *table = j->block_tables + b * j->max_blocks;
+        const float *q = j->q + b * heads * d;
+        float *out = j->out + b * heads * d;
+        /* pass 1: scores[h][t] = q_h . k_t * scale; a token's keys for all heads are one contiguous row */
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t pos = start + t;
+            const float *k_row = j->k_cache + (table[pos / bs] * bs + pos % bs) * token_stride;
+            for (int64_t h = 0; h < heads; h++)
+                scores[h * j->max_len + t] = dot(q + h * d, k_row + (h / group) * d, d) * j->scale;
+        }
+        /* softmax per query head */
+        for (int64_t h = 0; h < heads; h++) {
+            float *s = scores + h * j->max_len, m = -FLT_MAX, sum = 0.f;
+            for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
+            for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+            const float inv = 1.f / sum;
+            for (int64_t t = 0; t < n; t++) s[t] *= inv;
+        }
+        memset(out, 0, sizeof(float) * heads * d);
+        /* pass 2: out_h = sum_t p[h][t] * v_t */
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t pos = start + t;
+            const float *v_row = j->v_cache + (table[pos / bs] * bs + pos % bs) * token_stride;
+            for (int64_t h = 0; h < heads; h++) {
+                const float p = scores[h * j->max_len + t];
+                const float *v = v_row + (h / group) * d;
+                float *o = out + h * d;
+#pragma omp simd
+                for (int64_t i = 0; i < d; i++) o[i] += p * v[i];
+            }
+        }
+    }
+}
+
+static void *worker(void *arg) {
+    Job *j = (Job *)arg;
+    run_sequences(j, j->workspace);
+    return NULL;
+}
+
+/* workspace: num_threads * num_heads * max_len floats. Returns 0 on success. */
+int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                               const int64_t *block_tables, const int64_t *seq_lens, float *out,
+                               float *workspace, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_len,
+                               int64_t window, float scale, int64_t num_threads) {
+    if (num_threads > batch) num_threads = batch;
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > 64) num_threads = 64;
+    Job jobs[64];
+    pthread_t threads[64];
+    const int64_t per_thread = (batch + num_threads - 1) / num_threads;
+    const int64_t ws_stride = num_heads * max_len;
+    for (int64_t i = 0; i < num_threads; i++) {
+        Job j = {q, k_cache, v_cache, block_tables, seq_lens, out, workspace + i * ws_stride,
+                 batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len, window, scale,
+                 i * per_thread, (i + 1) * per_thread < batch ? (i + 1) * per_thread : batch};
+        jobs[i] = j;
+    }
+    int64_t started = 0;
+    for (int64_t i = 1; i < num_threads; i++) { /* worker 0 is this thread */
+        if (pthread_create(&threads[i], NULL, worker, &jobs[i]) != 0) break;
+        started = i;
+    }
+    for (int64_t i = started + 1; i < num_threads; i++) run_sequences(&jobs[i], jobs[i].workspace);
+    run_sequences(&jobs[0], jobs[0].workspace);
+    for (int64_t i = 1; i <= started; i++) pthread_join(threads[i], NULL);
+    return 0;
+}
