@@ -79,13 +79,18 @@ class LLM:
     def _run(self, encoded, params_list, use_tqdm: bool) -> list[RequestOutput]:
         # n > 1 becomes n sibling requests; a seeded request's i-th sibling uses seed + i.
         slots: dict[str, tuple[int, int]] = {}
-        for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list)):
-            for sample in range(params.n):
-                child = params if params.n == 1 else msgspec.structs.replace(
-                    params, n=1, seed=None if params.seed is None else params.seed + sample)
-                request_id = f"{next(self._ids)}"
-                self.engine.add_request(request_id, token_ids, child)
-                slots[request_id] = (index, sample)
+        try:
+            for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list)):
+                for sample in range(params.n):
+                    child = params if params.n == 1 else msgspec.structs.replace(
+                        params, n=1, seed=None if params.seed is None else params.seed + sample)
+                    request_id = f"{next(self._ids)}"
+                    self.engine.add_request(request_id, token_ids, child)
+                    slots[request_id] = (index, sample)
+        except ValueError as exc:  # one bad prompt rejects the whole call; nothing stays queued
+            for request_id in slots:
+                self.engine.abort_request(request_id)
+            raise ValueError(f"prompt {index}: {exc}") from exc
         tokens = {rid: [] for rid in slots}
         logprobs = {rid: [] for rid in slots}
         reasons: dict[str, str] = {}

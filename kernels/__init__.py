@@ -8,6 +8,8 @@ tensors. `PAGODA_DISABLE_CPU_KERNELS=1` forces the torch path on the CPU.
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Callable
 
 import torch
@@ -32,17 +34,24 @@ def register_triton(name: str, fn: Callable) -> None:
     if name not in _TORCH:
         raise KeyError(f"unknown kernel {name!r}")
     _TRITON[name] = fn
+    _resolve.cache_clear()
 
 
-def implementation(name: str, device: torch.device) -> Callable:
-    if device.type == "cuda" and name in _TRITON:
+@functools.lru_cache(maxsize=None)
+def _resolve(name: str, device_type: str, disabled: bool) -> Callable:
+    if device_type == "cuda" and name in _TRITON:
         return _TRITON[name]
-    if device.type == "cpu" and name in _CPU_COMPILED:
+    if device_type == "cpu" and name in _CPU_COMPILED and not disabled:
         from kernels import cpu
 
         if cpu.available():
             return getattr(cpu, name)
     return _TORCH[name]
+
+
+def implementation(name: str, device: torch.device) -> Callable:
+    """The function that runs `name` for tensors on `device` (resolved once per device type)."""
+    return _resolve(name, device.type, os.environ.get("PAGODA_DISABLE_CPU_KERNELS") == "1")
 
 
 def _dispatching(name: str) -> Callable:

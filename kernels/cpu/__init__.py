@@ -70,7 +70,7 @@ def _load() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    return os.environ.get("PAGODA_DISABLE_CPU_KERNELS") != "1" and _load() is not None
+    return _load() is not None
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

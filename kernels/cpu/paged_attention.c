@@ -30,9 +30,12 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+static inline const float *row(const Job *j, const float *cache, const int64_t *table, int64_t pos) {
+    return cache + (table[pos / j->block_size] * j->block_size + pos % j->block_size) * j->num_kv_heads * j->head_dim;
+}
+
 static void run_sequences(const Job *j, float *scores) {
-    const int64_t group = j->num_heads / j->num_kv_heads, d = j->head_dim, bs = j->block_size;
-    const int64_t heads = j->num_heads, kv_heads = j->num_kv_heads, token_stride = kv_heads * d;
+    const int64_t group = j->num_heads / j->num_kv_heads, d = j->head_dim, heads = j->num_heads;
     for (int64_t b = j->first_seq; b < j->last_seq; b++) {
         const int64_t len = j->seq_lens[b];
         const int64_t start = (j->window > 0 && len > j->window) ? len - j->window : 0;
@@ -42,8 +45,7 @@ static void run_sequences(const Job *j, float *scores) {
         float *out = j->out + b * heads * d;
         /* pass 1: scores[h][t] = q_h . k_t * scale; a token's keys for all heads are one contiguous row */
         for (int64_t t = 0; t < n; t++) {
-            const int64_t pos = start + t;
-            const float *k_row = j->k_cache + (table[pos / bs] * bs + pos % bs) * token_stride;
+            const float *k_row = row(j, j->k_cache, table, start + t);
             for (int64_t h = 0; h < heads; h++)
                 scores[h * j->max_len + t] = dot(q + h * d, k_row + (h / group) * d, d) * j->scale;
         }
@@ -58,8 +60,7 @@ static void run_sequences(const Job *j, float *scores) {
         memset(out, 0, sizeof(float) * heads * d);
         /* pass 2: out_h = sum_t p[h][t] * v_t */
         for (int64_t t = 0; t < n; t++) {
-            const int64_t pos = start + t;
-            const float *v_row = j->v_cache + (table[pos / bs] * bs + pos % bs) * token_stride;
+            const float *v_row = row(j, j->v_cache, table, start + t);
             for (int64_t h = 0; h < heads; h++) {
                 const float p = scores[h * j->max_len + t];
                 const float *v = v_row + (h / group) * d;

@@ -66,6 +66,8 @@ def test_bad_requests_are_rejected_and_engine_keeps_working(llm):
         llm.generate({"prompt_token_ids": [10 ** 6]}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="prompt 1"):  # the good first prompt is not left queued
+        llm.generate(["fine", {"prompt_token_ids": []}], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate("Hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
