@@ -21,6 +21,7 @@ class AttentionMetadata:
     num_decodes: int  # the first `num_decodes` sequences (and tokens) are single-token decodes
     num_decode_tokens: int
     seq_lens: torch.Tensor  # [B] int64: context length after this step
+    max_decode_seq_len: int  # max(seq_lens) over the decode sequences (0 if none)
     block_tables: torch.Tensor  # [B, max_blocks] int64
     query_start_loc: torch.Tensor  # [B+1] int64, for the prefill sequences (relative to them)
 
@@ -42,12 +43,13 @@ class Attention(nn.Module):
         nd, ndt = meta.num_decodes, meta.num_decode_tokens
         if ndt == q.shape[0]:
             return kernels.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables,
-                                                  meta.seq_lens, self.scale, self.sliding_window)
+                                                  meta.seq_lens, self.scale, self.sliding_window,
+                                                  meta.max_decode_seq_len)
         out = torch.empty_like(q)
         if nd:
             out[:ndt] = kernels.paged_decode_attention(q[:ndt], self.key_cache, self.value_cache,
                                                        meta.block_tables[:nd], meta.seq_lens[:nd], self.scale,
-                                                       self.sliding_window)
+                                                       self.sliding_window, meta.max_decode_seq_len)
         out[ndt:] = kernels.paged_prefill_attention(q[ndt:], self.key_cache, self.value_cache,
                                                     meta.block_tables[nd:], meta.query_start_loc,
                                                     meta.seq_lens[nd:], self.scale, self.sliding_window)

@@ -73,26 +73,38 @@ def available() -> bool:
     return _load() is not None
 
 
+_workspace = torch.empty(0)
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """A float32 scratch buffer reused across calls (grown when too small): no allocation per layer."""
+    global _workspace
+    if _workspace.numel() < numel:
+        _workspace = torch.empty(max(numel, 2 * _workspace.numel()), dtype=torch.float32)
+    return _workspace
+
+
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
     """Same contract as `kernels.torch_ref.attention.paged_decode_attention` (float32, CPU)."""
     lib = _load()
     if lib is None or query.dtype != torch.float32 or not key_cache.is_contiguous():
         from kernels.torch_ref.attention import paged_decode_attention as reference
 
-        return reference(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window)
+        return reference(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len)
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     query = query.contiguous()
     block_tables = block_tables.to(torch.int64).contiguous()
     seq_lens = seq_lens.to(torch.int64).contiguous()
     max_len = block_tables.shape[1] * block_size
+    longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     threads = min(torch.get_num_threads(), batch)
-    if batch * int(seq_lens.max()) < 2048:  # too little work to pay for starting a thread
+    if batch * longest < 2048:  # too little work to pay for starting a thread
         threads = 1
     out = torch.empty_like(query)
-    workspace = torch.empty(threads * num_heads * max_len, dtype=torch.float32)
+    workspace = _scratch(threads * num_heads * max_len)
     lib.paged_decode_attention_f32(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), workspace.data_ptr(), batch, num_heads, num_kv_heads, head_dim,

@@ -44,11 +44,12 @@ def _key_mask(query_pos: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
     """One query token per sequence: `query` `[B, H, D]` attends to the sequence's first `seq_lens[b]`
-    cached tokens (its own K/V already written). Returns `[B, H, D]`. Batched, no per-sequence loop."""
+    cached tokens (its own K/V already written). Returns `[B, H, D]`. Batched, no per-sequence loop.
+    `max_seq_len` (= max(seq_lens)) saves a device sync when the caller knows it."""
     batch, num_heads, head_dim = query.shape
-    max_len = int(seq_lens.max())
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     keys = _gather_sequences(key_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, L, D]
     values = _gather_sequences(value_cache, block_tables, max_len).transpose(1, 2)
     mask = _key_mask((seq_lens - 1)[:, None], seq_lens, max_len, sliding_window)  # [B, 1, L]
