@@ -66,6 +66,8 @@ class EngineCore:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.validate()
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         request = Request(request_id, prompt_token_ids, params, self.model_cfg.eos_token_ids)
         self.scheduler.add_request(request)
 

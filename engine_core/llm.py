@@ -95,14 +95,18 @@ class LLM:
         logprobs = {rid: [] for rid in slots}
         reasons: dict[str, str] = {}
         bar = tqdm(total=len(slots), desc="Generating", disable=not use_tqdm or len(slots) < 8)
-        while len(reasons) < len(slots):
-            for out in self.engine.step():
-                tokens[out.request_id].extend(out.new_token_ids)
-                logprobs[out.request_id].extend(out.new_logprobs)
-                if out.finished:
-                    reasons[out.request_id] = out.finish_reason
-                    bar.update(1)
-        bar.close()
+        try:
+            while len(reasons) < len(slots):
+                for out in self.engine.step():
+                    tokens[out.request_id].extend(out.new_token_ids)
+                    logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.finished:
+                        reasons[out.request_id] = out.finish_reason
+                        bar.update(1)
+        finally:  # interrupted (Ctrl-C, an engine error): leave nothing of this call queued
+            bar.close()
+            for request_id in slots.keys() - reasons.keys():
+                self.engine.abort_request(request_id)
         results = [RequestOutput(str(i), prompt, ids, [None] * params.n)
                    for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list))]
         for rid, (index, sample) in slots.items():

@@ -27,7 +27,8 @@ def resolve_model(model: str | None) -> Path:
         raise FileNotFoundError(f"model {model!r} is neither a model directory nor a hub id (owner/name)")
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+    # HF-format shards only: some repos also hold the same weights in another layout (consolidated.*).
+    patterns = ["*.json", "model*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
     return Path(snapshot_download(model, allow_patterns=patterns))
 
 
@@ -36,7 +37,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if index.exists():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [model_dir / shard for shard in shards]
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(model_dir.glob("model*.safetensors")) or sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
     return files

@@ -22,7 +22,8 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v projections have biases (Qwen2; Llama with attention_bias)
+    o_proj_bias: bool  # the output projection too (Llama with attention_bias; never Qwen2)
     sliding_window: int | None
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
@@ -51,6 +52,7 @@ class ModelConfig:
             rope_scaling=rope or None,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+            o_proj_bias=cfg.get("model_type") != "qwen2" and bool(cfg.get("attention_bias", False)),
             sliding_window=_sliding_window(cfg),
             eos_token_ids=_eos_ids(model_dir, cfg),
             raw=cfg,

@@ -30,13 +30,13 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool):
+    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, False, dtype)
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_proj_bias, dtype)
+        self.rotary = rotary  # one table shared by every layer
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.sliding_window)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
@@ -65,9 +65,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool):
+    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool, rotary: RotaryEmbedding):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype, qk_norm)
+        self.self_attn = LlamaAttention(cfg, dtype, qk_norm, rotary)
         self.mlp = LlamaMLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -96,7 +96,9 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, self.qk_norm) for _ in range(cfg.num_layers))
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, self.qk_norm, rotary)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # The LM head is a Linear ([hidden, vocab]); tied models share the embedding's storage through
         # `embed_tokens` = lm_head's transpose (see `load_weights`).
@@ -125,21 +127,28 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consume (checkpoint name, tensor) pairs; every parameter must be filled."""
-        pending = {name for name, _ in self.named_parameters()}
+        pending = set()  # (parameter, merged shard or None) still to fill
+        for name, param in self.named_parameters():
+            module = self.get_submodule(name.rpartition(".")[0]) if "." in name else None
+            shards = range(len(module.out_sizes)) if isinstance(module, MergedLinear) else [None]
+            pending.update((name, shard) for shard in shards)
         for name, tensor in weights:
             target = self._target(name)
             if target is None:
                 continue
             param_name, shard = target
-            param = self.get_parameter(param_name)
+            try:
+                param = self.get_parameter(param_name)
+            except AttributeError:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
             if shard is not None:
                 param = self.get_submodule(param_name.rpartition(".")[0]).shard(shard, param)
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
             param.copy_(tensor)
-            pending.discard(param_name)
+            pending.discard((param_name, shard))
         if pending:
-            raise ValueError(f"checkpoint is missing weights: {sorted(pending)[:8]}")
+            raise ValueError(f"checkpoint is missing weights: {sorted(n for n, _ in pending)[:8]}")
 
     def _target(self, name: str) -> tuple[str, int | None] | None:
         """Our parameter (and merged shard index) for a checkpoint tensor name; None to skip it."""

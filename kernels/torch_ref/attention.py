@@ -53,6 +53,9 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     keys = _gather_sequences(key_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, L, D]
     values = _gather_sequences(value_cache, block_tables, max_len).transpose(1, 2)
     mask = _key_mask((seq_lens - 1)[:, None], seq_lens, max_len, sliding_window)  # [B, 1, L]
+    # Rows past a sequence's end are never-written cache memory: zero them, or NaN there poisons the sum.
+    hidden = ~mask[:, :, :, None]  # [B, 1, L, 1], broadcast over kv heads and head_dim
+    keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
     out = F.scaled_dot_product_attention(query[:, :, None, :], keys, values, attn_mask=mask[:, None],
                                          scale=scale, enable_gqa=True)
     return out.view(batch, num_heads, head_dim)

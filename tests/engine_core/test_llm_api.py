@@ -64,6 +64,8 @@ def test_bad_requests_are_rejected_and_engine_keeps_working(llm):
         llm.generate({"prompt_token_ids": [5] * 9000}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="token ids"):
         llm.generate({"prompt_token_ids": [10 ** 6]}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate("x", SamplingParams(stop_token_ids=[10 ** 6]), use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="prompt 1"):  # the good first prompt is not left queued

@@ -50,3 +50,22 @@ def test_greedy_matches_hf(tmp_path, name):
     engine = EngineCore(EngineConfig(model=str(model_dir), max_num_batched_tokens=48, num_kv_blocks=64))
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     assert run_engine(engine, prompts, params) == expected
+
+
+def test_incomplete_checkpoint_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, model_dir = _build(tmp_path, "llama3")
+    weights = load_file(str(model_dir / "model.safetensors"))
+    del weights["model.layers.1.self_attn.v_proj.weight"]  # one shard of a merged QKV projection
+    save_file(weights, str(model_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing weights.*layers.1.self_attn.qkv_proj"):
+        EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    _, model_dir = _build(tmp_path, "llama3")
+    config = (model_dir / "config.json").read_text().replace("LlamaForCausalLM", "GPT2LMHeadModel")
+    (model_dir / "config.json").write_text(config)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
+        EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))

@@ -31,8 +31,9 @@ def naive_attention(q, k, v, q_start_pos, scale, sliding_window=None):
 
 def scatter_to_cache(seq_lens, block_size, num_kv_heads, head_dim, gen):
     total_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
-    key_cache = torch.randn(total_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    value_cache = torch.randn_like(key_cache)
+    # Never-written slots hold NaN: a kernel that lets them into its result fails the NaN checks.
+    key_cache = torch.full((total_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    value_cache = torch.full_like(key_cache, float("nan"))
     free = (torch.randperm(total_blocks - 1, generator=gen) + 1).tolist()  # block 0 is the null block
     max_blocks = max(-(-n // block_size) for n in seq_lens)
     block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
