@@ -69,3 +69,15 @@ def test_unsupported_architecture_is_named(tmp_path):
     (model_dir / "config.json").write_text(config)
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
         EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
+
+
+def test_bfloat16_runs_and_mostly_agrees_with_float32(tmp_path):
+    """bf16 takes the torch reference path on the CPU (the C kernel is float32-only)."""
+    _, model_dir = _build(tmp_path, "llama3")
+    prompts = [[5, 17, 300, 41] * k for k in (1, 5, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    bf16 = run_engine(EngineCore(EngineConfig(model=str(model_dir), dtype="bfloat16", num_kv_blocks=32)),
+                      prompts, params)
+    fp32 = run_engine(EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=32)), prompts, params)
+    assert all(len(t) == 8 for t in bf16)
+    assert [t[0] for t in bf16] == [t[0] for t in fp32]  # first tokens survive bf16 rounding
