@@ -27,7 +27,7 @@ _TORCH: dict[str, Callable] = {
     "rotary_embedding": _layers.rotary_embedding,
 }
 _TRITON: dict[str, Callable] = {}
-_CPU_COMPILED = {"paged_decode_attention"}
+_CPU_COMPILED = {"paged_decode_attention", "rotary_embedding", "reshape_and_cache"}
 
 
 def register_triton(name: str, fn: Callable) -> None:
@@ -37,11 +37,14 @@ def register_triton(name: str, fn: Callable) -> None:
     _resolve.cache_clear()
 
 
+_CPU_KERNELS_DISABLED = os.environ.get("PAGODA_DISABLE_CPU_KERNELS") == "1"  # read once, at import
+
+
 @functools.lru_cache(maxsize=None)
-def _resolve(name: str, device_type: str, disabled: bool) -> Callable:
+def _resolve(name: str, device_type: str) -> Callable:
     if device_type == "cuda" and name in _TRITON:
         return _TRITON[name]
-    if device_type == "cpu" and name in _CPU_COMPILED and not disabled:
+    if device_type == "cpu" and name in _CPU_COMPILED and not _CPU_KERNELS_DISABLED:
         from kernels import cpu
 
         if cpu.available():
@@ -51,7 +54,7 @@ def _resolve(name: str, device_type: str, disabled: bool) -> Callable:
 
 def implementation(name: str, device: torch.device) -> Callable:
     """The function that runs `name` for tensors on `device` (resolved once per device type)."""
-    return _resolve(name, device.type, os.environ.get("PAGODA_DISABLE_CPU_KERNELS") == "1")
+    return _resolve(name, device.type)
 
 
 def _dispatching(name: str) -> Callable:

@@ -20,19 +20,31 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-pthread"]
-_lib: ctypes.CDLL | None = None
+_DIR = Path(__file__).parent
+_COMMON_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
+# Attention may reassociate sums and use vector expf; the element-wise ops must round exactly like torch.
+_LIBRARIES = {
+    "paged_attention": ["-ffast-math", "-fopenmp-simd"],
+    "elementwise": ["-fno-fast-math", "-ffp-contract=off"],
+}
+_POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "paged_decode_attention_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],
+    "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
+    "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
+}
+_lib: dict[str, ctypes.CDLL] = {}
 _failed = False
 
 
-def _build() -> Path:
+def _build(name: str) -> Path:
     from engine_core.default_model import cache_root
 
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + platform.machine().encode()
+    source_path = _DIR / f"{name}.c"
+    flags = _COMMON_FLAGS + _LIBRARIES[name]
+    key = hashlib.sha256(source_path.read_bytes() + " ".join(flags).encode() + platform.machine().encode()
                          + _cpu_signature()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"paged_attention-{key}.so"
+    target = cache_root() / "kernels" / f"{name}-{key}.so"
     if not target.exists():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
@@ -40,7 +52,7 @@ def _build() -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True,
+            subprocess.run([compiler, *flags, str(source_path), "-o", str(built), "-lm"], check=True,
                            capture_output=True)
             built.rename(target)  # atomic: concurrent builders never load a half-written library
     return target
@@ -54,19 +66,24 @@ def _cpu_signature() -> bytes:
         return b""
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _failed
-    if _lib is None and not _failed:
+def _load() -> dict[str, ctypes.CDLL] | None:
+    """Every C function by name, or None (after one warning) if the libraries cannot be built."""
+    global _failed
+    if not _lib and not _failed:
         try:
-            lib = ctypes.CDLL(str(_build()))
-            fn = lib.paged_decode_attention_f32
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int64]
-            _lib = lib
+            functions = {}
+            for name in _LIBRARIES:
+                lib = ctypes.CDLL(str(_build(name)))
+                for symbol, argtypes in _SIGNATURES.items():
+                    if hasattr(lib, symbol):
+                        fn = getattr(lib, symbol)
+                        fn.argtypes, fn.restype = argtypes, None
+                        functions[symbol] = fn
+            _lib.update(functions)
         except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
             _failed = True
-            logger.warning("CPU attention kernel unavailable (%s); using the torch reference", exc)
-    return _lib
+            logger.warning("CPU kernels unavailable (%s); using the torch reference", exc)
+    return _lib or None
 
 
 def available() -> bool:
@@ -105,8 +122,44 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
         threads = 1
     out = torch.empty_like(query)
     workspace = _scratch(threads * num_heads * max_len)
-    lib.paged_decode_attention_f32(
+    lib["paged_decode_attention_f32"](
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), workspace.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
         block_size, block_tables.shape[1], max_len, sliding_window or 0, scale, threads)
     return out
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """[T, heads, D] whose heads of one token are adjacent (any token stride): views of a fused QKV output."""
+    return x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor, is_neox_style: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `kernels.torch_ref.layers.rotary_embedding`; rotates `query` and `key` in place."""
+    lib = _load()
+    if (lib is None or not (_rows_contiguous(query) and _rows_contiguous(key))
+            or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()):
+        from kernels.torch_ref.layers import rotary_embedding as reference
+
+        return reference(positions, query, key, cos_sin_cache, is_neox_style)
+    positions = positions.to(torch.int64).contiguous()
+    lib["rotary_embedding_f32"](positions.data_ptr(), query.data_ptr(), key.data_ptr(), cos_sin_cache.data_ptr(),
+                                query.shape[0], query.shape[1], key.shape[1], query.shape[2],
+                                cos_sin_cache.shape[1], query.stride(0), key.stride(0), int(is_neox_style))
+    return query, key
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Same contract as `kernels.torch_ref.attention.reshape_and_cache` (float32, CPU)."""
+    lib = _load()
+    if (lib is None or not (_rows_contiguous(key) and _rows_contiguous(value))
+            or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
+        from kernels.torch_ref.attention import reshape_and_cache as reference
+
+        return reference(key, value, key_cache, value_cache, slot_mapping)
+    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    lib["reshape_and_cache_f32"](key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                 slot_mapping.data_ptr(), key.shape[0], key.shape[1] * key.shape[2],
+                                 key.stride(0), value.stride(0))

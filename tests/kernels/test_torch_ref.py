@@ -125,21 +125,3 @@ def test_norms_and_activation():
     gate_up = torch.randn(4, 32)
     torch.testing.assert_close(layers.silu_and_mul(gate_up), torch.nn.functional.silu(gate_up[:, :16]) * gate_up[:, 16:])
 
-
-@pytest.mark.parametrize("head_dim,block_size,groups", SHAPES)
-@pytest.mark.parametrize("sliding_window", [None, 20])
-def test_compiled_cpu_decode_attention_matches_reference(head_dim, block_size, groups, sliding_window):
-    from kernels import cpu
-    from kernels.torch_ref.attention import paged_decode_attention as reference
-
-    assert cpu.available(), "the C kernel must build on this machine (gcc is part of the setup)"
-    gen = torch.Generator().manual_seed(3 + head_dim + groups)
-    seq_lens = [1, block_size, 2 * block_size, 37, 3 * block_size + 1] * 3  # enough work for threads
-    kc, vc, bt, _, _ = scatter_to_cache(seq_lens, block_size, 2, head_dim, gen)
-    q = torch.randn(len(seq_lens), 2 * groups, head_dim, generator=gen)
-    lens = torch.tensor(seq_lens)
-    ours = cpu.paged_decode_attention(q, kc, vc, bt, lens, head_dim ** -0.5, sliding_window)
-    ref = reference(q, kc, vc, bt, lens, head_dim ** -0.5, sliding_window)
-    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
-    one = cpu.paged_decode_attention(q[3:4], kc, vc, bt[3:4], lens[3:4], head_dim ** -0.5, sliding_window)
-    torch.testing.assert_close(one, ref[3:4], atol=2e-5, rtol=1e-4)
