@@ -1,0 +1,126 @@
+"""The engine core as its own process: a busy loop around `EngineCore`, fed over ZeroMQ.
+
+While there is work, each iteration drains the input socket without blocking, runs one engine step
+and pushes one `StepOutputs` message. When idle it blocks in `poll` (waking once a second only to
+notice a stop signal), so an idle engine uses no CPU. No asyncio here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+
+import zmq
+
+from engine_core import protocol
+from engine_core.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+_IDLE_POLL_MS = 1000
+_PR_SET_PDEATHSIG = 1
+
+
+class EngineCoreProc:
+    def __init__(self, input_addr: str, output_addr: str):
+        self.ctx = zmq.Context()
+        self.inputs = self.ctx.socket(zmq.PULL)
+        self.inputs.bind(input_addr)
+        self.outputs = self.ctx.socket(zmq.PUSH)
+        self.outputs.bind(output_addr)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inputs, zmq.POLLIN)
+        self.engine = None
+        self.stop_requested = False
+        self._pending: list[protocol.RequestDelta] = []  # deltas to send with the next step (aborts)
+
+    def _send(self, message) -> None:
+        self.outputs.send(protocol.encoder.encode(message), copy=False)
+
+    def _handle(self, message) -> None:
+        if isinstance(message, protocol.AddRequest):
+            try:
+                self.engine.add_request(message.request_id, message.prompt_token_ids, message.params)
+            except ValueError as exc:
+                self._send(protocol.RequestRejected(message.request_id, str(exc)))
+        elif isinstance(message, protocol.AbortRequests):
+            for request_id in message.request_ids:  # idempotent: unknown or finished ids are ignored
+                if self.engine.abort_request(request_id):
+                    self._pending.append(protocol.RequestDelta(request_id, [], "abort"))
+        elif isinstance(message, protocol.Shutdown):
+            self.stop_requested = True
+
+    def _drain_inputs(self, timeout_ms: int) -> None:
+        if not self.poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.inputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(protocol.input_decoder.decode(frame.buffer))
+
+    def _step(self) -> None:
+        deltas = self._pending
+        self._pending = []
+        if self.engine.has_unfinished_requests():
+            deltas += [protocol.RequestDelta(o.request_id, o.new_token_ids, o.finish_reason, o.new_logprobs,
+                                             o.num_prompt_tokens) for o in self.engine.step()]
+        if deltas:
+            s = self.engine.scheduler.stats()
+            stats = protocol.SchedulerStatsMessage(s.num_running, s.num_waiting, s.kv_cache_usage,
+                                                   s.num_preemptions)
+            self._send(protocol.StepOutputs(deltas, stats, time.time()))
+
+    def load(self, config: EngineConfig) -> None:
+        from engine_core.engine import EngineCore  # torch is imported here, in the child only
+
+        self.engine = EngineCore(config)
+
+    def run(self) -> None:
+        engine = self.engine
+        self._send(protocol.EngineReady(engine.runner.num_blocks, engine.config.block_size, engine.max_model_len,
+                                        engine.model_cfg.vocab_size, str(engine.model_dir)))
+        while not self.stop_requested:
+            busy = engine.has_unfinished_requests() or bool(self._pending)
+            self._drain_inputs(0 if busy else _IDLE_POLL_MS)
+            self._step()
+
+    def close(self) -> None:
+        self.inputs.close(linger=0)
+        self.outputs.close(linger=1000)  # let the last messages (EngineDead) leave
+        self.ctx.term()
+
+
+def _die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux), then re-check for the race before arming."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Process entry point. Exits 0 on Shutdown or SIGTERM/SIGINT, 1 after reporting EngineDead."""
+    _die_with_parent()
+    proc = EngineCoreProc(input_addr, output_addr)
+
+    def request_stop(signum, frame):  # only a flag: the loop notices within one idle poll
+        proc.stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        proc.load(config)
+        proc.run()
+    except Exception as exc:  # noqa: BLE001 - report any failure to the clients, then exit non-zero
+        logger.exception("engine core failed")
+        proc._send(protocol.EngineDead(f"{type(exc).__name__}: {exc}"))
+        proc.close()
+        raise SystemExit(1) from exc
+    proc.close()

@@ -1,0 +1,126 @@
+"""The engine core in its own process, driven over real ZeroMQ sockets as the tokenizer process will."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from engine_core import protocol
+from engine_core.config import EngineConfig
+from engine_core.core_proc import run_engine_core
+from engine_core.sampling_params import SamplingParams
+
+
+class CoreClient:
+    def __init__(self, tmp_path, config: EngineConfig):
+        in_addr, out_addr = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, in_addr, out_addr), daemon=True)
+        self.process.start()
+        self.ctx = zmq.Context()
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(in_addr)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.connect(out_addr)
+
+    def send(self, message) -> None:
+        self.push.send(protocol.encoder.encode(message))
+
+    def recv(self, timeout_s: float = 120.0):
+        if not self.pull.poll(int(timeout_s * 1000)):
+            raise TimeoutError("no message from the engine core")
+        return protocol.output_decoder.decode(self.pull.recv())
+
+    def collect(self, request_ids: set[str]) -> tuple[dict, dict]:
+        """Tokens and finish reasons of `request_ids` until all finished; rejections count as finished."""
+        tokens = {rid: [] for rid in request_ids}
+        reasons = {}
+        while set(reasons) != request_ids:
+            message = self.recv()
+            if isinstance(message, protocol.RequestRejected):
+                reasons[message.request_id] = "rejected: " + message.message
+            elif isinstance(message, protocol.StepOutputs):
+                for delta in message.deltas:
+                    tokens[delta.request_id].extend(delta.new_token_ids)
+                    if delta.finish_reason:
+                        reasons[delta.request_id] = delta.finish_reason
+        return tokens, reasons
+
+    def close(self) -> None:
+        self.push.close(linger=0)
+        self.pull.close(linger=0)
+        self.ctx.term()
+        if self.process.is_alive():
+            self.process.kill()
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory, default_model_dir):
+    client = CoreClient(tmp_path_factory.mktemp("core"), EngineConfig(model=str(default_model_dir),
+                                                                       kv_cache_memory=256 * 1024 ** 2))
+    ready = client.recv()
+    assert isinstance(ready, protocol.EngineReady) and ready.block_size == 16
+    assert ready.max_model_len == (ready.num_blocks - 1) * 16  # a 256 MiB pool holds less than 8192 tokens
+    yield client
+    client.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_requests_over_sockets_match_the_offline_engine(core, default_model_dir, tokenizer):
+    from engine_core.llm import LLM
+
+    prompts = [tokenizer.encode(t) for t in ("The capital of France is", "Water boils at", "1, 2, 3,")]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    for i, prompt in enumerate(prompts):
+        core.send(protocol.AddRequest(f"r{i}", prompt, greedy))
+    core.send(protocol.AddRequest("too-long", [5] * 6000, greedy))
+    tokens, reasons = core.collect({"r0", "r1", "r2", "too-long"})
+    assert reasons["too-long"].startswith("rejected:") and "context" in reasons["too-long"]
+    offline = LLM(str(default_model_dir)).generate([{"prompt_token_ids": p} for p in prompts], greedy,
+                                                   use_tqdm=False)
+    assert [tokens[f"r{i}"] for i in range(3)] == [o.outputs[0].token_ids for o in offline]
+
+
+def test_abort_reports_and_frees(core):
+    core.send(protocol.AddRequest("long", [5] * 30, SamplingParams(max_tokens=2000, ignore_eos=True)))
+    first = core.recv()
+    assert isinstance(first, protocol.StepOutputs) and first.deltas[0].request_id == "long"
+    core.send(protocol.AbortRequests(["long", "never-existed"]))
+    _, reasons = core.collect({"long"})
+    assert reasons == {"long": "abort"}
+
+
+def test_idle_engine_uses_no_cpu(core):
+    time.sleep(0.5)
+    before = _cpu_seconds(core.process.pid)
+    time.sleep(2.0)
+    assert _cpu_seconds(core.process.pid) - before < 0.1
+
+
+def test_bad_frame_kills_nothing_silently(core):
+    """A frame that is not a protocol message makes the core report EngineDead and exit non-zero."""
+    core.push.send(msgspec.msgpack.encode({"not": "a message"}))
+    message = core.recv(timeout_s=10)
+    assert isinstance(message, protocol.EngineDead)
+    core.process.join(10)
+    assert core.process.exitcode == 1
+
+
+def test_shutdown_message_exits_cleanly(tmp_path, default_model_dir):
+    client = CoreClient(tmp_path, EngineConfig(model=str(default_model_dir), kv_cache_memory=64 * 1024 ** 2))
+    try:
+        assert isinstance(client.recv(), protocol.EngineReady)
+        client.send(protocol.Shutdown())
+        client.process.join(10)
+        assert client.process.exitcode == 0
+    finally:
+        client.close()
