@@ -66,8 +66,7 @@ class EngineCoreProc:
         deltas = self._pending
         self._pending = []
         if self.engine.has_unfinished_requests():
-            deltas += [protocol.RequestDelta(o.request_id, o.new_token_ids, o.finish_reason, o.new_logprobs,
-                                             o.num_prompt_tokens) for o in self.engine.step()]
+            deltas += self.engine.step()
         if deltas:
             s = self.engine.scheduler.stats()
             stats = protocol.SchedulerStatsMessage(s.num_running, s.num_waiting, s.kv_cache_usage,

@@ -16,7 +16,7 @@ from engine_core.kv_cache import KVCacheManager
 from engine_core.loader import resolve_model
 from engine_core.model_config import ModelConfig
 from engine_core.model_runner import ModelRunner
-from engine_core.outputs import StepOutput
+from engine_core.protocol import RequestDelta
 from engine_core.request import Request, RequestStatus
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler
@@ -82,7 +82,7 @@ class EngineCore:
         self.kv_manager.pool.check_integrity()
 
     # ---- one iteration ------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[RequestDelta]:
         sched = self.scheduler.schedule()
         if not sched:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -96,10 +96,10 @@ class EngineCore:
             if token is None:
                 continue
             logprobs = result.logprobs.get(request.request_id)
-            outputs.append(StepOutput(
+            outputs.append(RequestDelta(
                 request_id=request.request_id, new_token_ids=[token],
-                new_logprobs=[logprobs] if logprobs is not None else [],
                 finish_reason=request.finish_reason if request.request_id in finished else None,
+                new_logprobs=[logprobs] if logprobs is not None else [],
                 num_prompt_tokens=request.num_prompt_tokens))
         return outputs
 

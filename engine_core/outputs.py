@@ -1,23 +1,8 @@
-"""What the engine hands back: per-step deltas (`StepOutput`) and the offline API's `RequestOutput`."""
+"""The offline API's results, shaped like vLLM's (per-step deltas are `protocol.RequestDelta`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-
-@dataclass
-class StepOutput:
-    """One request's progress in one engine step."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[tuple] = field(default_factory=list)  # (sampled logprob, [(id, logprob), ...])
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+from dataclasses import dataclass
 
 
 @dataclass

@@ -45,6 +45,10 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True
     new_logprobs: list[TokenLogprobs] = []
     num_prompt_tokens: int = 0
 
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 class SchedulerStatsMessage(msgspec.Struct, array_like=True, gc=False):
     num_running: int
