@@ -17,7 +17,7 @@ from engine_core.loader import resolve_model
 from engine_core.model_config import ModelConfig
 from engine_core.model_runner import ModelRunner
 from engine_core.protocol import RequestDelta
-from engine_core.request import Request, RequestStatus
+from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler
 
@@ -106,7 +106,3 @@ class EngineCore:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions_total
-
-    def request_status(self, request_id: str) -> RequestStatus | None:
-        request = self.scheduler.requests.get(request_id)
-        return None if request is None else request.status

@@ -105,7 +105,7 @@ class ModelRunner:
         query_start_loc = np.concatenate(([0], np.cumsum(prefill_counts)))
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=to(slot_mapping), num_decodes=num_decodes, num_decode_tokens=num_decodes,
+            slot_mapping=to(slot_mapping), num_decodes=num_decodes,
             seq_lens=to(seq_lens), max_decode_seq_len=int(seq_lens[:num_decodes].max(initial=0)),
             block_tables=to(block_tables), query_start_loc=to(query_start_loc))
         return to(token_ids), to(positions), meta, (cum - 1).tolist()

@@ -19,7 +19,6 @@ import kernels
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
     num_decodes: int  # the first `num_decodes` sequences (and tokens) are single-token decodes
-    num_decode_tokens: int
     seq_lens: torch.Tensor  # [B] int64: context length after this step
     max_decode_seq_len: int  # max(seq_lens) over the decode sequences (0 if none)
     block_tables: torch.Tensor  # [B, max_blocks] int64
@@ -40,17 +39,17 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q `[T, H, D]`, k/v `[T, Hkv, D]` -> `[T, H, D]`."""
         kernels.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
-        nd, ndt = meta.num_decodes, meta.num_decode_tokens
-        if ndt == q.shape[0]:
+        nd = meta.num_decodes  # one token each, so also the number of decode tokens
+        if nd == q.shape[0]:
             return kernels.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables,
                                                   meta.seq_lens, self.scale, self.sliding_window,
                                                   meta.max_decode_seq_len)
         out = torch.empty_like(q)
         if nd:
-            out[:ndt] = kernels.paged_decode_attention(q[:ndt], self.key_cache, self.value_cache,
+            out[:nd] = kernels.paged_decode_attention(q[:nd], self.key_cache, self.value_cache,
                                                        meta.block_tables[:nd], meta.seq_lens[:nd], self.scale,
                                                        self.sliding_window, meta.max_decode_seq_len)
-        out[ndt:] = kernels.paged_prefill_attention(q[ndt:], self.key_cache, self.value_cache,
+        out[nd:] = kernels.paged_prefill_attention(q[nd:], self.key_cache, self.value_cache,
                                                     meta.block_tables[nd:], meta.query_start_loc,
                                                     meta.seq_lens[nd:], self.scale, self.sliding_window)
         return out
