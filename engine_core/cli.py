@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import asdict
 import sys
 import time
 
@@ -41,10 +42,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine_core.sampling_params import SamplingParams
 
     started = time.monotonic()
-    config = engine_config_from_args(args)
-    from dataclasses import asdict
-
-    llm = LLM(**asdict(config))
+    llm = LLM(**asdict(engine_config_from_args(args)))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.sample_seed)
     if args.chat:

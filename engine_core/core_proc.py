@@ -82,8 +82,12 @@ class EngineCoreProc:
         engine = self.engine
         self._send(protocol.EngineReady(engine.runner.num_blocks, engine.config.block_size, engine.max_model_len,
                                         engine.model_cfg.vocab_size, str(engine.model_dir)))
+        was_busy = False
         while not self.stop_requested:
             busy = engine.has_unfinished_requests() or bool(self._pending)
+            if was_busy and not busy:
+                engine.check_integrity()  # every block back in the pool; a violation kills loudly
+            was_busy = busy
             self._drain_inputs(0 if busy else _IDLE_POLL_MS)
             self._step()
 

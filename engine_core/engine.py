@@ -77,9 +77,13 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def reset_check(self) -> None:
-        """Assert the block pool's invariants (used when idle and in tests)."""
-        self.kv_manager.pool.check_integrity()
+    def check_integrity(self) -> None:
+        """Assert the block pool's invariants, and that an idle engine holds no blocks (run by the
+        engine process whenever it goes idle, and by tests after every step)."""
+        pool = self.kv_manager.pool
+        pool.check_integrity()
+        if not self.has_unfinished_requests() and pool.num_free_blocks != pool.num_usable_blocks:
+            raise AssertionError(f"idle engine holds {pool.num_usable_blocks - pool.num_free_blocks} KV blocks")
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:

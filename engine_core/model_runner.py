@@ -18,7 +18,7 @@ from engine_core.layers.attention import AttentionMetadata
 from engine_core.loader import load_model
 from engine_core.model_config import ModelConfig
 from engine_core.request import Request
-from engine_core.sampler import Sampler, SamplingBatch
+from engine_core.sampler import SamplingBatch, sample
 from engine_core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,6 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model = load_model(model_dir, model_cfg, self.dtype, self.device)
-        self.sampler = Sampler(model_cfg.vocab_size)
         self.num_blocks = self._num_blocks()
         self._allocate_kv_cache()
 
@@ -75,7 +74,7 @@ class ModelRunner:
         rows = torch.tensor([index for _, index in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         sampling_requests = [r for r, _ in sampling]
-        out = self.sampler(logits, SamplingBatch.from_requests(sampling_requests, self.model_cfg.vocab_size))
+        out = sample(logits, SamplingBatch.from_requests(sampling_requests, self.model_cfg.vocab_size))
         sampled = {r.request_id: t for r, t in zip(sampling_requests, out.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, out.logprobs) if lp is not None}
         return StepResult(sampled, logprobs)

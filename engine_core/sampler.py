@@ -137,27 +137,23 @@ def _gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: S
     return result
 
 
-class Sampler:
-    def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
-
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """`logits` [B, V] float32 for the rows in `batch.requests`, in that order."""
-        raw_logits = logits
-        if batch.penalized:
-            logits = apply_penalties(logits, batch.requests)
-        logits = mask_min_tokens(logits, batch.requests)
-        greedy_tokens = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            tokens = greedy_tokens
-        else:
-            temperature = batch.temperature.to(logits.device)
-            scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
-            scaled = apply_top_k_top_p_min_p(scaled, batch)
-            probs = torch.softmax(scaled, dim=-1)
-            # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p without a CDF search.
-            sampled = (probs / _exponential_noise(batch, probs.shape, probs.device)).argmax(dim=-1)
-            tokens = torch.where(temperature > 0, sampled, greedy_tokens)
-        logprobs = (_gather_logprobs(raw_logits, tokens, batch) if batch.max_logprobs >= 0
-                    else [None] * len(batch.requests))
-        return SamplerOutput(tokens.tolist(), logprobs)
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """One token per row of `logits` [B, V] (float32), for the rows in `batch.requests`, in that order."""
+    raw_logits = logits
+    if batch.penalized:
+        logits = apply_penalties(logits, batch.requests)
+    logits = mask_min_tokens(logits, batch.requests)
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        tokens = greedy_tokens
+    else:
+        temperature = batch.temperature.to(logits.device)
+        scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+        scaled = apply_top_k_top_p_min_p(scaled, batch)
+        probs = torch.softmax(scaled, dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p without a CDF search.
+        sampled = (probs / _exponential_noise(batch, probs.shape, probs.device)).argmax(dim=-1)
+        tokens = torch.where(temperature > 0, sampled, greedy_tokens)
+    logprobs = (_gather_logprobs(raw_logits, tokens, batch) if batch.max_logprobs >= 0
+                else [None] * len(batch.requests))
+    return SamplerOutput(tokens.tolist(), logprobs)

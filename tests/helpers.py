@@ -19,7 +19,7 @@ def run_engine(engine, prompts: list[list[int]], params: SamplingParams | list[S
         for out in engine.step():
             outputs[out.request_id].extend(out.new_token_ids)
         if check_blocks:
-            engine.reset_check()
+            engine.check_integrity()
     if check_blocks:
         pool = engine.kv_manager.pool
         assert pool.num_free_blocks == pool.num_usable_blocks, "KV blocks leaked"

@@ -83,7 +83,7 @@ def test_abort_frees_everything(llm):
     for i in range(3):
         assert engine.abort_request(f"abort-{i}")
     assert not engine.has_unfinished_requests()
-    engine.reset_check()
+    engine.check_integrity()
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_usable_blocks
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine_core.request import Request
-from engine_core.sampler import Sampler, SamplingBatch, apply_penalties
+from engine_core.sampler import SamplingBatch, apply_penalties, sample as sample_batch
 from engine_core.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -23,7 +23,7 @@ def req(prompt, outputs=(), **params):
 
 def sample(logits_rows, requests):
     logits = torch.tensor(logits_rows, dtype=torch.float32)
-    return Sampler(VOCAB)(logits, SamplingBatch.from_requests(requests, VOCAB))
+    return sample_batch(logits, SamplingBatch.from_requests(requests, VOCAB))
 
 
 def test_penalties_change_logits_as_specified():
