@@ -68,6 +68,8 @@ class EngineCore:
         params.validate()
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
         request = Request(request_id, prompt_token_ids, params, self.model_cfg.eos_token_ids)
         self.scheduler.add_request(request)
 

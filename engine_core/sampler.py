@@ -27,6 +27,7 @@ class SamplingBatch:
     top_p: torch.Tensor | None  # [B]
     min_p: torch.Tensor | None  # [B]
     penalized: bool
+    biased: bool  # some request has a logit_bias
     max_logprobs: int  # largest `logprobs` asked for, -1 if none
 
     @classmethod
@@ -45,6 +46,7 @@ class SamplingBatch:
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(requests, temperature, all_greedy, top_k, top_p, min_p,
                    penalized=any(p.uses_penalties for p in params),
+                   biased=any(p.logit_bias for p in params),
                    max_logprobs=max(logprobs) if logprobs else -1)
 
 
@@ -76,6 +78,21 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tens
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
     logits = logits - frequency * out_counts - presence * (out_counts > 0).float()
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """OpenAI's logit_bias: a per-request value added to chosen tokens' logits."""
+    rows, cols, values = [], [], []
+    for row, request in enumerate(requests):
+        for token_id, bias in request.params.logit_bias.items():
+            rows.append(row)
+            cols.append(token_id)
+            values.append(bias)
+    if not rows:
+        return logits
+    logits = logits.clone()  # never write into the raw logits that logprobs are computed from
+    logits[rows, cols] += torch.tensor(values, dtype=logits.dtype, device=logits.device)
     return logits
 
 
@@ -142,6 +159,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     raw_logits = logits
     if batch.penalized:
         logits = apply_penalties(logits, batch.requests)
+    if batch.biased:
+        logits = apply_logit_bias(logits, batch.requests)
     logits = mask_min_tokens(logits, batch.requests)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:

@@ -24,6 +24,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop_token_ids: list[int] = []
     logprobs: int | None = None  # number of top logprobs besides the sampled token's
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] = {}  # token id -> value added to its logit before sampling
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -47,6 +48,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
              "min_tokens must not exceed max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
+            (all(t >= 0 for t in self.logit_bias), "logit_bias keys must be non-negative token ids"),
+            (all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

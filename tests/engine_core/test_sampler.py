@@ -52,6 +52,17 @@ def test_greedy_and_min_tokens():
     assert out.token_ids == [1, 0, 1]  # EOS (0) is masked for the min_tokens request only
 
 
+def test_logit_bias_moves_only_its_rows_tokens_and_not_logprobs():
+    logits = [[0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0]] * 2
+    biased = req([1], temperature=0.0, logit_bias={4: 5.0, 2: -100.0}, logprobs=1)
+    plain = req([1], temperature=0.0)
+    out = sample(logits, [biased, plain])
+    assert out.token_ids == [4, 2]
+    assert out.logprobs[0][1][0][0] == 2  # logprobs describe the model's distribution, before the bias
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101.0})
+
+
 def test_top_k_top_p_min_p_restrict_the_support():
     torch.manual_seed(0)
     row = [math.log(p) for p in (0.5, 0.3, 0.1, 0.05, 0.03, 0.01, 0.005, 0.005)]
