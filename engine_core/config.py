@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported lazily: the server's parent and frontends never load it
+    import torch
+
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
@@ -21,16 +24,18 @@ def parse_size(text: str | int) -> int:
     return int(number * 1024 ** " KMGT".index(unit or " "))
 
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+           "half": "float16"}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
     """'auto' = float32 on the CPU (the fast dtype there), bfloat16 on CUDA."""
+    import torch
+
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        return _DTYPES[name]
+        return getattr(torch, _DTYPES[name])
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16") from None
 
@@ -55,7 +60,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
 
-    def torch_device(self) -> torch.device:
+    def torch_device(self) -> "torch.device":
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

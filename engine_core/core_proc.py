@@ -1,26 +1,26 @@
 """The engine core as its own process: a busy loop around `EngineCore`, fed over ZeroMQ.
 
 While there is work, each iteration drains the input socket without blocking, runs one engine step
-and pushes one `StepOutputs` message. When idle it blocks in `poll` (waking once a second only to
-notice a stop signal), so an idle engine uses no CPU. No asyncio here.
+and pushes one `StepOutputs` message. When idle it blocks in `poll`, waking once a second to notice a
+stop signal and to push an empty `StepOutputs` as a heartbeat, so an idle engine uses no CPU and a
+stuck one is noticed (no message for longer than the stall timeout). No asyncio here.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import signal
 import time
+from multiprocessing.connection import Connection
 
 import zmq
 
 from engine_core import protocol
 from engine_core.config import EngineConfig
+from engine_core.lifecycle import ParentLink, die_with_parent
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000
-_PR_SET_PDEATHSIG = 1
 
 
 class EngineCoreProc:
@@ -42,7 +42,8 @@ class EngineCoreProc:
     def _handle(self, message) -> None:
         if isinstance(message, protocol.AddRequest):
             try:
-                self.engine.add_request(message.request_id, message.prompt_token_ids, message.params)
+                self.engine.add_request(message.request_id, protocol.unpack_tokens(message.prompt_tokens),
+                                        message.params)
             except ValueError as exc:
                 self._send(protocol.RequestRejected(message.request_id, str(exc)))
         elif isinstance(message, protocol.AbortRequests):
@@ -53,6 +54,7 @@ class EngineCoreProc:
             self.stop_requested = True
 
     def _drain_inputs(self, timeout_ms: int) -> None:
+        """Handle every queued input, waiting up to `timeout_ms` for the first."""
         if not self.poller.poll(timeout_ms):
             return
         while True:
@@ -63,20 +65,20 @@ class EngineCoreProc:
             self._handle(protocol.input_decoder.decode(frame.buffer))
 
     def _step(self) -> None:
+        """One engine step (if there is work), then its outputs and stats; also the idle heartbeat."""
         deltas = self._pending
         self._pending = []
         if self.engine.has_unfinished_requests():
             deltas += self.engine.step()
-        if deltas:
-            s = self.engine.scheduler.stats()
-            stats = protocol.SchedulerStatsMessage(s.num_running, s.num_waiting, s.kv_cache_usage,
-                                                   s.num_preemptions)
-            self._send(protocol.StepOutputs(deltas, stats, time.time()))
+        s = self.engine.scheduler.stats()
+        stats = protocol.SchedulerStatsMessage(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions)
+        self._send(protocol.StepOutputs(deltas, stats, time.time()))
 
     def load(self, config: EngineConfig) -> None:
         from engine_core.engine import EngineCore  # torch is imported here, in the child only
 
         self.engine = EngineCore(config)
+        self.engine.warm_up()
 
     def run(self) -> None:
         engine = self.engine
@@ -97,21 +99,16 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def _die_with_parent() -> None:
-    """SIGTERM this process when its parent dies (Linux), then re-check for the race before arming."""
-    parent = os.getppid()
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Process entry point. Exits 0 on Shutdown or SIGTERM/SIGINT, 1 after reporting EngineDead."""
-    _die_with_parent()
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
+                    parent_conn: Connection | None = None, runtime_dir: str | None = None) -> None:
+    """Process entry point. Exits 0 on Shutdown, SIGTERM/SIGINT or the parent's "stop"; 1 after
+    reporting EngineDead. With `parent_conn` (under `pagoda serve`) it reports "ready" to the parent
+    after loading and warming up, and exits as soon as the parent is gone."""
+    die_with_parent()
     proc = EngineCoreProc(input_addr, output_addr)
+    link = ParentLink(parent_conn, runtime_dir) if parent_conn is not None else None
+    if link is not None:
+        link.watch(lambda command: setattr(proc, "stop_requested", True))
 
     def request_stop(signum, frame):  # only a flag: the loop notices within one idle poll
         proc.stop_requested = True
@@ -119,7 +116,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
+        started = time.monotonic()
         proc.load(config)
+        if link is not None:
+            link.send("ready", seconds=round(time.monotonic() - started, 2),
+                      num_blocks=proc.engine.runner.num_blocks, max_model_len=proc.engine.max_model_len)
         proc.run()
     except Exception as exc:  # noqa: BLE001 - report any failure to the clients, then exit non-zero
         logger.exception("engine core failed")

@@ -87,6 +87,17 @@ class EngineCore:
         if not self.has_unfinished_requests() and pool.num_free_blocks != pool.num_usable_blocks:
             raise AssertionError(f"idle engine holds {pool.num_usable_blocks - pool.num_free_blocks} KV blocks")
 
+    def warm_up(self) -> None:
+        """Run one short request end to end, so the first user request pays no first-call costs
+        (kernel compilation, allocator growth); the engine is left idle and empty."""
+        started = time.monotonic()
+        prompt = list(range(1, min(self.max_model_len - 2, 2 * self.config.block_size) + 1))
+        self.add_request("__warm_up__", prompt, SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0))
+        while self.has_unfinished_requests():
+            self.step()
+        self.check_integrity()
+        logger.info("warm-up step run in %.2fs", time.monotonic() - started)
+
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         sched = self.scheduler.schedule()

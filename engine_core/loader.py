@@ -7,7 +7,10 @@ import logging
 from pathlib import Path
 from typing import Iterator
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported lazily: resolving a model directory must not load torch
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_dir: Path) -> Iterator[tuple[str, "torch.Tensor"]]:
     """(name, tensor) for every tensor of every shard; tensors are memory-mapped, one at a time."""
     from safetensors import safe_open
 
@@ -53,7 +56,9 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: Path, model_cfg, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def load_model(model_dir: Path, model_cfg, dtype: "torch.dtype", device: "torch.device") -> "torch.nn.Module":
+    import torch
+
     from engine_core.models import model_class
 
     cls = model_class(model_cfg.architecture)

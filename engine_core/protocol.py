@@ -2,8 +2,11 @@
 
 Two one-way streams meet the engine core: `EngineInput` (requests, aborts, shutdown) arrives on its
 PULL socket, `EngineOutput` (one batched message per step, rejections, ready, dead) leaves on its PUSH
-socket. Tagged unions let one typed decoder per socket read any message of its direction. This module
-imports no torch, so the API and tokenizer processes start fast.
+socket. The frontend socket (detok_proc's ROUTER) speaks `FrontendRequest` / `FrontendResponse` with
+its clients: the HTTP api_proc workers and any direct `EngineClient`. Tagged unions let one typed
+decoder per direction read any message. Token arrays cross as packed int32 buffers (one bytes object,
+not one Python int per token). This module imports no torch, so the API and tokenizer processes start
+fast. msgpack only: nothing is ever pickled.
 """
 
 from __future__ import annotations
@@ -11,15 +14,25 @@ from __future__ import annotations
 from typing import Union
 
 import msgspec
+import numpy as np
 
 from engine_core.sampling_params import SamplingParams
 
 # ---- into the engine core ----------------------------------------------------------------------
 
 
+def pack_tokens(token_ids) -> bytes:
+    """Token ids as one little buffer of int32 (a list, tuple or numpy array in)."""
+    return np.asarray(token_ids, dtype=np.int32).tobytes()
+
+
+def unpack_tokens(buffer: bytes) -> list[int]:
+    return np.frombuffer(buffer, dtype=np.int32).tolist()
+
+
 class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_tokens: bytes  # pack_tokens(prompt token ids)
     params: SamplingParams
 
 
@@ -58,6 +71,9 @@ class SchedulerStatsMessage(msgspec.Struct, array_like=True, gc=False):
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):
+    """One per engine step, and one per idle second with no deltas: a heartbeat that proves the loop
+    is alive (the server's /health turns 503 when they stop)."""
+
     deltas: list[RequestDelta]
     stats: SchedulerStatsMessage
     timestamp: float
@@ -82,6 +98,124 @@ class EngineDead(msgspec.Struct, tag="dead", array_like=True):
 
 EngineOutput = Union[StepOutputs, RequestRejected, EngineReady, EngineDead]
 
+# ---- frontend: clients -> detok_proc ------------------------------------------------------------
+
+
+class ChatOptions(msgspec.Struct, omit_defaults=True):
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict = {}
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True, omit_defaults=True):
+    """Exactly one of `prompt` (text), `prompt_tokens` (pack_tokens) or `messages` (chat) is set."""
+
+    request_id: str  # unique among this client's requests
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_tokens: bytes | None = None
+    messages: list[dict] | None = None
+    chat: ChatOptions | None = None
+    add_special_tokens: bool = True  # for text prompts (chat templates carry their own)
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
+    return_prompt: bool = False  # echo: send the prompt's text and token ids in the first delta
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True, omit_defaults=True):
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    chat: ChatOptions | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, tag="detokenize"):
+    request_id: str
+    tokens: bytes  # pack_tokens
+
+
+class HealthQuery(msgspec.Struct, tag="health"):
+    request_id: str
+
+
+FrontendRequest = Union[GenerateRequest, AbortRequest, TokenizeRequest, DetokenizeRequest, HealthQuery]
+
+# ---- frontend: detok_proc -> clients ------------------------------------------------------------
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    token: str
+    token_id: int
+    logprob: float
+    top: list[tuple[str, int, float]]  # (token text, id, logprob), best first
+
+
+class GenerateDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    """New text of one sample (`index` < n) of a request. The last delta of a sample has its
+    `finish_reason`; every delta has the running token counts, so usage is exact at any point."""
+
+    request_id: str
+    index: int
+    text: str
+    tokens: bytes  # pack_tokens(new token ids)
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprob] | None = None
+    prompt: str | None = None  # with return_prompt, on the first delta of index 0
+    prompt_tokens: bytes | None = None
+
+
+class GenerateOutputs(msgspec.Struct, tag="outputs", gc=False):
+    deltas: list[GenerateDelta]
+
+
+class RequestError(msgspec.Struct, tag="error", kw_only=True):
+    """A request failed; the fields are OpenAI's error envelope plus the HTTP status to answer with."""
+
+    request_id: str
+    status: int
+    message: str
+    error_type: str = "invalid_request_error"  # OpenAI's "type"
+    param: str | None = None
+    code: str | None = None
+
+
+class TokenizeResult(msgspec.Struct, tag="tokenized"):
+    request_id: str
+    tokens: bytes
+    token_strs: list[str]
+    max_model_len: int
+
+
+class DetokenizeResult(msgspec.Struct, tag="detokenized"):
+    request_id: str
+    text: str
+
+
+class HealthReport(msgspec.Struct, tag="health", kw_only=True):
+    request_id: str
+    ready: bool  # the engine reported ready (model loaded, KV cache allocated, warm-up step run)
+    healthy: bool  # ready, alive and making progress
+    message: str
+    model: str  # the served model's directory
+    max_model_len: int
+    seconds_since_engine_progress: float
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+
+
+FrontendResponse = Union[GenerateOutputs, RequestError, TokenizeResult, DetokenizeResult, HealthReport]
+
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)
 output_decoder = msgspec.msgpack.Decoder(EngineOutput)
+frontend_request_decoder = msgspec.msgpack.Decoder(FrontendRequest)
+frontend_response_decoder = msgspec.msgpack.Decoder(FrontendResponse)

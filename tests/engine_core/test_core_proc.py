@@ -32,9 +32,13 @@ class CoreClient:
         self.push.send(protocol.encoder.encode(message))
 
     def recv(self, timeout_s: float = 120.0):
-        if not self.pull.poll(int(timeout_s * 1000)):
-            raise TimeoutError("no message from the engine core")
-        return protocol.output_decoder.decode(self.pull.recv())
+        """The next message other than an idle heartbeat (a StepOutputs without deltas)."""
+        while True:
+            if not self.pull.poll(int(timeout_s * 1000)):
+                raise TimeoutError("no message from the engine core")
+            message = protocol.output_decoder.decode(self.pull.recv())
+            if not (isinstance(message, protocol.StepOutputs) and not message.deltas):
+                return message
 
     def collect(self, request_ids: set[str]) -> tuple[dict, dict]:
         """Tokens and finish reasons of `request_ids` until all finished; rejections count as finished."""
@@ -81,8 +85,8 @@ def test_requests_over_sockets_match_the_offline_engine(core, default_model_dir,
     prompts = [tokenizer.encode(t) for t in ("The capital of France is", "Water boils at", "1, 2, 3,")]
     greedy = SamplingParams(temperature=0, max_tokens=12)
     for i, prompt in enumerate(prompts):
-        core.send(protocol.AddRequest(f"r{i}", prompt, greedy))
-    core.send(protocol.AddRequest("too-long", [5] * 6000, greedy))
+        core.send(protocol.AddRequest(f"r{i}", protocol.pack_tokens(prompt), greedy))
+    core.send(protocol.AddRequest("too-long", protocol.pack_tokens([5] * 6000), greedy))
     tokens, reasons = core.collect({"r0", "r1", "r2", "too-long"})
     assert reasons["too-long"].startswith("rejected:") and "context" in reasons["too-long"]
     offline = LLM(str(default_model_dir)).generate([{"prompt_token_ids": p} for p in prompts], greedy,
@@ -91,12 +95,22 @@ def test_requests_over_sockets_match_the_offline_engine(core, default_model_dir,
 
 
 def test_abort_reports_and_frees(core):
-    core.send(protocol.AddRequest("long", [5] * 30, SamplingParams(max_tokens=2000, ignore_eos=True)))
+    core.send(protocol.AddRequest("long", protocol.pack_tokens([5] * 30), SamplingParams(max_tokens=2000, ignore_eos=True)))
     first = core.recv()
     assert isinstance(first, protocol.StepOutputs) and first.deltas[0].request_id == "long"
     core.send(protocol.AbortRequests(["long", "never-existed"]))
     _, reasons = core.collect({"long"})
     assert reasons == {"long": "abort"}
+
+
+def test_idle_engine_sends_heartbeats(core):
+    deadline = time.monotonic() + 5
+    beats = 0
+    while time.monotonic() < deadline and beats < 2:
+        if core.pull.poll(2500):
+            message = protocol.output_decoder.decode(core.pull.recv())
+            beats += isinstance(message, protocol.StepOutputs) and not message.deltas
+    assert beats == 2
 
 
 def test_idle_engine_uses_no_cpu(core):

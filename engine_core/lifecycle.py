@@ -1,0 +1,89 @@
+"""How the server's child processes live and die with the `pagoda serve` parent.
+
+Each child gets one end of a pipe to the parent (`ParentLink`). Over it the child reports "ready" and
+receives commands ("drain", "fail", "stop"); when the pipe reaches EOF the parent is gone (even by
+SIGKILL), and the child cleans up and exits at once. A parent-death signal is armed as a backstop.
+Messages are msgpack, like everything else that crosses a process boundary.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import threading
+from multiprocessing.connection import Connection
+from typing import Callable
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """SIGTERM this process when its parent dies (Linux), then re-check for the race before arming."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+class ParentLink:
+    """The child's end of its control pipe."""
+
+    def __init__(self, conn: Connection, runtime_dir: str | None = None):
+        self.conn = conn
+        self.runtime_dir = runtime_dir  # removed if the parent dies without cleaning up
+        self._send_lock = threading.Lock()
+
+    def send(self, kind: str, **info) -> None:
+        with self._send_lock:
+            try:
+                self.conn.send_bytes(msgspec.msgpack.encode([kind, info]))
+            except OSError:  # the parent is gone; the watcher thread handles that
+                pass
+
+    def watch(self, on_command: Callable[[str], None]) -> None:
+        """Start a daemon thread that passes each command to `on_command` (from that thread) and
+        exits the process when the parent goes away."""
+        threading.Thread(target=self._watch, args=(on_command,), name="parent-link", daemon=True).start()
+
+    def _watch(self, on_command: Callable[[str], None]) -> None:
+        while True:
+            try:
+                kind, _ = msgspec.msgpack.decode(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                self.orphaned()
+                return
+            on_command(kind)
+
+    def orphaned(self) -> None:
+        """The parent died without stopping us: remove what it would have removed, and exit now."""
+        logger.warning("the pagoda serve parent is gone; exiting")
+        if self.runtime_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        os._exit(0)
+
+
+class ChildLink:
+    """The parent's end of one child's control pipe."""
+
+    def __init__(self, name: str, conn: Connection):
+        self.name = name
+        self.conn = conn
+
+    def send(self, kind: str) -> None:
+        try:
+            self.conn.send_bytes(msgspec.msgpack.encode([kind, {}]))
+        except OSError:
+            pass  # the child is gone; the process monitor notices
+
+    def recv(self) -> tuple[str, dict]:
+        kind, info = msgspec.msgpack.decode(self.conn.recv_bytes())
+        return kind, info
