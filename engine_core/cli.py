@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import asdict
 import sys
 import time
+from dataclasses import asdict
+
+from engine_core.lifecycle import configure_logging
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +59,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
+    g.add_argument("--port", type=int, default=8000, help="port the HTTP API listens on")
+    g.add_argument("--api-workers", type=int, default=1,
+                   help="HTTP worker processes sharing the port (SO_REUSEPORT)")
+    g.add_argument("--served-model-name", action="append", default=None,
+                   help="name(s) clients use in 'model' (repeatable; default: the model argument)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM/SIGINT waits for in-flight requests before ending them")
+    g.add_argument("--engine-stall-timeout", type=float, default=30.0,
+                   help="/health turns 503 when the engine loop has made no progress for this long")
+    g.add_argument("--frontend", default=None,
+                   help="extra address for direct clients: ipc:///path.sock, or tcp://host:port (needs --curve-keys)")
+    g.add_argument("--curve-keys", default=None, metavar="DIR",
+                   help="CURVE certificates for a tcp:// frontend, as written by `pagoda keys DIR`")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from api_proc.launcher import serve
+
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            raise ValueError("give the model once: as the MODEL argument or as --model")
+        args.model = args.model_arg
+    if args.api_workers < 1:
+        raise ValueError("--api-workers must be at least 1")
+    return serve(args)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from engine_core.zmq_security import generate_keys
+
+    for name, path in generate_keys(args.directory).items():
+        print(f"{name}: {path}")
+    return 0
+
+
 def cmd_download_default(args: argparse.Namespace) -> int:
     from engine_core.default_model import ensure_default_model
 
@@ -80,6 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (and the direct-client socket)")
+    srv.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                     help="Hugging Face model directory or hub id (same as --model; default: SmolLM2-135M-Instruct)")
+    add_serve_args(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+    keys = sub.add_parser("keys", help="write CURVE certificates for a tcp:// frontend (server, client, authorized/)")
+    keys.add_argument("directory", help="where to write them (created with mode 0700)")
+    keys.set_defaults(func=cmd_keys)
+
     dl = sub.add_parser("download-default", help="prepare the default model in the cache and print its path")
     dl.set_defaults(func=cmd_download_default)
     return parser
@@ -87,8 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    configure_logging(args.log_level)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -17,7 +17,7 @@ import zmq
 
 from engine_core import protocol
 from engine_core.config import EngineConfig
-from engine_core.lifecycle import ParentLink, die_with_parent
+from engine_core.lifecycle import ParentLink, init_child_process
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000
@@ -37,7 +37,16 @@ class EngineCoreProc:
         self._pending: list[protocol.RequestDelta] = []  # deltas to send with the next step (aborts)
 
     def _send(self, message) -> None:
-        self.outputs.send(protocol.encoder.encode(message), copy=False)
+        """Send, waiting while no reader is connected (PUSH blocks then), but never past a stop."""
+        frame = protocol.encoder.encode(message)
+        while True:
+            try:
+                self.outputs.send(frame, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                if self.stop_requested:
+                    return
+                self.outputs.poll(100, zmq.POLLOUT)
 
     def _handle(self, message) -> None:
         if isinstance(message, protocol.AddRequest):
@@ -104,7 +113,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     """Process entry point. Exits 0 on Shutdown, SIGTERM/SIGINT or the parent's "stop"; 1 after
     reporting EngineDead. With `parent_conn` (under `pagoda serve`) it reports "ready" to the parent
     after loading and warming up, and exits as soon as the parent is gone."""
-    die_with_parent()
+    init_child_process("pagoda-engine")
     proc = EngineCoreProc(input_addr, output_addr)
     link = ParentLink(parent_conn, runtime_dir) if parent_conn is not None else None
     if link is not None:
@@ -113,8 +122,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     def request_stop(signum, frame):  # only a flag: the loop notices within one idle poll
         proc.stop_requested = True
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    # Alone, signals stop the loop. Under `pagoda serve` the parent decides (it drains the HTTP side
+    # first), so a Ctrl-C or a SIGTERM sent to the whole process group must not stop us early.
+    handler = request_stop if link is None else signal.SIG_IGN
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
     try:
         started = time.monotonic()
         proc.load(config)

@@ -21,6 +21,27 @@ import msgspec
 
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    """The format every process logs in; children inherit the level through PAGODA_LOG_LEVEL."""
+    os.environ["PAGODA_LOG_LEVEL"] = level.upper()
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+
+
+def init_child_process(name: str) -> None:
+    """First thing in every child: a process name `ps`/`top` show (e.g. "pagoda-engine"), the
+    parent's log settings, and death with the parent."""
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15])
+    except (OSError, AttributeError):
+        pass
+    configure_logging(os.environ.get("PAGODA_LOG_LEVEL", "INFO"))
+    die_with_parent()
 
 
 def die_with_parent() -> None:

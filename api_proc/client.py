@@ -1,0 +1,228 @@
+"""Direct clients of the frontend socket: `AsyncEngineClient` (asyncio) and `EngineClient` (blocking).
+
+Internal services skip HTTP and JSON: connect a DEALER socket to the server's frontend address (the
+`ipc://` path `pagoda serve` prints, or `tcp://` with CURVE keys), send a request and iterate over its
+deltas. The HTTP api_proc is itself an `AsyncEngineClient`, so both paths share every check.
+
+    client = EngineClient("ipc:///run/user/1000/pagoda-1234/frontend.sock")
+    for delta in client.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0)):
+        print(delta.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import uuid
+from typing import AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from engine_core import protocol
+from engine_core.sampling_params import SamplingParams
+from engine_core.zmq_security import connect_curve
+
+
+class EngineError(Exception):
+    """The server refused or failed a request; fields as in OpenAI's error envelope."""
+
+    def __init__(self, error: protocol.RequestError):
+        super().__init__(error.message)
+        self.status, self.message, self.type = error.status, error.message, error.error_type
+        self.param, self.code = error.param, error.code
+
+
+def build_request(request_id: str, prompt: str | None, messages: list[dict] | None,
+                  prompt_token_ids: list[int] | None, params: SamplingParams | None, stop, **options
+                  ) -> protocol.GenerateRequest:
+    if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
+        raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
+    chat_options = {k: options.pop(k) for k in ("add_generation_prompt", "continue_final_message",
+                                                 "chat_template_kwargs") if k in options}
+    return protocol.GenerateRequest(
+        request_id=request_id, params=params or SamplingParams(), prompt=prompt, messages=messages,
+        prompt_tokens=None if prompt_token_ids is None else protocol.pack_tokens(prompt_token_ids),
+        chat=protocol.ChatOptions(**chat_options) if messages is not None else None,
+        stop=[stop] if isinstance(stop, str) else list(stop or []), **options)
+
+
+def _socket(ctx: zmq.Context, address: str, curve: tuple[str, str] | None) -> zmq.Socket:
+    socket = ctx.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        connect_curve(socket, *curve)
+    elif address.startswith("tcp://"):
+        raise ValueError("a tcp:// frontend needs CURVE keys: curve=(server_public_file, client_secret_file)")
+    socket.connect(address)
+    return socket
+
+
+class AsyncEngineClient:
+    """One DEALER socket shared by any number of concurrent requests of this event loop."""
+
+    def __init__(self, address: str, curve: tuple[str, str] | None = None):
+        self.ctx = zmq.asyncio.Context()
+        self.socket = _socket(self.ctx, address, curve)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+        self._prefix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self._ids = itertools.count()
+
+    def new_request_id(self) -> str:
+        return self._prefix + str(next(self._ids))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    async def _send(self, message) -> None:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        await self.socket.send(protocol.encoder.encode(message), copy=False)
+
+    async def _read(self) -> None:
+        while True:
+            frame = await self.socket.recv(copy=False)
+            message = protocol.frontend_response_decoder.decode(frame.buffer)
+            if isinstance(message, protocol.GenerateOutputs):
+                for delta in message.deltas:
+                    queue = self._queues.get(delta.request_id)
+                    if queue is not None:
+                        queue.put_nowait(delta)
+            else:
+                queue = self._queues.get(message.request_id)
+                if queue is not None:
+                    queue.put_nowait(message)
+
+    async def _call(self, message, timeout: float | None):
+        """Send a one-answer request and wait for its answer."""
+        queue = self._queues[message.request_id] = asyncio.Queue()
+        try:
+            await self._send(message)
+            answer = await asyncio.wait_for(queue.get(), timeout)
+        finally:
+            self._queues.pop(message.request_id, None)
+        if isinstance(answer, protocol.RequestError):
+            raise EngineError(answer)
+        return answer
+
+    async def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                       messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
+                       stop: str | list[str] | None = None, request_id: str | None = None,
+                       **options) -> AsyncIterator[protocol.GenerateDelta]:
+        """Deltas of every sample until all `params.n` have finished. Leaving the loop early (break,
+        cancellation, a client disconnect upstream) aborts the request in the engine."""
+        request_id = request_id or self.new_request_id()
+        request = build_request(request_id, prompt, messages, prompt_token_ids, params, stop, **options)
+        queue = self._queues[request_id] = asyncio.Queue()
+        remaining = request.params.n
+        try:
+            await self._send(request)
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, protocol.RequestError):
+                    remaining = 0  # the server has dropped the request already
+                    raise EngineError(item)
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if remaining:
+                await self.socket.send(protocol.encoder.encode(protocol.AbortRequest([request_id])))
+
+    async def abort(self, request_id: str) -> None:
+        await self._send(protocol.AbortRequest([request_id]))
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """End every waiting request with an error (the server is going away)."""
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(protocol.RequestError(request_id=request_id, status=status, message=message,
+                                                   error_type="server_error", code="server_shutdown"))
+
+    async def health(self, timeout: float = 5.0) -> protocol.HealthReport:
+        return await self._call(protocol.HealthQuery(self.new_request_id()), timeout)
+
+    async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                       add_special_tokens: bool = True, chat: protocol.ChatOptions | None = None,
+                       timeout: float = 30.0) -> protocol.TokenizeResult:
+        return await self._call(protocol.TokenizeRequest(
+            request_id=self.new_request_id(), prompt=prompt, messages=messages, chat=chat,
+            add_special_tokens=add_special_tokens), timeout)
+
+    async def detokenize(self, token_ids: list[int], timeout: float = 30.0) -> str:
+        result = await self._call(protocol.DetokenizeRequest(self.new_request_id(),
+                                                             protocol.pack_tokens(token_ids)), timeout)
+        return result.text
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.socket.close(linger=0)
+        self.ctx.term()
+
+
+class EngineClient:
+    """Blocking client for scripts and threads that do not run asyncio (one thread at a time)."""
+
+    def __init__(self, address: str, curve: tuple[str, str] | None = None):
+        self.ctx = zmq.Context()
+        self.socket = _socket(self.ctx, address, curve)
+        self._prefix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        self._ids = itertools.count()
+        self._stash: dict[str, list] = {}  # messages for requests other than the one being read
+
+    def new_request_id(self) -> str:
+        return self._prefix + str(next(self._ids))
+
+    def _recv_for(self, request_id: str, timeout: float | None):
+        """The next message for `request_id`; messages for this client's other requests are stashed."""
+        stash = self._stash[request_id]
+        while not stash:
+            if not self.socket.poll(None if timeout is None else int(timeout * 1000)):
+                raise TimeoutError(f"no answer for request {request_id} within {timeout}s")
+            message = protocol.frontend_response_decoder.decode(self.socket.recv())
+            items = message.deltas if isinstance(message, protocol.GenerateOutputs) else [message]
+            for item in items:
+                if item.request_id in self._stash:
+                    self._stash[item.request_id].append(item)
+        return stash.pop(0)
+
+    def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
+                 messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
+                 stop: str | list[str] | None = None, request_id: str | None = None,
+                 timeout: float | None = None, **options) -> Iterator[protocol.GenerateDelta]:
+        """Like `AsyncEngineClient.generate`; `timeout` bounds the wait for each delta."""
+        request_id = request_id or self.new_request_id()
+        request = build_request(request_id, prompt, messages, prompt_token_ids, params, stop, **options)
+        remaining = request.params.n
+        self._stash[request_id] = []
+        try:
+            self.socket.send(protocol.encoder.encode(request))
+            while remaining:
+                item = self._recv_for(request_id, timeout)
+                if isinstance(item, protocol.RequestError):
+                    remaining = 0
+                    raise EngineError(item)
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            self._stash.pop(request_id, None)
+            if remaining:
+                self.socket.send(protocol.encoder.encode(protocol.AbortRequest([request_id])))
+
+    def health(self, timeout: float = 5.0) -> protocol.HealthReport:
+        request_id = self.new_request_id()
+        self._stash[request_id] = []
+        try:
+            self.socket.send(protocol.encoder.encode(protocol.HealthQuery(request_id)))
+            return self._recv_for(request_id, timeout)
+        finally:
+            self._stash.pop(request_id, None)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.ctx.term()

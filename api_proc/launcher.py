@@ -1,0 +1,216 @@
+"""`pagoda serve`: the parent process that starts, watches and stops the server's processes.
+
+    parent ── engine_core (model, KV cache, busy loop)
+           ── detok_proc  (tokenizer, frontend socket)
+           ── api_proc × N (aiohttp, sharing the port with SO_REUSEPORT)
+
+Start-up waits for each child's "ready" and logs each phase. Afterwards the parent only watches: a
+child that exits on its own makes the server fail fast (in-flight requests get an error, exit 1, so a
+supervisor restarts it); SIGTERM/SIGINT drain (HTTP stops accepting, in-flight requests finish up to
+--shutdown-timeout), then stop the rest and exit 0. The runtime directory holding the ipc sockets is
+removed on every path, by the parent or, if the parent is SIGKILLed, by the orphaned children.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+from engine_core.lifecycle import ChildLink
+
+logger = logging.getLogger("pagoda.serve")
+_START_TIMEOUT_S = 600.0
+_STOP_GRACE_S = 5.0
+
+
+@dataclass
+class Child:
+    name: str
+    process: multiprocessing.Process
+    link: ChildLink
+    ready: bool = False
+
+
+class Supervisor:
+    def __init__(self, runtime_dir: str):
+        self.runtime_dir = runtime_dir
+        self.mp = multiprocessing.get_context("spawn")
+        self.children: list[Child] = []
+        self.stop_signal: int | None = None
+
+    def start(self, name: str, target, *args) -> Child:
+        parent_end, child_end = self.mp.Pipe()
+        process = self.mp.Process(target=target, args=args, name=name, daemon=False,
+                                  kwargs={"parent_conn": child_end, "runtime_dir": self.runtime_dir})
+        process.start()
+        child_end.close()
+        child = Child(name, process, ChildLink(name, parent_end))
+        self.children.append(child)
+        return child
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = signum
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+
+    def wait_ready(self, started: float) -> Child | None:
+        """Wait until every child said "ready"; return a child that died first, if one did."""
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not all(c.ready for c in self.children):
+            if self.stop_signal is not None or time.monotonic() > deadline:
+                return None
+            pending = {c.link.conn: c for c in self.children if not c.ready}
+            sentinels = {c.process.sentinel: c for c in self.children}
+            for obj in wait(list(pending) + list(sentinels), timeout=0.2):
+                if obj in sentinels:
+                    return sentinels[obj]
+                child = pending[obj]
+                try:
+                    kind, info = child.link.recv()
+                except (EOFError, OSError):
+                    return child
+                if kind == "ready":
+                    child.ready = True
+                    details = ", ".join(f"{k}={v}" for k, v in info.items())
+                    logger.info("%s ready after %.1fs%s", child.name, time.monotonic() - started,
+                                f" ({details})" if details else "")
+        return None
+
+    def watch(self) -> Child | None:
+        """Block until a stop signal (None) or until a child exits (that child)."""
+        sentinels = {c.process.sentinel: c for c in self.children}
+        while self.stop_signal is None:
+            for obj in wait(list(sentinels), timeout=0.2):
+                return sentinels[obj]
+        return None
+
+    def tell(self, names: tuple[str, ...], command: str) -> None:
+        for child in self.children:
+            if child.name.startswith(names):
+                child.link.send(command)
+
+    def join(self, names: tuple[str, ...], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for child in self.children:
+            if child.name.startswith(names):
+                child.process.join(max(0.0, deadline - time.monotonic()))
+
+    def kill_remaining(self) -> None:
+        for child in self.children:
+            if child.process.is_alive():
+                logger.warning("%s did not exit in time; killing it", child.name)
+                child.process.kill()
+        for child in self.children:
+            child.process.join(2.0)
+
+    def drain(self, shutdown_timeout: float) -> None:
+        logger.info("draining: no new requests; waiting up to %.0fs for in-flight ones", shutdown_timeout)
+        self.tell(("api",), "drain")
+        self.join(("api",), shutdown_timeout + _STOP_GRACE_S)
+        self.tell(("detok", "engine"), "stop")
+        self.join(("detok", "engine"), _STOP_GRACE_S)
+        self.kill_remaining()
+
+    def fail(self) -> None:
+        self.tell(("api",), "fail")
+        self.join(("api",), 1.0)
+        self.tell(("detok", "engine"), "stop")
+        self.join(("detok", "engine"), 0.5)
+        self.kill_remaining()
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Bind without SO_REUSEPORT first, so two servers never silently share one port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def make_runtime_dir() -> str:
+    """A private (0700) directory for this instance's ipc sockets."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if not base or not os.access(base, os.W_OK):
+        base = None
+    return tempfile.mkdtemp(prefix="pagoda-", dir=base)
+
+
+def serve(args) -> int:
+    """Run the server until a signal or a failure; the exit status for the shell or systemd."""
+    from api_proc.server import ApiSettings
+    from api_proc.worker import run_api_worker
+    from detok_proc.server import run_detok
+    from engine_core.cli import engine_config_from_args
+    from engine_core.core_proc import run_engine_core
+    from engine_core.loader import resolve_model
+    from engine_core.zmq_security import CurveConfig
+
+    started = time.monotonic()
+    if not port_is_free(args.host, args.port):
+        logger.error("cannot listen on %s:%d: the address is in use", args.host, args.port)
+        return 2
+    curve = None
+    if args.frontend and args.frontend.startswith("tcp://"):
+        if not args.curve_keys:
+            logger.error("--frontend tcp://... needs --curve-keys DIR (create one with `pagoda keys DIR`)")
+            return 2
+        curve = CurveConfig(os.path.join(args.curve_keys, "server.key_secret"),
+                            os.path.join(args.curve_keys, "authorized"))
+    model_dir = str(resolve_model(args.model))
+    logger.info("model directory %s (resolved in %.1fs)", model_dir, time.monotonic() - started)
+    config = dataclasses.replace(engine_config_from_args(args), model=model_dir)
+    runtime_dir = make_runtime_dir()
+    engine_in, engine_out = f"ipc://{runtime_dir}/engine-in.sock", f"ipc://{runtime_dir}/engine-out.sock"
+    frontend = f"ipc://{runtime_dir}/frontend.sock"
+    frontends = [frontend] + ([args.frontend] if args.frontend and not args.frontend.startswith("tcp://") else [])
+    names = args.served_model_name or [args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    settings = ApiSettings(frontend_addr=frontend, served_model_names=names, host=args.host, port=args.port,
+                           reuse_port=args.api_workers > 1, shutdown_timeout=args.shutdown_timeout)
+
+    supervisor = Supervisor(runtime_dir)
+    supervisor.install_signal_handlers()
+    status = 1
+    try:
+        supervisor.start("engine_core", run_engine_core, config, engine_in, engine_out)
+        supervisor.start("detok", run_detok, model_dir, frontends, engine_in, engine_out,
+                         args.engine_stall_timeout, curve and args.frontend, curve)
+        for i in range(args.api_workers):
+            supervisor.start(f"api_{i}", run_api_worker, settings)
+        dead = supervisor.wait_ready(started)
+        if dead is not None or supervisor.stop_signal is not None:
+            if dead is not None:
+                logger.error("%s exited during start-up (exit code %s)", dead.name, dead.process.exitcode)
+            supervisor.fail()
+            return 1 if dead is not None or supervisor.stop_signal is None else 0
+        logger.info("ready in %.1fs: http://%s:%d (%d API worker%s); direct clients: %s", time.monotonic() - started,
+                    args.host, args.port, args.api_workers, "s" if args.api_workers > 1 else "",
+                    ", ".join(frontends + ([args.frontend] if curve else [])))
+        dead = supervisor.watch()
+        if dead is None:
+            supervisor.drain(args.shutdown_timeout)
+            status = 0
+        else:
+            logger.error("%s exited unexpectedly (exit code %s); stopping the server", dead.name,
+                         dead.process.exitcode)
+            supervisor.fail()
+            status = 1
+    finally:
+        supervisor.kill_remaining()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+    logger.info("stopped (exit %d)", status)
+    return status

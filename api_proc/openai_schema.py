@@ -1,0 +1,184 @@
+"""OpenAI request bodies as typed msgspec Structs, and their translation into engine parameters.
+
+msgspec checks types while it parses, so a wrong type is reported with the field's name; range checks
+reuse `SamplingParams.validate` (its messages start with the field name). Every failure becomes an
+`ApiError` carrying OpenAI's error fields.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from engine_core.sampling_params import SamplingParams
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 error_type: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, error_type
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    """Fields both endpoints take: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if not 1 <= self.n <= MAX_N:
+            raise ApiError(400, f"Invalid 'n': expected a value in [1, {MAX_N}], but got {self.n} instead.", "n",
+                           "integer_above_max_value" if self.n > MAX_N else "integer_below_min_value")
+        if max_tokens is not None and max_tokens < 1:
+            raise ApiError(400, f"Invalid 'max_tokens': expected a value >= 1, but got {max_tokens} instead.",
+                           "max_tokens", "integer_below_min_value")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"Invalid 'logprobs': expected a value in [0, {MAX_LOGPROBS}].", "logprobs")
+        try:
+            return SamplingParams(
+                n=self.n, temperature=1.0 if self.temperature is None else self.temperature, top_p=self.top_p,
+                top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+                max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                stop_token_ids=self.stop_token_ids or [], logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias())
+        except ValueError as exc:
+            field = str(exc).split()[0]
+            raise ApiError(400, str(exc), field if field in _FIELDS else None) from None
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ApiError(400, f"Invalid 'logit_bias': key {key!r} is not a token id.", "logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: str | list
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    add_special_tokens: bool = True
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of text prompts or token-id prompts."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise ApiError(400, "'prompt' must not be empty.", "prompt")
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+               for p in prompt):
+            return list(prompt)
+        raise ApiError(400, "Invalid type for 'prompt': expected a string, a list of strings, a list of "
+                            "token ids or a list of token-id lists.", "prompt", "invalid_type")
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict]:
+        """Messages with content parts joined into text, as string-based chat templates expect."""
+        if not self.messages:
+            raise ApiError(400, "'messages' must contain at least one message.", "messages")
+        out = []
+        for i, message in enumerate(self.messages):
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(role, str):
+                raise ApiError(400, f"Missing or invalid 'messages[{i}].role'.", f"messages[{i}].role")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ApiError(400, f"'messages[{i}].content' parts must be text parts; this model "
+                                            "takes text only.", f"messages[{i}].content")
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            elif content is not None and not isinstance(content, str):
+                raise ApiError(400, f"Invalid type for 'messages[{i}].content': expected a string or a list "
+                                    "of text parts.", f"messages[{i}].content", "invalid_type")
+            out.append({**message, "content": content or ""})
+        return out
+
+
+_FIELDS = set(CompletionRequest.__struct_fields__) | set(ChatCompletionRequest.__struct_fields__)
+_PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
+
+
+def parse_body(body: bytes, schema: type[msgspec.Struct]):
+    """Decode and type-check a JSON body, or raise the OpenAI-shaped 400 for it."""
+    if not body.strip():
+        raise ApiError(400, "We could not parse the JSON body of your request: the body is empty.")
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH.search(text)
+        param = match.group(1) if match else None
+        if text.startswith("Object missing required field"):
+            name = text.split("`")[1]
+            raise ApiError(400, f"Missing required parameter: '{name}'.", name, "missing_required_parameter") from None
+        if text.startswith("Expected `object`") and param is None:
+            raise ApiError(400, "The request body must be a JSON object.", None, "invalid_type") from None
+        raise ApiError(400, f"Invalid type for '{param}': {text}", param, "invalid_type") from None
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"We could not parse the JSON body of your request ({exc}). The API expects a "
+                            "JSON payload.") from None

@@ -1,0 +1,311 @@
+"""The OpenAI-compatible HTTP API (aiohttp): one worker process, a client of the frontend socket.
+
+Handlers parse and type-check the body, turn it into a GenerateRequest for the tokenizer process, and
+answer with a JSON body or an SSE stream. A client that disconnects cancels its handler (aiohttp's
+handler cancellation), which closes the generate stream and so aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+from api_proc.client import AsyncEngineClient, EngineError
+from api_proc.openai_format import (Choice, CompletionLogprobs, chat_logprobs, envelope, finish_reason, new_id,
+                                    usage)
+from api_proc.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from api_proc.streams import merge
+from engine_core import protocol
+
+logger = logging.getLogger(__name__)
+_json = msgspec.json.Encoder()
+PAGODA_VERSION = "0.1.0"
+
+
+@dataclass
+class ApiSettings:
+    frontend_addr: str
+    served_model_names: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    reuse_port: bool = False
+    shutdown_timeout: float = 30.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    health_timeout: float = 5.0
+
+
+def json_response(body, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=_json.encode(body), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def error_response(error: ApiError) -> web.Response:
+    return json_response(error.body(), error.status, error.headers)
+
+
+def _engine_error(exc: EngineError) -> ApiError:
+    error_type = exc.type if exc.status < 500 else "server_error"
+    return ApiError(exc.status, exc.message, exc.param, exc.code, error_type)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Every failure leaves as OpenAI's error envelope, with the right status."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc)
+    except EngineError as exc:
+        return error_response(_engine_error(exc))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return error_response(ApiError(413, f"The request body is too large ({exc.text}).", code="body_too_large"))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
+                                       code="not_found" if exc.status == 404 else None))
+
+
+class ApiServer:
+    def __init__(self, settings: ApiSettings):
+        self.settings = settings
+        self.model = settings.served_model_names[0]
+        self.client = AsyncEngineClient(settings.frontend_addr)
+        self.draining = False
+        self.active_requests = 0  # generation handlers running now
+        self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
+        self.app.add_routes([
+            web.get("/health", self.health), web.get("/version", self.version), web.get("/v1/models", self.models),
+            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+            web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
+        ])
+
+    # ---- small routes ------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return json_response({"status": "draining"}, 503)
+        try:
+            report = await self.client.health(self.settings.health_timeout)
+        except TimeoutError:
+            return json_response({"status": "unhealthy", "message": "the tokenizer process does not answer"}, 503)
+        body = {"status": "ok" if report.healthy else "unhealthy", "message": report.message,
+                "seconds_since_engine_progress": round(report.seconds_since_engine_progress, 3)}
+        return json_response(body, 200 if report.healthy else 503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": PAGODA_VERSION})
+
+    async def models(self, request: web.Request) -> web.Response:
+        report = await self.client.health(self.settings.health_timeout)
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "pagoda", "root": report.model,
+                 "max_model_len": report.max_model_len} for name in self.settings.served_model_names]
+        return json_response({"object": "list", "data": data})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._json_object(request)
+        self._check_model(body.get("model"))
+        add_special = body.get("add_special_tokens", True)
+        if "messages" in body:
+            chat = ChatCompletionRequest(messages=body["messages"])
+            options = protocol.ChatOptions(add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                                           continue_final_message=bool(body.get("continue_final_message", False)))
+            result = await self.client.tokenize(messages=chat.template_messages(), chat=options)
+        elif isinstance(body.get("prompt"), str):
+            result = await self.client.tokenize(body["prompt"], add_special_tokens=bool(add_special))
+        else:
+            raise ApiError(400, "Missing required parameter: 'prompt' (a string) or 'messages'.", "prompt",
+                           "missing_required_parameter")
+        tokens = protocol.unpack_tokens(result.tokens)
+        return json_response({"count": len(tokens), "max_model_len": result.max_model_len, "tokens": tokens,
+                              "token_strs": result.token_strs if body.get("return_token_strs") else None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._json_object(request)
+        self._check_model(body.get("model"))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise ApiError(400, "Invalid type for 'tokens': expected a list of token ids.", "tokens", "invalid_type")
+        return json_response({"prompt": await self.client.detokenize(tokens)})
+
+    async def _json_object(self, request: web.Request) -> dict:
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as exc:
+            raise ApiError(400, f"We could not parse the JSON body of your request ({exc}).") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "The request body must be a JSON object.", code="invalid_type")
+        return body
+
+    def _check_model(self, model: str | None) -> str:
+        if model is not None and model not in self.settings.served_model_names:
+            raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it.", "model",
+                           "model_not_found")
+        return self.model if model is None else model
+
+    def _check_accepting(self) -> None:
+        if self.draining:
+            raise ApiError(503, "The server is shutting down and accepts no new requests.",
+                           error_type="server_error", code="server_shutting_down")
+
+    # ---- generation --------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        self._check_accepting()
+        req = parse_body(await request.read(), CompletionRequest)
+        model = self._check_model(req.model)
+        prompts = req.prompts()
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "'echo' together with 'logprobs' needs prompt logprobs, which this server "
+                                "does not compute.", "echo")
+        streams = [self.client.generate(
+            prompt=p if isinstance(p, str) else None, prompt_token_ids=None if isinstance(p, str) else p,
+            params=params, stop=req.stop_list, include_stop_str_in_output=req.include_stop_str_in_output,
+            add_special_tokens=req.add_special_tokens, return_prompt=req.echo) for p in prompts]
+        meta = dict(response_id=new_id("cmpl"), model=model)
+        self.active_requests += 1
+        try:
+            async with aclosing(merge(streams)) as deltas:
+                if req.stream:
+                    return await self._stream_completions(request, req, deltas, meta)
+                return await self._complete(req, deltas, meta, params.n)
+        finally:
+            self.active_requests -= 1
+
+    async def _complete(self, req: CompletionRequest, deltas, meta: dict, n: int) -> web.Response:
+        choices: dict[int, Choice] = {}
+        prompts: dict[int, str] = {}
+        async for prompt_index, delta in deltas:
+            index = prompt_index * n + delta.index
+            choices.setdefault(index, Choice()).add(delta)
+            if delta.prompt is not None:
+                prompts[prompt_index] = delta.prompt
+        out = []
+        for index in sorted(choices):
+            choice = choices[index]
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = CompletionLogprobs().chunk(choice.logprob_entries)
+            out.append({"index": index, "text": prompts.get(index // n, "") + choice.text, "logprobs": logprobs,
+                        "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+        prompt_tokens = sum(choices[p * n].num_prompt_tokens for p in range(len(choices) // n))
+        completion_tokens = sum(c.num_output_tokens for c in choices.values())
+        return json_response(envelope("text_completion", meta["response_id"], meta["model"], choices=out,
+                                      usage=usage(prompt_tokens, completion_tokens)))
+
+    async def _stream_completions(self, request, req: CompletionRequest, deltas, meta: dict) -> web.StreamResponse:
+        n = req.n
+        offsets: dict[int, CompletionLogprobs] = {}
+        prompt_tokens: dict[int, int] = {}
+        output_tokens: dict[int, int] = {}
+
+        def chunk(prompt_index: int, delta: protocol.GenerateDelta) -> dict:
+            index = prompt_index * n + delta.index
+            prompt_tokens[prompt_index] = delta.num_prompt_tokens
+            output_tokens[index] = delta.num_output_tokens
+            text = (delta.prompt or "") + delta.text
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = offsets.setdefault(index, CompletionLogprobs()).chunk(delta.logprobs or [])
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(delta),
+                      "stop_reason": delta.stop_reason}
+            return envelope("text_completion", meta["response_id"], meta["model"], choices=[choice])
+
+        def final() -> dict | None:
+            if not req.include_usage:
+                return None
+            return envelope("text_completion", meta["response_id"], meta["model"], choices=[],
+                            usage=usage(sum(prompt_tokens.values()), sum(output_tokens.values())))
+
+        return await self._sse(request, deltas, chunk, final)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        self._check_accepting()
+        req = parse_body(await request.read(), ChatCompletionRequest)
+        model = self._check_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = req.sampling_params(max_tokens, req.logprobs_count())
+        stream = self.client.generate(
+            messages=req.template_messages(), params=params, stop=req.stop_list,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs or {})
+        meta = dict(response_id=new_id("chatcmpl"), model=model)
+        self.active_requests += 1
+        try:
+            async with aclosing(merge([stream])) as deltas:
+                if req.stream:
+                    return await self._stream_chat(request, req, deltas, meta)
+                return await self._chat_complete(req, deltas, meta)
+        finally:
+            self.active_requests -= 1
+
+    async def _chat_complete(self, req: ChatCompletionRequest, deltas, meta: dict) -> web.Response:
+        choices: dict[int, Choice] = {}
+        async for _, delta in deltas:
+            choices.setdefault(delta.index, Choice()).add(delta)
+        out = []
+        for index in sorted(choices):
+            choice = choices[index]
+            logprobs = {"content": chat_logprobs(choice.logprob_entries)} if req.logprobs else None
+            out.append({"index": index, "message": {"role": "assistant", "content": choice.text},
+                        "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                        "stop_reason": choice.stop_reason})
+        first = choices[0]
+        completion_tokens = sum(c.num_output_tokens for c in choices.values())
+        return json_response(envelope("chat.completion", meta["response_id"], meta["model"], choices=out,
+                                      usage=usage(first.num_prompt_tokens, completion_tokens)))
+
+    async def _stream_chat(self, request, req: ChatCompletionRequest, deltas, meta: dict) -> web.StreamResponse:
+        started: set[int] = set()
+        counts = {"prompt": 0}
+        output_tokens: dict[int, int] = {}
+
+        def chunk(_: int, delta: protocol.GenerateDelta) -> dict:
+            counts["prompt"] = delta.num_prompt_tokens
+            output_tokens[delta.index] = delta.num_output_tokens
+            message = {"content": delta.text}
+            if delta.index not in started:
+                started.add(delta.index)
+                message = {"role": "assistant", "content": delta.text}
+            logprobs = {"content": chat_logprobs(delta.logprobs or [])} if req.logprobs else None
+            choice = {"index": delta.index, "delta": message, "logprobs": logprobs,
+                      "finish_reason": finish_reason(delta), "stop_reason": delta.stop_reason}
+            return envelope("chat.completion.chunk", meta["response_id"], meta["model"], choices=[choice])
+
+        def final() -> dict | None:
+            if not req.include_usage:
+                return None
+            return envelope("chat.completion.chunk", meta["response_id"], meta["model"], choices=[],
+                            usage=usage(counts["prompt"], sum(output_tokens.values())))
+
+        return await self._sse(request, deltas, chunk, final)
+
+    async def _sse(self, request: web.Request, deltas, chunk, final) -> web.StreamResponse:
+        """Stream `chunk(prompt_index, delta)` per delta as server-sent events, then `final()` and
+        [DONE]. Errors before the first delta are answered with their HTTP status; later ones as an
+        error event (the status line has gone out by then)."""
+        iterator = deltas.__aiter__()
+        try:
+            first = await iterator.__anext__()
+        except StopAsyncIteration:
+            first = None
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        try:
+            if first is not None:
+                await response.write(b"data: " + _json.encode(chunk(*first)) + b"\n\n")
+                async for item in iterator:
+                    await response.write(b"data: " + _json.encode(chunk(*item)) + b"\n\n")
+            last = final()
+            if last is not None:
+                await response.write(b"data: " + _json.encode(last) + b"\n\n")
+        except (EngineError, ApiError) as exc:
+            error = _engine_error(exc) if isinstance(exc, EngineError) else exc
+            await response.write(b"data: " + _json.encode(error.body()) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response

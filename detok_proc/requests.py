@@ -1,0 +1,115 @@
+"""Turning a client's GenerateRequest into engine requests, and engine deltas back into text deltas.
+
+Validation that needs the tokenizer or the engine's limits lives here, so HTTP clients and direct
+ZeroMQ clients get the same checks and the same OpenAI-shaped errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from detok_proc.incremental import IncrementalDetokenizer
+from detok_proc.tokenizer import encode_chat
+from engine_core import protocol
+from engine_core.sampling_params import SamplingParams
+
+
+class RequestInvalid(Exception):
+    """A client error, with the OpenAI error fields to answer it with."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+    def to_message(self, request_id: str) -> protocol.RequestError:
+        return protocol.RequestError(request_id=request_id, status=self.status, message=str(self),
+                                     param=self.param, code=self.code)
+
+
+def prompt_token_ids(tokenizer, request, vocab_size: int) -> list[int]:
+    """The prompt of a Generate/TokenizeRequest as token ids (chat template applied for messages)."""
+    if request.messages is not None:
+        chat = request.chat or protocol.ChatOptions()
+        try:
+            ids = encode_chat(tokenizer, request.messages, add_generation_prompt=chat.add_generation_prompt,
+                              continue_final_message=chat.continue_final_message,
+                              chat_template_kwargs=chat.chat_template_kwargs)
+        except Exception as exc:  # noqa: BLE001 - jinja raises many kinds; all are the client's input
+            raise RequestInvalid(f"the chat template could not render these messages: {exc}", "messages") from exc
+        param = "messages"
+    elif getattr(request, "prompt_tokens", None) is not None:
+        ids = protocol.unpack_tokens(request.prompt_tokens)
+        param = "prompt"
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            raise RequestInvalid(f"prompt token ids must be in [0, {vocab_size})", param)
+    elif request.prompt is not None:
+        ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        param = "prompt"
+    else:
+        raise RequestInvalid("one of prompt, prompt token ids or messages is required", "prompt")
+    if not ids:
+        raise RequestInvalid("the prompt is empty", param)
+    return ids
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
+    """OpenAI's context_length_exceeded, with both numbers in the message."""
+    wanted = num_prompt_tokens + (max_tokens or 1)
+    if num_prompt_tokens >= max_model_len or wanted > max_model_len:
+        raise RequestInvalid(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{wanted} tokens ({num_prompt_tokens} in the prompt, {max_tokens or 1} for the completion). "
+            f"Please reduce the length of the prompt or of max_tokens.", param, "context_length_exceeded")
+
+
+def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of an n > 1 request: n=1, and a seeded request's i-th sample uses seed + i."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return msgspec.structs.replace(params, n=1, seed=seed)
+
+
+@dataclass
+class SampleState:
+    """One engine request: sample `index` of a client's request."""
+
+    identity: bytes
+    client_request_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    num_prompt_tokens: int
+    stop_token_ids: frozenset[int]
+    logprobs: int | None
+    prompt: str | None = None  # echo: sent once, with the first delta
+    prompt_tokens: bytes | None = None
+    num_output_tokens: int = 0
+
+    def delta(self, delta: protocol.RequestDelta, token_text) -> protocol.GenerateDelta:
+        """The client's view of one engine delta. `token_text(id)` names a token for logprobs."""
+        detok = self.detokenizer
+        self.num_output_tokens += len(delta.new_token_ids)
+        text = detok.add(delta.new_token_ids)
+        finish_reason, stop_reason = delta.finish_reason, None
+        if detok.stopped:
+            finish_reason, stop_reason = "stop", detok.stop_reason
+        elif finish_reason is not None:
+            text += detok.flush()
+            last = delta.new_token_ids[-1] if delta.new_token_ids else None
+            if finish_reason == "stop" and last in self.stop_token_ids:
+                stop_reason = last
+        out = protocol.GenerateDelta(
+            request_id=self.client_request_id, index=self.index, text=text,
+            tokens=protocol.pack_tokens(delta.new_token_ids), num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens, finish_reason=finish_reason, stop_reason=stop_reason)
+        if self.logprobs is not None:
+            out.logprobs = [
+                protocol.TokenLogprob(token_text(token), token, sampled,
+                                      [(token_text(tid), tid, lp) for tid, lp in top[:self.logprobs]])
+                for token, (sampled, top) in zip(delta.new_token_ids, delta.new_logprobs)]
+        if self.prompt is not None or self.prompt_tokens is not None:
+            out.prompt, out.prompt_tokens = self.prompt, self.prompt_tokens
+            self.prompt = self.prompt_tokens = None
+        return out

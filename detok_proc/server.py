@@ -1,0 +1,313 @@
+"""The tokenizer process: the frontend socket's server, between clients and the engine core.
+
+Clients (api_proc workers, direct `EngineClient`s) talk to a ROUTER socket; each message's identity
+frame says which client it came from, and deltas go back to that identity only. There is one ROUTER
+for ipc:// clients and, when the server is exposed over tcp://, a second one with CURVE
+authentication; a client key is the socket's index byte followed by the ZeroMQ identity. Prompts are tokenized
+(chat templates rendered) here, fanned out into one engine request per sample, and the engine's token
+deltas come back as text deltas (incremental detokenization, stop strings). One thread, one poll loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import signal
+import time
+from collections import defaultdict
+from multiprocessing.connection import Connection
+
+import msgspec
+import zmq
+
+from detok_proc.requests import RequestInvalid, SampleState, check_context, prompt_token_ids, sibling_params
+from detok_proc.incremental import IncrementalDetokenizer
+from detok_proc.tokenizer import load_tokenizer
+from engine_core import protocol
+from engine_core.lifecycle import ParentLink, init_child_process
+from engine_core.zmq_security import CurveConfig
+
+logger = logging.getLogger(__name__)
+_POLL_MS = 500
+
+
+class DetokProc:
+    def __init__(self, model_dir: str, frontend_addrs: list[str], engine_input_addr: str, engine_output_addr: str,
+                 stall_timeout: float = 30.0, tcp_addr: str | None = None, curve: CurveConfig | None = None):
+        self.model_dir = model_dir
+        self.tokenizer = load_tokenizer(model_dir)
+        self.stall_timeout = stall_timeout
+        self.ctx = zmq.Context()
+        self.auth = None
+        self.frontends = [self._router(frontend_addrs)]
+        if tcp_addr is not None:
+            if curve is None:
+                raise ValueError("a tcp:// frontend needs CURVE keys")
+            self.auth = curve.serve(self.ctx, router := self.ctx.socket(zmq.ROUTER))
+            self.frontends.append(self._router([tcp_addr], router))
+        self.to_engine = self.ctx.socket(zmq.PUSH)
+        self.to_engine.connect(engine_input_addr)
+        self.from_engine = self.ctx.socket(zmq.PULL)
+        self.from_engine.connect(engine_output_addr)
+        self.poller = zmq.Poller()
+        for router in self.frontends:
+            self.poller.register(router, zmq.POLLIN)
+        self.poller.register(self.from_engine, zmq.POLLIN)
+
+        self.engine: protocol.EngineReady | None = None
+        self.engine_dead: str | None = None
+        self.last_engine_message = time.monotonic()
+        self.stats = protocol.SchedulerStatsMessage(0, 0, 0.0, 0)
+        self.samples: dict[str, SampleState] = {}  # engine request id -> its sample
+        self.by_client: dict[tuple[bytes, str], list[str]] = {}  # (identity, client id) -> engine ids
+        self._ids = itertools.count()
+        self._token_texts: dict[int, str] = {}
+        self.stop_requested = False
+        self.on_ready = lambda: None
+
+    def _router(self, addrs: list[str], router: zmq.Socket | None = None) -> zmq.Socket:
+        router = router or self.ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client raises, so its work is aborted
+        router.setsockopt(zmq.SNDHWM, 0)  # never block the loop on one slow reader
+        for addr in addrs:
+            router.bind(addr)
+        return router
+
+    # ---- sending -----------------------------------------------------------------------------
+    def _reply(self, client: bytes, message) -> None:
+        try:
+            self.frontends[client[0]].send_multipart([client[1:], protocol.encoder.encode(message)], copy=False)
+        except zmq.ZMQError:  # the client is gone (EHOSTUNREACH): stop working for it
+            self._abort_client(client)
+
+    def _to_engine(self, message) -> None:
+        self.to_engine.send(protocol.encoder.encode(message), copy=False)
+
+    # ---- requests from clients -------------------------------------------------------------------
+    def _handle_frontend(self, identity: bytes, frame: bytes) -> None:
+        try:
+            message = protocol.frontend_request_decoder.decode(frame)
+        except (msgspec.DecodeError, ValueError) as exc:  # includes invalid SamplingParams values
+            request_id = _peek_request_id(frame)
+            self._reply(identity, RequestInvalid(f"invalid request: {exc}").to_message(request_id))
+            return
+        if isinstance(message, protocol.GenerateRequest):
+            try:
+                self._start(identity, message)
+            except RequestInvalid as exc:
+                self._reply(identity, exc.to_message(message.request_id))
+        elif isinstance(message, protocol.AbortRequest):
+            self._abort(identity, message.request_ids)
+        elif isinstance(message, protocol.HealthQuery):
+            self._reply(identity, self._health(message.request_id))
+        elif isinstance(message, protocol.TokenizeRequest):
+            self._tokenize(identity, message)
+        elif isinstance(message, protocol.DetokenizeRequest):
+            self._detokenize(identity, message)
+
+    def _require_engine(self) -> protocol.EngineReady:
+        if self.engine_dead is not None:
+            raise RequestInvalid(f"the engine has failed: {self.engine_dead}", status=503, code="engine_dead")
+        if self.engine is None:
+            raise RequestInvalid("the server is starting; try again shortly", status=503, code="not_ready")
+        return self.engine
+
+    def _start(self, identity: bytes, request: protocol.GenerateRequest) -> None:
+        engine = self._require_engine()
+        key = (identity, request.request_id)
+        if key in self.by_client:
+            raise RequestInvalid(f"request id {request.request_id!r} is already in use", "request_id")
+        params = request.params
+        ids = prompt_token_ids(self.tokenizer, request, engine.vocab_size)
+        check_context(len(ids), params.max_tokens, engine.max_model_len,
+                      "messages" if request.messages is not None else "prompt")
+        prompt_tokens = protocol.pack_tokens(ids)
+        engine_ids = []
+        for index in range(params.n):
+            engine_id = str(next(self._ids))
+            detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, request.stop,
+                                                 request.include_stop_str_in_output)
+            sample = SampleState(identity, request.request_id, index, detokenizer, len(ids),
+                                 frozenset(params.stop_token_ids), params.logprobs)
+            if request.return_prompt and index == 0:
+                sample.prompt = request.prompt if request.prompt is not None else self.tokenizer.decode(ids)
+                sample.prompt_tokens = prompt_tokens
+            self.samples[engine_id] = sample
+            engine_ids.append(engine_id)
+            self._to_engine(protocol.AddRequest(engine_id, prompt_tokens, sibling_params(params, index)))
+        self.by_client[key] = engine_ids
+
+    def _abort(self, identity: bytes, request_ids: list[str]) -> None:
+        engine_ids = []
+        for request_id in request_ids:
+            for engine_id in self.by_client.pop((identity, request_id), []):
+                if self.samples.pop(engine_id, None) is not None:
+                    engine_ids.append(engine_id)
+        if engine_ids:
+            self._to_engine(protocol.AbortRequests(engine_ids))
+
+    def _abort_client(self, identity: bytes) -> None:
+        self._abort(identity, [rid for ident, rid in list(self.by_client) if ident == identity])
+
+    def _fail_all(self, message: str) -> None:
+        for (identity, request_id) in list(self.by_client):
+            self._reply(identity, protocol.RequestError(request_id=request_id, status=503, message=message,
+                                                        error_type="server_error", code="engine_dead"))
+        self.by_client.clear()
+        self.samples.clear()
+
+    def _health(self, request_id: str) -> protocol.HealthReport:
+        silence = time.monotonic() - self.last_engine_message
+        ready = self.engine is not None
+        if self.engine_dead is not None:
+            healthy, message = False, f"engine failed: {self.engine_dead}"
+        elif not ready:
+            healthy, message = False, "starting: the engine is loading the model"
+        elif silence > self.stall_timeout:
+            healthy, message = False, f"engine loop stalled: no progress for {silence:.0f}s"
+        else:
+            healthy, message = True, "ok"
+        s = self.stats
+        return protocol.HealthReport(
+            request_id=request_id, ready=ready, healthy=healthy, message=message, model=self.model_dir,
+            max_model_len=self.engine.max_model_len if ready else 0, seconds_since_engine_progress=silence,
+            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage)
+
+    def _tokenize(self, identity: bytes, request: protocol.TokenizeRequest) -> None:
+        try:
+            engine = self._require_engine()
+            ids = prompt_token_ids(self.tokenizer, request, engine.vocab_size)
+        except RequestInvalid as exc:
+            self._reply(identity, exc.to_message(request.request_id))
+            return
+        self._reply(identity, protocol.TokenizeResult(request.request_id, protocol.pack_tokens(ids),
+                                                      self.tokenizer.convert_ids_to_tokens(ids),
+                                                      engine.max_model_len))
+
+    def _detokenize(self, identity: bytes, request: protocol.DetokenizeRequest) -> None:
+        ids = protocol.unpack_tokens(request.tokens)
+        vocab = len(self.tokenizer)
+        if any(t < 0 or t >= vocab for t in ids):
+            self._reply(identity, RequestInvalid(f"token ids must be in [0, {vocab})", "tokens")
+                        .to_message(request.request_id))
+            return
+        self._reply(identity, protocol.DetokenizeResult(request.request_id, self.tokenizer.decode(ids)))
+
+    # ---- outputs from the engine -----------------------------------------------------------------
+    def _handle_engine(self, frame: bytes) -> None:
+        message = protocol.output_decoder.decode(frame)
+        self.last_engine_message = time.monotonic()
+        if isinstance(message, protocol.StepOutputs):
+            self.stats = message.stats
+            self._route(message.deltas)
+        elif isinstance(message, protocol.RequestRejected):
+            self._rejected(message)
+        elif isinstance(message, protocol.EngineReady):
+            self.engine = message
+            self.on_ready()
+        elif isinstance(message, protocol.EngineDead):
+            self.engine_dead = message.message
+            self._fail_all(f"the engine has failed: {message.message}")
+
+    def _route(self, deltas: list[protocol.RequestDelta]) -> None:
+        outgoing: dict[bytes, list[protocol.GenerateDelta]] = defaultdict(list)
+        stopped = []
+        for delta in deltas:
+            sample = self.samples.get(delta.request_id)
+            if sample is None:  # aborted by its client, or already ended by a stop string
+                continue
+            out = sample.delta(delta, self._token_text)
+            outgoing[sample.identity].append(out)
+            if out.finish_reason is not None:
+                del self.samples[delta.request_id]
+                self._sample_done(sample, delta.request_id)
+                if not delta.finished:  # ended here by a stop string: the engine must stop too
+                    stopped.append(delta.request_id)
+        if stopped:
+            self._to_engine(protocol.AbortRequests(stopped))
+        for identity, outs in outgoing.items():
+            self._reply(identity, protocol.GenerateOutputs(outs))
+
+    def _sample_done(self, sample: SampleState, engine_id: str) -> None:
+        key = (sample.identity, sample.client_request_id)
+        siblings = self.by_client.get(key)
+        if siblings is not None:
+            siblings.remove(engine_id)
+            if not siblings:
+                del self.by_client[key]
+
+    def _rejected(self, message: protocol.RequestRejected) -> None:
+        sample = self.samples.get(message.request_id)
+        if sample is None:
+            return
+        self._abort(sample.identity, [sample.client_request_id])
+        self._reply(sample.identity, RequestInvalid(message.message).to_message(sample.client_request_id))
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self.stop_requested:
+            for socket, _ in self.poller.poll(_POLL_MS):
+                if socket is self.from_engine:
+                    while True:
+                        try:
+                            frame = self.from_engine.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle_engine(frame)
+                else:
+                    prefix = bytes([self.frontends.index(socket)])
+                    while True:
+                        try:
+                            identity, frame = socket.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle_frontend(prefix + identity, frame)
+
+    def close(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+        for socket in (*self.frontends, self.to_engine, self.from_engine):
+            socket.close(linger=0)
+        self.ctx.term()
+
+
+def _peek_request_id(frame: bytes) -> str:
+    """The request_id of an undecodable request, if it has one, so the error reaches its waiter."""
+    try:
+        value = msgspec.msgpack.decode(frame)
+        return str(value.get("request_id", "")) if isinstance(value, dict) else ""
+    except msgspec.DecodeError:
+        return ""
+
+
+def run_detok(model_dir: str, frontend_addrs: list[str], engine_input_addr: str, engine_output_addr: str,
+              stall_timeout: float = 30.0, tcp_addr: str | None = None, curve: CurveConfig | None = None,
+              parent_conn: Connection | None = None, runtime_dir: str | None = None) -> None:
+    """Process entry point; exits 0 on SIGTERM/SIGINT or the parent's "stop"."""
+    init_child_process("pagoda-detok")
+    started = time.monotonic()
+    proc = DetokProc(model_dir, frontend_addrs, engine_input_addr, engine_output_addr, stall_timeout,
+                     tcp_addr, curve)
+    link = ParentLink(parent_conn, runtime_dir) if parent_conn is not None else None
+
+    def request_stop(*_):
+        proc.stop_requested = True
+
+    handler = request_stop if link is None else signal.SIG_IGN  # under a parent, the parent decides
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    if link is not None:
+        link.watch(lambda command: request_stop())
+        proc.on_ready = lambda: link.send("ready", seconds=round(time.monotonic() - started, 2))
+    logger.info("tokenizer process %d serving %s", os.getpid(), ", ".join(frontend_addrs + ([tcp_addr] if tcp_addr else [])))
+    try:
+        proc.run()
+    finally:
+        proc.close()

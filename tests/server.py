@@ -1,0 +1,122 @@
+"""A real `pagoda serve` process for tests: started as a user would, on a free port, stopped cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: bytes | dict | None = None, timeout: float = 60.0,
+         headers: dict | None = None) -> tuple[int, dict | str]:
+    """(status, parsed JSON or text) for one raw HTTP request; never raises on an error status."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+class PagodaServer:
+    def __init__(self, tmp_path: Path, *extra_args: str, ready_timeout: float = 120.0):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.frontend = f"ipc://{tmp_path}/frontend.sock"
+        self.log_path = tmp_path / "server.log"
+        self.runtime_root = tmp_path / "run"
+        self.runtime_root.mkdir(exist_ok=True)
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_root)}
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "engine_core.cli", "serve", "--port", str(self.port), "--kv-cache-memory",
+             "256MiB", "--frontend", self.frontend, *extra_args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.wait_healthy(ready_timeout)
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                status, _ = http("GET", self.base_url + "/health", timeout=2)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def children(self) -> list[int]:
+        return child_pids(self.process.pid)
+
+    def child_named(self, name: str) -> int:
+        for pid in self.children():
+            try:
+                if name in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") or \
+                        Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                    return pid
+            except OSError:
+                continue
+        raise LookupError(name)
+
+    def runtime_dirs(self) -> list[Path]:
+        return list(self.runtime_root.iterdir())
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
