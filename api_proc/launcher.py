@@ -197,6 +197,7 @@ def serve(args) -> int:
                 logger.error("%s exited during start-up (exit code %s)", dead.name, dead.process.exitcode)
             supervisor.fail()
             return 1 if dead is not None or supervisor.stop_signal is None else 0
+        supervisor.tell(("api",), "serve")
         logger.info("ready in %.1fs: http://%s:%d (%d API worker%s); direct clients: %s", time.monotonic() - started,
                     args.host, args.port, args.api_workers, "s" if args.api_workers > 1 else "",
                     ", ".join(frontends + ([args.frontend] if curve else [])))

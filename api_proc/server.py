@@ -75,6 +75,7 @@ class ApiServer:
         self.settings = settings
         self.model = settings.served_model_names[0]
         self.client = AsyncEngineClient(settings.frontend_addr)
+        self.serving = False  # set once the parent says every process is ready
         self.draining = False
         self.active_requests = 0  # generation handlers running now
         self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
@@ -86,6 +87,8 @@ class ApiServer:
 
     # ---- small routes ------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
+        if not self.serving:
+            return json_response({"status": "starting", "message": "the model is loading"}, 503)
         if self.draining:
             return json_response({"status": "draining"}, 503)
         try:
@@ -147,6 +150,9 @@ class ApiServer:
         return self.model if model is None else model
 
     def _check_accepting(self) -> None:
+        if not self.serving:
+            raise ApiError(503, "The server is starting; try again shortly.", error_type="server_error",
+                           code="not_ready")
         if self.draining:
             raise ApiError(503, "The server is shutting down and accepts no new requests.",
                            error_type="server_error", code="server_shutting_down")

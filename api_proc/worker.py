@@ -1,6 +1,6 @@
 """One HTTP worker process: the aiohttp server, obeying the `pagoda serve` parent.
 
-The parent says "drain" (stop accepting, finish in-flight requests up to the shutdown timeout, exit 0)
+The parent says "serve" (every process is ready: /health may turn 200), "drain" (stop accepting, finish in-flight requests up to the shutdown timeout, exit 0)
 or "fail" (a sibling process died: end every in-flight request with an error now, exit 1).
 """
 
@@ -54,7 +54,9 @@ async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
             done.set_result(1)
 
     def on_command(command: str) -> None:
-        if command == "drain":
+        if command == "serve":
+            server.serving = True
+        elif command == "drain":
             loop.create_task(drain_then_exit())
         elif command == "fail":
             loop.create_task(fail_then_exit())
@@ -62,7 +64,8 @@ async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
     if link is not None:
         link.watch(lambda command: loop.call_soon_threadsafe(on_command, command))
         link.send("ready")
-    else:  # run alone (tests, debugging): signals drain
+    else:  # run alone (tests, debugging): serve at once; signals drain
+        server.serving = True
         loop.add_signal_handler(signal.SIGTERM, on_command, "drain")
         loop.add_signal_handler(signal.SIGINT, on_command, "drain")
     status = await done

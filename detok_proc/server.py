@@ -10,6 +10,7 @@ deltas come back as text deltas (incremental detokenization, stop strings). One 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -41,6 +42,7 @@ class DetokProc:
         self.ctx = zmq.Context()
         self.auth = None
         self.frontends = [self._router(frontend_addrs)]
+        self.ipc_files = [addr[len("ipc://"):] for addr in frontend_addrs if addr.startswith("ipc://")]
         if tcp_addr is not None:
             if curve is None:
                 raise ValueError("a tcp:// frontend needs CURVE keys")
@@ -276,6 +278,9 @@ class DetokProc:
         for socket in (*self.frontends, self.to_engine, self.from_engine):
             socket.close(linger=0)
         self.ctx.term()
+        for path in self.ipc_files:  # ZeroMQ leaves bound ipc socket files behind
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 def _peek_request_id(frame: bytes) -> str:
@@ -295,7 +300,7 @@ def run_detok(model_dir: str, frontend_addrs: list[str], engine_input_addr: str,
     started = time.monotonic()
     proc = DetokProc(model_dir, frontend_addrs, engine_input_addr, engine_output_addr, stall_timeout,
                      tcp_addr, curve)
-    link = ParentLink(parent_conn, runtime_dir) if parent_conn is not None else None
+    link = ParentLink(parent_conn, runtime_dir, proc.ipc_files) if parent_conn is not None else None
 
     def request_stop(*_):
         proc.stop_requested = True

@@ -8,6 +8,7 @@ Messages are msgpack, like everything else that crosses a process boundary.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -58,9 +59,12 @@ def die_with_parent() -> None:
 class ParentLink:
     """The child's end of its control pipe."""
 
-    def __init__(self, conn: Connection, runtime_dir: str | None = None):
+    def __init__(self, conn: Connection, runtime_dir: str | None = None, socket_files: list[str] = ()):
         self.conn = conn
-        self.runtime_dir = runtime_dir  # removed if the parent dies without cleaning up
+        # Removed if the parent dies without cleaning up: its runtime directory, and any ipc socket
+        # this process bound outside it.
+        self.runtime_dir = runtime_dir
+        self.socket_files = list(socket_files)
         self._send_lock = threading.Lock()
 
     def send(self, kind: str, **info) -> None:
@@ -89,6 +93,9 @@ class ParentLink:
         logger.warning("the pagoda serve parent is gone; exiting")
         if self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        for path in self.socket_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         os._exit(0)
 
 

@@ -1,0 +1,108 @@
+"""The direct ZeroMQ clients against a real server: same results and same checks as HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+
+from api_proc.client import AsyncEngineClient, EngineClient, EngineError
+from engine_core import protocol
+from engine_core.sampling_params import SamplingParams
+from tests.server import MODEL_NAME, PagodaServer
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = PagodaServer(tmp_path_factory.mktemp("direct"))
+    yield server
+    assert server.stop() == 0
+
+
+@pytest.fixture()
+def client(server):
+    client = EngineClient(server.frontend)
+    yield client
+    client.close()
+
+
+def _collect(deltas) -> tuple[str, list[int], list[protocol.GenerateDelta]]:
+    deltas = list(deltas)
+    tokens = [t for d in deltas for t in protocol.unpack_tokens(d.tokens)]
+    return "".join(d.text for d in deltas), tokens, deltas
+
+
+def test_token_ids_equal_the_offline_engine(client, default_model_dir):
+    from engine_core.llm import LLM
+
+    prompts = ["The capital of Italy is", "def fibonacci(n):"]
+    offline = LLM(str(default_model_dir), kv_cache_memory="128MiB").generate(prompts, GREEDY, use_tqdm=False)
+    for prompt, expected in zip(prompts, offline):
+        text, tokens, deltas = _collect(client.generate(prompt, GREEDY, timeout=60))
+        assert tokens == expected.outputs[0].token_ids and text == expected.outputs[0].text
+        assert deltas[-1].num_output_tokens == len(tokens)
+        assert deltas[-1].num_prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_chat_and_token_prompts_match_http(client, server, tokenizer):
+    messages = [{"role": "user", "content": "Give me one word for happy."}]
+    http = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+    expected = http.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0)
+    text, _, _ = _collect(client.generate(messages=messages, params=GREEDY, timeout=60))
+    assert text == expected.choices[0].message.content
+    ids = tokenizer.encode("The capital of Italy is")
+    by_ids, _, _ = _collect(client.generate(prompt_token_ids=ids, params=GREEDY, timeout=60))
+    by_text, _, _ = _collect(client.generate("The capital of Italy is", GREEDY, timeout=60))
+    assert by_ids == by_text
+
+
+def test_same_validation_as_http(client):
+    with pytest.raises(EngineError) as info:
+        list(client.generate("hello", SamplingParams(max_tokens=10 ** 6), timeout=30))
+    assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+    with pytest.raises(EngineError) as info:
+        list(client.generate(prompt_token_ids=[1, 10 ** 8], params=GREEDY, timeout=30))
+    assert info.value.status == 400 and info.value.param == "prompt"
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(ValueError, match="exactly one"):
+        list(client.generate("a", GREEDY, messages=[{"role": "user", "content": "b"}]))
+    assert _collect(client.generate("still fine", SamplingParams(max_tokens=2), timeout=30))[2][-1].finish_reason
+
+
+def test_leaving_early_aborts_and_n2(client):
+    stream = client.generate("Once upon a time", SamplingParams(max_tokens=1000, ignore_eos=True), timeout=30)
+    next(stream)
+    stream.close()  # leaves the generator: the request is aborted
+    deadline = time.monotonic() + 5
+    while client.health().num_running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.health().num_running == 0
+    _, _, deltas = _collect(client.generate("Pick a color:", SamplingParams(n=2, max_tokens=5, seed=3), timeout=30))
+    assert sorted(d.index for d in deltas if d.finish_reason) == [0, 1]
+
+
+def test_async_client_runs_requests_concurrently(server, client):
+    prompts = [f"List {i} animals:" for i in range(8)]
+    expected = [_collect(client.generate(p, GREEDY, timeout=60))[1] for p in prompts]
+
+    async def run() -> list[list[int]]:
+        aclient = AsyncEngineClient(server.frontend)
+
+        async def one(prompt: str) -> list[int]:
+            return [t async for d in aclient.generate(prompt, GREEDY) for t in protocol.unpack_tokens(d.tokens)]
+
+        try:
+            health = await aclient.health()
+            assert health.healthy and health.max_model_len > 0
+            tokens = protocol.unpack_tokens((await aclient.tokenize("héllo")).tokens)
+            assert await aclient.detokenize(tokens) == "héllo"
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            aclient.close()
+
+    assert asyncio.run(run()) == expected
