@@ -1,4 +1,4 @@
-# Pagoda: `make serve` starts the engine on the default model, `make test` runs the suite.
+# Pagoda: `make serve` starts the server on the default model, `make test` runs the suite.
 # Both set everything up on a fresh machine (a .venv beside this file, the default model in the cache).
 
 PYTHON ?= python3
@@ -24,9 +24,9 @@ $(STAMP): pyproject.toml
 model: $(STAMP)
 	$(VENV)/bin/pagoda download-default
 
-# Until the HTTP server lands, "serve" runs the offline engine interactively on the default model.
+# The OpenAI-compatible server on the default model: http://127.0.0.1:8000 (SERVE_ARGS adds flags).
 serve: install
-	$(VENV)/bin/pagoda generate --chat "What is the capital of France?"
+	$(VENV)/bin/pagoda serve $(SERVE_ARGS)
 
 test: install
 	$(PY) -m pytest -q tests

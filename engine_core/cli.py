@@ -23,6 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", default="2GiB", help="memory for the KV cache pool, e.g. 2GiB, 512MiB")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one engine step (longer prompts are prefilled in chunks)")
+    g.add_argument("--max-joint-prefill-tokens", type=int, default=256,
+                   help="a lone prompt may use the whole step budget; several prompts share a step only up to "
+                        "this many prefill tokens (lower = first tokens sooner when many requests arrive at once)")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's max_position_embeddings)")
@@ -35,7 +38,8 @@ def engine_config_from_args(args: argparse.Namespace):
 
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         kv_cache_memory=parse_size(args.kv_cache_memory),
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_joint_prefill_tokens=args.max_joint_prefill_tokens, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, seed=args.seed, num_threads=args.num_threads)
 
 

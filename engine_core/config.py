@@ -49,6 +49,7 @@ class EngineConfig:
     kv_cache_memory: int = 2 * 1024 ** 3  # bytes for the KV pool (CPU)
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set (tests)
     max_num_batched_tokens: int = 2048
+    max_joint_prefill_tokens: int = 256  # see Scheduler: how many prefill tokens several requests may share a step with
     max_num_seqs: int = 128
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
@@ -57,8 +58,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_joint_prefill_tokens < 1:
+            raise ValueError("max_num_batched_tokens, max_joint_prefill_tokens and max_num_seqs must be positive")
 
     def torch_device(self) -> "torch.device":
         import torch

@@ -42,9 +42,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int):
+                 max_model_len: int, max_joint_prefill_tokens: int | None = None):
         self.kv = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A lone prefill may use the whole token budget; further prefills join a step only while the
+        # step's prefill tokens stay within this. When many requests arrive at once they then get their
+        # first tokens one small group after another, in arrival order, instead of all together after
+        # one long step; and decodes sharing those steps are not stalled for long.
+        self.max_joint_prefill_tokens = max_joint_prefill_tokens or max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
@@ -114,9 +119,12 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        prefill_tokens = sum(n for n in out.num_scheduled_tokens if n > 1)  # partial prefills running
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if prefill_tokens and prefill_tokens + num_new > self.max_joint_prefill_tokens:
+                break
             # The free-block watermark applies only when others run: alone, a request may use it all.
             if not self.kv.allocate_slots(request, num_new, admitting=bool(self.running)):
                 break
@@ -126,6 +134,7 @@ class Scheduler:
             out.requests.append(request)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
+            prefill_tokens += num_new
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: free everything, restart from token 0 later (before newer arrivals)."""

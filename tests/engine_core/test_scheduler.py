@@ -117,3 +117,15 @@ def test_max_num_seqs_and_token_budget():
         s.add_request(request(str(i), 3))
     out = s.schedule()
     assert len(out.requests) == 2 and out.total_tokens == 6
+
+
+def test_joint_prefill_limit_groups_a_burst_in_arrival_order_but_not_a_lone_prompt():
+    s = Scheduler(KVCacheManager(256, 4, watermark=0.0), 64, 16, 200, max_joint_prefill_tokens=16)
+    s.add_request(request("long", 40))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == [40]  # alone: the whole prompt in one step, past the joint limit
+    for i in range(5):
+        s.add_request(request(f"r{i}", 8))
+    steps = [[r.request_id for r in run_step(s)[0].requests] for _ in range(3)]
+    # "long" decodes every step; the burst joins two prompts (16 prefill tokens) at a time, in order
+    assert steps == [["long", "r0", "r1"], ["long", "r0", "r1", "r2", "r3"], ["long", "r0", "r1", "r2", "r3", "r4"]]
