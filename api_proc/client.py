@@ -142,6 +142,11 @@ class AsyncEngineClient:
             queue.put_nowait(protocol.RequestError(request_id=request_id, status=status, message=message,
                                                    error_type="server_error", code="server_shutdown"))
 
+    async def reset_prefix_cache(self, timeout: float = 30.0) -> int:
+        """Forget every cached prefix; returns the number of cached blocks dropped."""
+        result = await self._call(protocol.ResetPrefixCacheRequest(self.new_request_id()), timeout)
+        return result.num_blocks
+
     async def health(self, timeout: float = 5.0) -> protocol.HealthReport:
         return await self._call(protocol.HealthQuery(self.new_request_id()), timeout)
 

@@ -12,9 +12,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _bytes(text: str) -> list[int]:
@@ -63,11 +64,13 @@ class Choice:
         self.logprob_entries: list[TokenLogprob] = []
         self.num_output_tokens = 0
         self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
 
     def add(self, delta: GenerateDelta) -> None:
         self.text += delta.text
         self.num_output_tokens = delta.num_output_tokens
         self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = delta.num_cached_tokens
         if delta.logprobs:
             self.logprob_entries.extend(delta.logprobs)
         if delta.finish_reason is not None:

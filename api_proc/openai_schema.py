@@ -56,6 +56,7 @@ class _Common(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # requests share cached prefix blocks only with equal salts
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if not 1 <= self.n <= MAX_N:

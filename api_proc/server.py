@@ -83,6 +83,7 @@ class ApiServer:
             web.get("/health", self.health), web.get("/version", self.version), web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
             web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
+            web.post("/reset_prefix_cache", self.reset_prefix_cache),
         ])
 
     # ---- small routes ------------------------------------------------------------------------
@@ -134,6 +135,10 @@ class ApiServer:
             raise ApiError(400, "Invalid type for 'tokens': expected a list of token ids.", "tokens", "invalid_type")
         return json_response({"prompt": await self.client.detokenize(tokens)})
 
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        """Admin: forget every cached prefix (e.g. after changing what tenants may share)."""
+        return json_response({"status": "ok", "num_blocks": await self.client.reset_prefix_cache()})
+
     async def _json_object(self, request: web.Request) -> dict:
         try:
             body = msgspec.json.decode(await request.read())
@@ -170,7 +175,8 @@ class ApiServer:
         streams = [self.client.generate(
             prompt=p if isinstance(p, str) else None, prompt_token_ids=None if isinstance(p, str) else p,
             params=params, stop=req.stop_list, include_stop_str_in_output=req.include_stop_str_in_output,
-            add_special_tokens=req.add_special_tokens, return_prompt=req.echo) for p in prompts]
+            add_special_tokens=req.add_special_tokens, return_prompt=req.echo, cache_salt=req.cache_salt)
+            for p in prompts]
         meta = dict(response_id=new_id("cmpl"), model=model)
         self.active_requests += 1
         try:
@@ -197,20 +203,24 @@ class ApiServer:
                 logprobs = CompletionLogprobs().chunk(choice.logprob_entries)
             out.append({"index": index, "text": prompts.get(index // n, "") + choice.text, "logprobs": logprobs,
                         "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
-        prompt_tokens = sum(choices[p * n].num_prompt_tokens for p in range(len(choices) // n))
+        firsts = [choices[p * n] for p in range(len(choices) // n)]
         completion_tokens = sum(c.num_output_tokens for c in choices.values())
         return json_response(envelope("text_completion", meta["response_id"], meta["model"], choices=out,
-                                      usage=usage(prompt_tokens, completion_tokens)))
+                                      usage=usage(sum(c.num_prompt_tokens for c in firsts), completion_tokens,
+                                                  sum(c.num_cached_tokens for c in firsts))))
 
     async def _stream_completions(self, request, req: CompletionRequest, deltas, meta: dict) -> web.StreamResponse:
         n = req.n
         offsets: dict[int, CompletionLogprobs] = {}
         prompt_tokens: dict[int, int] = {}
+        cached_tokens: dict[int, int] = {}
         output_tokens: dict[int, int] = {}
 
         def chunk(prompt_index: int, delta: protocol.GenerateDelta) -> dict:
             index = prompt_index * n + delta.index
             prompt_tokens[prompt_index] = delta.num_prompt_tokens
+            if delta.index == 0:
+                cached_tokens[prompt_index] = delta.num_cached_tokens
             output_tokens[index] = delta.num_output_tokens
             text = (delta.prompt or "") + delta.text
             logprobs = None
@@ -224,7 +234,8 @@ class ApiServer:
             if not req.include_usage:
                 return None
             return envelope("text_completion", meta["response_id"], meta["model"], choices=[],
-                            usage=usage(sum(prompt_tokens.values()), sum(output_tokens.values())))
+                            usage=usage(sum(prompt_tokens.values()), sum(output_tokens.values()),
+                                        sum(cached_tokens.values())))
 
         return await self._sse(request, deltas, chunk, final)
 
@@ -238,7 +249,7 @@ class ApiServer:
             messages=req.template_messages(), params=params, stop=req.stop_list,
             include_stop_str_in_output=req.include_stop_str_in_output,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            chat_template_kwargs=req.chat_template_kwargs or {})
+            chat_template_kwargs=req.chat_template_kwargs or {}, cache_salt=req.cache_salt)
         meta = dict(response_id=new_id("chatcmpl"), model=model)
         self.active_requests += 1
         try:
@@ -263,15 +274,18 @@ class ApiServer:
         first = choices[0]
         completion_tokens = sum(c.num_output_tokens for c in choices.values())
         return json_response(envelope("chat.completion", meta["response_id"], meta["model"], choices=out,
-                                      usage=usage(first.num_prompt_tokens, completion_tokens)))
+                                      usage=usage(first.num_prompt_tokens, completion_tokens,
+                                                  first.num_cached_tokens)))
 
     async def _stream_chat(self, request, req: ChatCompletionRequest, deltas, meta: dict) -> web.StreamResponse:
         started: set[int] = set()
-        counts = {"prompt": 0}
+        counts = {"prompt": 0, "cached": 0}
         output_tokens: dict[int, int] = {}
 
         def chunk(_: int, delta: protocol.GenerateDelta) -> dict:
             counts["prompt"] = delta.num_prompt_tokens
+            if delta.index == 0:
+                counts["cached"] = delta.num_cached_tokens
             output_tokens[delta.index] = delta.num_output_tokens
             message = {"content": delta.text}
             if delta.index not in started:
@@ -286,7 +300,7 @@ class ApiServer:
             if not req.include_usage:
                 return None
             return envelope("chat.completion.chunk", meta["response_id"], meta["model"], choices=[],
-                            usage=usage(counts["prompt"], sum(output_tokens.values())))
+                            usage=usage(counts["prompt"], sum(output_tokens.values()), counts["cached"]))
 
         return await self._sse(request, deltas, chunk, final)
 

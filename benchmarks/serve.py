@@ -77,6 +77,7 @@ async def run_load(url: str, prompts: list[list[int]], max_tokens: int, concurre
     ms = 1000.0
     return {"duration_s": duration, "output_tok_s": sum(r["tokens"] for r in results) / duration,
             "ttft_p50": statistics.median(r["ttft"] for r in results) * ms,
+            "ttft_mean": statistics.mean(r["ttft"] for r in results) * ms,
             "ttft_p99": sorted(r["ttft"] for r in results)[int(0.99 * (len(results) - 1))] * ms,
             "tpot_p50": statistics.median(r["tpot"] for r in results) * ms,
             "itl_p50": statistics.median(x for r in results for x in r["itl"]) * ms}

@@ -103,7 +103,8 @@ class SampleState:
         out = protocol.GenerateDelta(
             request_id=self.client_request_id, index=self.index, text=text,
             tokens=protocol.pack_tokens(delta.new_token_ids), num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=self.num_output_tokens, finish_reason=finish_reason, stop_reason=stop_reason)
+            num_output_tokens=self.num_output_tokens, num_cached_tokens=delta.num_cached_tokens,
+            finish_reason=finish_reason, stop_reason=stop_reason)
         if self.logprobs is not None:
             out.logprobs = [
                 protocol.TokenLogprob(token_text(token), token, sampled,

@@ -65,6 +65,7 @@ class DetokProc:
         self.by_client: dict[tuple[bytes, str], list[str]] = {}  # (identity, client id) -> engine ids
         self._ids = itertools.count()
         self._token_texts: dict[int, str] = {}
+        self._pending_resets: dict[str, tuple[bytes, str]] = {}  # engine id -> (client, client's id)
         self.stop_requested = False
         self.on_ready = lambda: None
 
@@ -107,6 +108,10 @@ class DetokProc:
             self._tokenize(identity, message)
         elif isinstance(message, protocol.DetokenizeRequest):
             self._detokenize(identity, message)
+        elif isinstance(message, protocol.ResetPrefixCacheRequest):
+            engine_id = f"reset-{next(self._ids)}"
+            self._pending_resets[engine_id] = (identity, message.request_id)
+            self._to_engine(protocol.ResetPrefixCache(engine_id))
 
     def _require_engine(self) -> protocol.EngineReady:
         if self.engine_dead is not None:
@@ -137,7 +142,8 @@ class DetokProc:
                 sample.prompt_tokens = prompt_tokens
             self.samples[engine_id] = sample
             engine_ids.append(engine_id)
-            self._to_engine(protocol.AddRequest(engine_id, prompt_tokens, sibling_params(params, index)))
+            self._to_engine(protocol.AddRequest(engine_id, prompt_tokens, sibling_params(params, index),
+                                                request.cache_salt))
         self.by_client[key] = engine_ids
 
     def _abort(self, identity: bytes, request_ids: list[str]) -> None:
@@ -208,6 +214,10 @@ class DetokProc:
         elif isinstance(message, protocol.EngineReady):
             self.engine = message
             self.on_ready()
+        elif isinstance(message, protocol.PrefixCacheReset):
+            client, request_id = self._pending_resets.pop(message.request_id, (None, ""))
+            if client is not None:
+                self._reply(client, protocol.PrefixCacheResetResult(request_id, message.num_blocks))
         elif isinstance(message, protocol.EngineDead):
             self.engine_dead = message.message
             self._fail_all(f"the engine has failed: {message.message}")

@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="a lone prompt may use the whole step budget; several prompts share a step only up to "
                         "this many prefill tokens (lower = first tokens sooner when many requests arrive at once)")
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn automatic prefix caching off (on by default)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's max_position_embeddings)")
     g.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
@@ -40,7 +42,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         kv_cache_memory=parse_size(args.kv_cache_memory),
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_joint_prefill_tokens=args.max_joint_prefill_tokens, max_num_seqs=args.max_num_seqs,
-                        max_model_len=args.max_model_len, seed=args.seed, num_threads=args.num_threads)
+                        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, num_threads=args.num_threads)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -51,6 +51,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_joint_prefill_tokens: int = 256  # see Scheduler: how many prefill tokens several requests may share a step with
     max_num_seqs: int = 128
+    enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; default = torch's choice

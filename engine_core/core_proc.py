@@ -52,13 +52,15 @@ class EngineCoreProc:
         if isinstance(message, protocol.AddRequest):
             try:
                 self.engine.add_request(message.request_id, protocol.unpack_tokens(message.prompt_tokens),
-                                        message.params)
+                                        message.params, message.cache_salt)
             except ValueError as exc:
                 self._send(protocol.RequestRejected(message.request_id, str(exc)))
         elif isinstance(message, protocol.AbortRequests):
             for request_id in message.request_ids:  # idempotent: unknown or finished ids are ignored
                 if self.engine.abort_request(request_id):
                     self._pending.append(protocol.RequestDelta(request_id, [], "abort"))
+        elif isinstance(message, protocol.ResetPrefixCache):
+            self._send(protocol.PrefixCacheReset(message.request_id, self.engine.reset_prefix_cache()))
         elif isinstance(message, protocol.Shutdown):
             self.stop_requested = True
 
@@ -80,7 +82,8 @@ class EngineCoreProc:
         if self.engine.has_unfinished_requests():
             deltas += self.engine.step()
         s = self.engine.scheduler.stats()
-        stats = protocol.SchedulerStatsMessage(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions)
+        stats = protocol.SchedulerStatsMessage(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions,
+                                               s.prefix_cache_queries, s.prefix_cache_hits)
         self._send(protocol.StepOutputs(deltas, stats, time.time()))
 
     def load(self, config: EngineConfig) -> None:

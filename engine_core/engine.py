@@ -34,7 +34,8 @@ class EngineCore:
         self.model_dir = resolve_model(config.model)
         self.model_cfg = ModelConfig.from_dir(self.model_dir)
         self.runner = ModelRunner(config, self.model_dir, self.model_cfg)
-        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size)
+        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                         enable_caching=config.enable_prefix_caching)
         capacity = self.kv_manager.pool.num_usable_blocks * config.block_size
         self.max_model_len = self._max_model_len(capacity)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
@@ -55,7 +56,8 @@ class EngineCore:
         return wanted
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
         """Queue a request; raises ValueError (nothing queued) if it cannot be served."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -70,7 +72,8 @@ class EngineCore:
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
-        request = Request(request_id, prompt_token_ids, params, self.model_cfg.eos_token_ids)
+        request = Request(request_id, prompt_token_ids, params, self.model_cfg.eos_token_ids,
+                          cache_salt=cache_salt)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> bool:
@@ -96,7 +99,13 @@ class EngineCore:
         while self.has_unfinished_requests():
             self.step()
         self.check_integrity()
+        self.reset_prefix_cache()
+        self.kv_manager.prefix_cache_queries = self.kv_manager.prefix_cache_hits = 0  # users' traffic only
         logger.info("warm-up step run in %.2fs", time.monotonic() - started)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (running requests keep their blocks); returns how many blocks."""
+        return self.kv_manager.reset_prefix_cache()
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
@@ -117,6 +126,7 @@ class EngineCore:
                 request_id=request.request_id, new_token_ids=[token],
                 finish_reason=request.finish_reason if request.request_id in finished else None,
                 new_logprobs=[logprobs] if logprobs is not None else [],
+                num_cached_tokens=request.num_cached_tokens,
                 num_prompt_tokens=request.num_prompt_tokens))
         return outputs
 

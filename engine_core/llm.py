@@ -41,12 +41,18 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Prompts are strings or `{"prompt_token_ids": [...]}` dicts; outputs come back in input order."""
+        """Prompts are strings or `{"prompt_token_ids": [...]}` dicts (either may be a dict with a
+        "prompt" and a "cache_salt"); outputs come back in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         encoded = [self._encode(p) for p in prompts]
-        return self._run(encoded, params_list, use_tqdm)
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
+        return self._run(encoded, params_list, use_tqdm, salts)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the number of cached blocks dropped."""
+        return self.engine.reset_prefix_cache()
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -74,9 +80,11 @@ class LLM:
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
         raise TypeError("a prompt is a string or a dict with 'prompt_token_ids'")
 
-    def _run(self, encoded, params_list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, encoded, params_list, use_tqdm: bool, salts=None) -> list[RequestOutput]:
         # n > 1 becomes n sibling requests; a seeded request's i-th sibling uses seed + i.
         slots: dict[str, tuple[int, int]] = {}
         try:
@@ -85,7 +93,7 @@ class LLM:
                     child = params if params.n == 1 else msgspec.structs.replace(
                         params, n=1, seed=None if params.seed is None else params.seed + sample)
                     request_id = f"{next(self._ids)}"
-                    self.engine.add_request(request_id, token_ids, child)
+                    self.engine.add_request(request_id, token_ids, child, salts[index] if salts else None)
                     slots[request_id] = (index, sample)
         except ValueError as exc:  # one bad prompt rejects the whole call; nothing stays queued
             for request_id in slots:
@@ -94,11 +102,13 @@ class LLM:
         tokens = {rid: [] for rid in slots}
         logprobs = {rid: [] for rid in slots}
         reasons: dict[str, str] = {}
+        cached: dict[str, int] = {}
         bar = tqdm(total=len(slots), desc="Generating", disable=not use_tqdm or len(slots) < 8)
         try:
             while len(reasons) < len(slots):
                 for out in self.engine.step():
                     tokens[out.request_id].extend(out.new_token_ids)
+                    cached[out.request_id] = out.num_cached_tokens
                     logprobs[out.request_id].extend(out.new_logprobs)
                     if out.finished:
                         reasons[out.request_id] = out.finish_reason
@@ -111,6 +121,8 @@ class LLM:
                    for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list))]
         for rid, (index, sample) in slots.items():
             params = params_list[index]
+            if sample == 0:
+                results[index].num_cached_tokens = cached.get(rid, 0)
             results[index].outputs[sample] = CompletionOutput(
                 index=sample, finish_reason=reasons[rid], token_ids=tokens[rid],
                 text=self.tokenizer.decode(tokens[rid], skip_special_tokens=params.skip_special_tokens),

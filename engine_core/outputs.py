@@ -30,3 +30,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

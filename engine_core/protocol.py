@@ -34,6 +34,11 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
     request_id: str
     prompt_tokens: bytes  # pack_tokens(prompt token ids)
     params: SamplingParams
+    cache_salt: str | None = None  # only requests with equal salts share cached prefix blocks
+
+
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
+    request_id: str  # answered by PrefixCacheReset with the same id
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):
@@ -44,7 +49,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Finish nothing more: exit the loop now (draining is the caller's decision)."""
 
 
-EngineInput = Union[AddRequest, AbortRequests, Shutdown]
+EngineInput = Union[AddRequest, AbortRequests, ResetPrefixCache, Shutdown]
 
 # ---- out of the engine core --------------------------------------------------------------------
 
@@ -57,6 +62,7 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the request's last delta
     new_logprobs: list[TokenLogprobs] = []
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -67,7 +73,9 @@ class SchedulerStatsMessage(msgspec.Struct, array_like=True, gc=False):
     num_running: int
     num_waiting: int
     kv_cache_usage: float
-    num_preemptions: int
+    num_preemptions: int  # cumulative counters from here on
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which were found there
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):
@@ -96,7 +104,12 @@ class EngineDead(msgspec.Struct, tag="dead", array_like=True):
     message: str
 
 
-EngineOutput = Union[StepOutputs, RequestRejected, EngineReady, EngineDead]
+class PrefixCacheReset(msgspec.Struct, tag="prefix_cache_reset", array_like=True):
+    request_id: str
+    num_blocks: int  # cached blocks forgotten
+
+
+EngineOutput = Union[StepOutputs, RequestRejected, EngineReady, EngineDead, PrefixCacheReset]
 
 # ---- frontend: clients -> detok_proc ------------------------------------------------------------
 
@@ -120,6 +133,7 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True, omit_default
     stop: list[str] = []
     include_stop_str_in_output: bool = False
     return_prompt: bool = False  # echo: send the prompt's text and token ids in the first delta
+    cache_salt: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -143,7 +157,12 @@ class HealthQuery(msgspec.Struct, tag="health"):
     request_id: str
 
 
-FrontendRequest = Union[GenerateRequest, AbortRequest, TokenizeRequest, DetokenizeRequest, HealthQuery]
+class ResetPrefixCacheRequest(msgspec.Struct, tag="reset_prefix_cache"):
+    request_id: str
+
+
+FrontendRequest = Union[GenerateRequest, AbortRequest, TokenizeRequest, DetokenizeRequest, HealthQuery,
+                        ResetPrefixCacheRequest]
 
 # ---- frontend: detok_proc -> clients ------------------------------------------------------------
 
@@ -165,6 +184,7 @@ class GenerateDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tru
     tokens: bytes  # pack_tokens(new token ids)
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] | None = None
@@ -212,7 +232,13 @@ class HealthReport(msgspec.Struct, tag="health", kw_only=True):
     kv_cache_usage: float
 
 
-FrontendResponse = Union[GenerateOutputs, RequestError, TokenizeResult, DetokenizeResult, HealthReport]
+class PrefixCacheResetResult(msgspec.Struct, tag="prefix_cache_reset"):
+    request_id: str
+    num_blocks: int
+
+
+FrontendResponse = Union[GenerateOutputs, RequestError, TokenizeResult, DetokenizeResult, HealthReport,
+                         PrefixCacheResetResult]
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

@@ -38,7 +38,8 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None):
+                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
+                 cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -50,6 +51,9 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.status = RequestStatus.WAITING
+        self.cache_salt = cache_salt  # only requests with the same salt share cached prefix blocks
+        self.block_hashes: list[bytes] = []  # of its full blocks, filled in by the KV cache manager
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first scheduled
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None:

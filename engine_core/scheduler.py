@@ -37,7 +37,9 @@ class SchedulerStats:
     num_running: int
     num_waiting: int
     kv_cache_usage: float
-    num_preemptions: int
+    num_preemptions: int  # cumulative, like the prefix-cache counters
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which were found there
 
 
 class Scheduler:
@@ -87,7 +89,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.pool.usage(),
-                              self.num_preemptions_total)
+                              self.num_preemptions_total, self.kv.prefix_cache_queries, self.kv.prefix_cache_hits)
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -97,6 +99,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         for request, n in zip(out.requests, out.num_scheduled_tokens):
             request.num_computed_tokens += n  # advanced now, so the next schedule plans the next chunk
+            self.kv.cache_full_blocks(request)  # their K/V are written in this step, before any reader
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -122,19 +125,35 @@ class Scheduler:
         prefill_tokens = sum(n for n in out.num_scheduled_tokens if n > 1)  # partial prefills running
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            head = self.kv.head_hash(request) if request.num_computed_tokens == 0 else None
+            if head is not None and head in self._prefilling_heads():
+                break  # a request with the same first block is being prefilled: wait, then share it
+            hits = self.kv.computed_blocks(request) if request.num_computed_tokens == 0 else []
+            num_hit_tokens = len(hits) * self.kv.block_size
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
             if prefill_tokens and prefill_tokens + num_new > self.max_joint_prefill_tokens:
                 break
             # The free-block watermark applies only when others run: alone, a request may use it all.
-            if not self.kv.allocate_slots(request, num_new, admitting=bool(self.running)):
+            if not self.kv.allocate_slots(request, num_new, admitting=bool(self.running), hit_blocks=hits):
                 break
             self.waiting.popleft()
+            if request.num_computed_tokens == 0:
+                self.kv.record_lookup(request.num_tokens, num_hit_tokens)
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens += num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.requests.append(request)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
             prefill_tokens += num_new
+
+    def _prefilling_heads(self) -> set[bytes]:
+        """First-block hashes of running requests that still have full prompt blocks to compute."""
+        bs = self.kv.block_size
+        return {r.block_hashes[0] for r in self.running
+                if r.block_hashes and r.num_computed_tokens < r.num_prompt_tokens // bs * bs}
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: free everything, restart from token 0 later (before newer arrivals)."""

@@ -236,3 +236,29 @@ def test_200_concurrent_streams_none_lost_or_mixed(server):
         await aclient.close()
 
     asyncio.run(run())
+
+
+def test_prefix_cache_over_http_cached_tokens_salt_and_reset(client, server):
+    system = "You are a meticulous librarian who answers every question in one short sentence. " * 4
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Where are the maps?"}]
+    assert http("POST", server.base_url + "/reset_prefix_cache")[1]["status"] == "ok"
+    first = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached == (second.usage.prompt_tokens - 1) // 16 * 16 > 0
+    assert second.choices[0].message.content == first.choices[0].message.content
+    salted = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
+                                            extra_body={"cache_salt": "tenant-a"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0  # another tenant's cache
+    again = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0,
+                                           extra_body={"cache_salt": "tenant-a"})
+    assert again.usage.prompt_tokens_details.cached_tokens == cached
+    streamed = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4,
+                                                   temperature=0, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == cached
+    status, body = http("POST", server.base_url + "/reset_prefix_cache")
+    assert status == 200 and body["num_blocks"] > 0
+    after = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
+    assert after.usage.prompt_tokens_details.cached_tokens == 0

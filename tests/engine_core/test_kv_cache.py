@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_core.kv_cache import BlockPool, FreeBlockQueue, KVCacheBlock, KVCacheManager
+from engine_core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from engine_core.kv_cache import KVCacheManager
 from engine_core.request import Request, RequestStatus
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler
@@ -52,18 +55,21 @@ def test_allocation_that_does_not_fit_takes_nothing():
 
 # ---- random schedules ------------------------------------------------------------------------------
 
-actions = st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(1, 90), st.integers(1, 12)),
-                   min_size=1, max_size=60)
+actions = st.lists(st.tuples(st.sampled_from(["add", "step", "abort", "reset"]), st.integers(1, 90),
+                             st.integers(1, 12)), min_size=1, max_size=60)
 
 
 @settings(max_examples=150, deadline=None)
-@given(actions=actions, num_blocks=st.integers(8, 40), budget=st.integers(1, 64), max_seqs=st.integers(1, 6))
-def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max_seqs):
-    """Drive the real scheduler and block manager with random arrivals, steps (every scheduled request
-    that completes its prompt gets a token) and aborts. No block is ever owned twice, ref counts stay
-    consistent, budgets hold, and once everything finished or was aborted every block is free."""
+@given(actions=actions, num_blocks=st.integers(8, 40), budget=st.integers(1, 64), max_seqs=st.integers(1, 6),
+       caching=st.booleans(), alphabet=st.integers(1, 3))
+def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max_seqs, caching, alphabet):
+    """Drive the real scheduler and block manager with random arrivals (prompts over a tiny alphabet, so
+    prefixes are shared and cached blocks get hit and evicted), steps (every scheduled request that
+    completes its prompt gets a token), aborts and cache resets. A block's ref count always equals the
+    number of running requests holding it, never negative; budgets hold; once everything finished or
+    was aborted every block is free."""
     block_size = 4
-    manager = KVCacheManager(num_blocks, block_size)
+    manager = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     capacity = manager.pool.num_usable_blocks * block_size
     scheduler = Scheduler(manager, budget, max_seqs, max_model_len=capacity)
     next_id = 0
@@ -71,8 +77,10 @@ def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max
     def step():
         out = scheduler.schedule()
         assert out.total_tokens <= budget and len(scheduler.running) <= max_seqs
-        owned = [b for r in scheduler.running for b in r.block_ids]
-        assert len(owned) == len(set(owned)) and 0 not in owned
+        holders = Counter(b for r in scheduler.running for b in r.block_ids)
+        assert 0 not in holders
+        for block in manager.pool.blocks[1:]:
+            assert block.ref_cnt == holders.get(block.block_id, 0) >= 0
         for r in scheduler.running:
             assert len(r.block_ids) * block_size >= r.num_computed_tokens
         sampled = {r.request_id: 7 for r in out.requests if r.num_computed_tokens == r.num_tokens}
@@ -82,10 +90,13 @@ def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max
     for kind, size, max_tokens in actions:
         if kind == "add":
             prompt_len = min(size, capacity - 1)
-            scheduler.add_request(Request(str(next_id), [5] * prompt_len, SamplingParams(max_tokens=max_tokens)))
+            prompt = [5 + (i * size) % alphabet for i in range(prompt_len)]
+            scheduler.add_request(Request(str(next_id), prompt, SamplingParams(max_tokens=max_tokens)))
             next_id += 1
         elif kind == "step":
             step()
+        elif kind == "reset":
+            manager.reset_prefix_cache()
         elif scheduler.requests:
             victim = sorted(scheduler.requests)[size % len(scheduler.requests)]
             assert scheduler.abort(victim).status == RequestStatus.FINISHED_ABORTED
@@ -96,3 +107,72 @@ def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max
     assert not scheduler.has_unfinished(), "scheduler stopped making progress"
     assert manager.pool.num_free_blocks == manager.pool.num_usable_blocks
     assert manager.num_owned_requests == 0
+    assert manager.prefix_cache_hits <= manager.prefix_cache_queries
+    if not caching:
+        assert manager.prefix_cache_hits == 0 and not manager.pool.cached
+
+
+# ---- prefix caching ----------------------------------------------------------------------------------
+
+def _admit(manager, request):
+    hits = manager.computed_blocks(request)
+    request.num_computed_tokens = 0
+    assert manager.allocate_slots(request, request.num_tokens - len(hits) * manager.block_size, hit_blocks=hits)
+    request.num_computed_tokens = request.num_tokens
+    manager.cache_full_blocks(request)
+    return len(hits)
+
+
+def test_identical_prompts_share_full_blocks_and_the_last_token_is_always_computed():
+    manager = KVCacheManager(20, block_size=4)
+    first, second = (Request(r, list(range(8)), SamplingParams()) for r in "ab")
+    assert _admit(manager, first) == 0
+    assert _admit(manager, second) == 1  # 8 tokens = 2 full blocks, but the 8th token must be computed
+    assert first.block_ids[0] == second.block_ids[0] and first.block_ids[1] != second.block_ids[1]
+    assert manager.pool.blocks[first.block_ids[0]].ref_cnt == 2
+    longer = Request("c", list(range(12)), SamplingParams())
+    assert _admit(manager, longer) == 2 and longer.block_ids[:2] == first.block_ids
+
+
+def test_freed_cached_blocks_stay_cached_until_evicted_lru_tail_first():
+    manager = KVCacheManager(7, block_size=4)  # 6 usable blocks: 1..6
+    old = Request("old", list(range(12)), SamplingParams())
+    _admit(manager, old)
+    assert old.block_ids == [1, 2, 3] and len(manager.pool.cached) == 3
+    manager.free(old)  # free and still cached; queued tail first behind the never-used blocks
+    assert [b.block_id for b in manager.pool.free_queue] == [4, 5, 6, 3, 2, 1]
+    other = Request("other", list(range(100, 116)), SamplingParams())
+    _admit(manager, other)  # takes 4, 5, 6 and evicts 3, old's tail
+    assert other.block_ids == [4, 5, 6, 3] and len(manager.pool.cached) == 2 + 4
+    manager.free(other)
+    again = Request("again", list(range(12)), SamplingParams())
+    assert _admit(manager, again) == 2 and again.block_ids[:2] == [1, 2]  # the head survived
+
+
+def test_cache_salt_separates_tenants():
+    manager = KVCacheManager(30, block_size=4)
+    prompts = {name: Request(name, list(range(9)), SamplingParams(), cache_salt=salt)
+               for name, salt in [("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1"), ("d", None)]}
+    hits = {name: _admit(manager, r) for name, r in prompts.items()}
+    assert hits == {"a": 0, "b": 0, "c": 2, "d": 0}
+    assert not set(prompts["a"].block_ids) & set(prompts["b"].block_ids)
+    assert not set(prompts["d"].block_ids) & set(prompts["a"].block_ids)
+
+
+def test_a_request_waits_for_a_sibling_prefill_then_shares_it():
+    manager = KVCacheManager(40, block_size=4, watermark=0.0)
+    scheduler = Scheduler(manager, 8, 8, max_model_len=100)
+    for rid in ("s0", "s1", "s2"):
+        scheduler.add_request(Request(rid, list(range(18)), SamplingParams(max_tokens=2)))
+    first = scheduler.schedule()  # s0 takes an 8-token chunk; s1 and s2 wait for its full blocks
+    assert [r.request_id for r in first.requests] == ["s0"]
+    scheduler.update_from_output(first, {})
+    second = scheduler.schedule()
+    assert [r.request_id for r in second.requests] == ["s0"]
+    scheduler.update_from_output(second, {})
+    third = scheduler.schedule()  # s0's 4 full blocks are computed: the siblings share them now
+    assert [r.request_id for r in third.requests] == ["s0", "s1", "s2"]
+    assert third.num_scheduled_tokens == [2, 2, 2]
+    s0, s1, s2 = (scheduler.requests[r] for r in ("s0", "s1", "s2"))
+    assert s1.block_ids[:4] == s0.block_ids[:4] == s2.block_ids[:4] and s1.num_cached_tokens == 16
+    assert manager.prefix_cache_hits == 32 and manager.prefix_cache_queries == 54
