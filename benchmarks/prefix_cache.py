@@ -51,7 +51,7 @@ def main() -> None:
     print(f"  {'':28} {'caching on':>12} {'caching off':>12} {'on / off':>9}")
     for key, label in [("ttft_p50", "TTFT p50 ms"), ("ttft_mean", "TTFT mean ms"),
                        ("total_tok_s", "total tok/s (in + out)"), ("output_tok_s", "output tok/s")]:
-        print(f"  {label:28} {on[key]:12.0f} {off[key]:12.1f} {on[key] / off[key]:9.3f}")
+        print(f"  {label:28} {on[key]:12.0f} {off[key]:12.0f} {on[key] / off[key]:9.3f}")
     print(f"  vLLM CPU TTFT p50 (notes)    {VLLM_TTFT_P50_MS[True]:12} {VLLM_TTFT_P50_MS[False]:12}")
     print(f"  Pagoda TTFT p50 / vLLM's     {on['ttft_p50'] / VLLM_TTFT_P50_MS[True]:12.2f} "
           f"{off['ttft_p50'] / VLLM_TTFT_P50_MS[False]:12.2f}")
