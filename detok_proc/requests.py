@@ -106,10 +106,12 @@ class SampleState:
             num_output_tokens=self.num_output_tokens, num_cached_tokens=delta.num_cached_tokens,
             finish_reason=finish_reason, stop_reason=stop_reason)
         if self.logprobs is not None:
-            out.logprobs = [
-                protocol.TokenLogprob(token_text(token), token, sampled,
-                                      [(token_text(tid), tid, lp) for tid, lp in top[:self.logprobs]])
-                for token, (sampled, top) in zip(delta.new_token_ids, delta.new_logprobs)]
+            out.logprobs = []
+            for packed in delta.new_logprobs:
+                (token, *top_ids), (sampled, *top_lps) = packed.unpack()
+                out.logprobs.append(protocol.TokenLogprob(
+                    token_text(token), token, sampled,
+                    [(token_text(tid), tid, lp) for tid, lp in zip(top_ids, top_lps)]))
         if self.prompt is not None or self.prompt_tokens is not None:
             out.prompt, out.prompt_tokens = self.prompt, self.prompt_tokens
             self.prompt = self.prompt_tokens = None

@@ -133,9 +133,13 @@ class LLM:
         if params.logprobs is None:
             return {}
         per_token = []
-        for token, (sampled_lp, top) in zip(token_ids, entries):
-            entry = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid])) for rank, (tid, lp) in enumerate(top)}
+        cumulative = 0.0
+        for packed in entries:
+            (token, *top_ids), (sampled_lp, *top_lps) = packed.unpack()
+            cumulative += sampled_lp
+            entry = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
+                     for rank, (tid, lp) in enumerate(zip(top_ids, top_lps))}
             if token not in entry:
                 entry[token] = Logprob(sampled_lp, None, self.tokenizer.decode([token]))
             per_token.append(entry)
-        return {"logprobs": per_token, "cumulative_logprob": sum(lp for lp, _ in entries)}
+        return {"logprobs": per_token, "cumulative_logprob": cumulative}

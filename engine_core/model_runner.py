@@ -17,6 +17,7 @@ from engine_core.config import EngineConfig, resolve_dtype
 from engine_core.layers.attention import AttentionMetadata
 from engine_core.loader import load_model
 from engine_core.model_config import ModelConfig
+from engine_core.protocol import TokenLogprobs
 from engine_core.request import Request
 from engine_core.sampler import SamplingBatch, sample
 from engine_core.scheduler import SchedulerOutput
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class StepResult:
     sampled: dict[str, int]  # request id -> new token, for requests whose prompt is fully computed
-    logprobs: dict[str, tuple]  # request id -> (sampled logprob, top-N), when asked for
+    logprobs: dict[str, TokenLogprobs]  # request id -> packed logprobs, when asked for
 
 
 def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

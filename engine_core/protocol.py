@@ -53,7 +53,20 @@ EngineInput = Union[AddRequest, AbortRequests, ResetPrefixCache, Shutdown]
 
 # ---- out of the engine core --------------------------------------------------------------------
 
-TokenLogprobs = tuple[float, list[tuple[int, float]]]  # (sampled token's logprob, [(id, logprob), ...])
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of one generated token, packed: column 0 is the sampled token, then the top k (best
+    first). Two buffers instead of 2 + 2k Python numbers, whatever k is."""
+
+    token_ids: bytes  # int32 [1 + k]
+    logprobs: bytes  # float32 [1 + k]
+
+    @classmethod
+    def pack(cls, token_ids, logprobs) -> "TokenLogprobs":
+        return cls(np.asarray(token_ids, dtype=np.int32).tobytes(), np.asarray(logprobs, dtype=np.float32).tobytes())
+
+    def unpack(self) -> tuple[list[int], list[float]]:
+        return (np.frombuffer(self.token_ids, dtype=np.int32).tolist(),
+                np.frombuffer(self.logprobs, dtype=np.float32).tolist())
 
 
 class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine_core.protocol import TokenLogprobs
 from engine_core.request import Request
 
 _NEG_INF = float("-inf")
@@ -53,8 +54,7 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # Per row: (sampled token's logprob, [(token_id, logprob), ...] top-N) or None when not asked for.
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+    logprobs: list[TokenLogprobs | None]  # per row; None when the request did not ask for them
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -139,19 +139,16 @@ def _exponential_noise(batch: SamplingBatch, shape, device) -> torch.Tensor:
 
 
 def _gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch):
+    """Per row, the sampled token's logprob and the top-N, packed (column 0 = the sampled token)."""
     logprobs = torch.log_softmax(raw_logits, dim=-1)
-    sampled = logprobs.gather(-1, token_ids[:, None]).squeeze(-1).tolist()
+    sampled = logprobs.gather(-1, token_ids[:, None])
     k = max(batch.max_logprobs, 0)
-    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-    result = []
-    for row, request in enumerate(batch.requests):
-        n = request.params.logprobs
-        if n is None:
-            result.append(None)
-            continue
-        top = list(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist())) if n else []
-        result.append((sampled[row], top))
-    return result
+    top_vals, top_ids = logprobs.topk(k, dim=-1)
+    ids = torch.cat([token_ids[:, None], top_ids], dim=1).to(torch.int32).cpu().numpy()
+    values = torch.cat([sampled, top_vals], dim=1).float().cpu().numpy()
+    return [None if r.params.logprobs is None else TokenLogprobs.pack(ids[row, :1 + r.params.logprobs],
+                                                                       values[row, :1 + r.params.logprobs])
+            for row, r in enumerate(batch.requests)]
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:

@@ -58,7 +58,7 @@ def test_logit_bias_moves_only_its_rows_tokens_and_not_logprobs():
     plain = req([1], temperature=0.0)
     out = sample(logits, [biased, plain])
     assert out.token_ids == [4, 2]
-    assert out.logprobs[0][1][0][0] == 2  # logprobs describe the model's distribution, before the bias
+    assert out.logprobs[0].unpack()[0] == [4, 2]  # sampled 4; the top logprob is the model's own, 2
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={3: 101.0})
 
@@ -87,9 +87,9 @@ def test_logprobs_are_of_the_raw_distribution():
     row = [1.0, 2.0, 3.0, 0.0, 0, 0, 0, 0]
     out = sample([row], [req([1], temperature=0, logprobs=2, min_tokens=1, max_tokens=3)])
     ref = torch.log_softmax(torch.tensor(row), -1)
-    sampled_lp, top = out.logprobs[0]
-    assert out.token_ids == [2] and sampled_lp == pytest.approx(ref[2].item())
-    assert [t for t, _ in top] == [2, 1] and top[1][1] == pytest.approx(ref[1].item())
+    (token, *top_ids), (sampled_lp, *top_lps) = out.logprobs[0].unpack()
+    assert out.token_ids == [token] == [2] and sampled_lp == pytest.approx(ref[2].item())
+    assert top_ids == [2, 1] and top_lps[1] == pytest.approx(ref[1].item())
 
 
 # ---- on the real model ---------------------------------------------------------------------------
