@@ -24,7 +24,7 @@ _DIR = Path(__file__).parent
 _COMMON_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
 # Attention may reassociate sums and use vector expf; the element-wise ops must round exactly like torch.
 _LIBRARIES = {
-    "paged_attention": ["-ffast-math", "-fopenmp-simd"],
+    "paged_attention": ["-ffast-math", "-fopenmp"],  # libgomp: torch's own, already loaded
     "elementwise": ["-fno-fast-math", "-ffp-contract=off"],
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

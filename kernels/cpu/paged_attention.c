@@ -9,7 +9,7 @@
  */
 #include <float.h>
 #include <math.h>
-#include <pthread.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,10 +17,10 @@
 typedef struct {
     const float *q, *k_cache, *v_cache;
     const int64_t *block_tables, *seq_lens;
-    float *out, *workspace;
+    float *out;
     int64_t batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len, window;
     float scale;
-    int64_t first_seq, last_seq; /* this worker's range of sequences */
+    int64_t first_seq, last_seq; /* the range of sequences to run */
 } Job;
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -72,13 +72,10 @@ static void run_sequences(const Job *j, float *scores) {
     }
 }
 
-static void *worker(void *arg) {
-    Job *j = (Job *)arg;
-    run_sequences(j, j->workspace);
-    return NULL;
-}
-
-/* workspace: num_threads * num_heads * max_len floats. Returns 0 on success. */
+/* workspace: num_threads * num_heads * max_len floats. Returns 0 on success.
+ * Sequences are shared out over OpenMP threads. Built with -fopenmp, this library binds to the
+ * libgomp that torch has already loaded, so it runs on torch's own thread pool: threads of a private
+ * pool would compete for the cores with torch's threads, which spin for a while after every matmul. */
 int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                                const int64_t *block_tables, const int64_t *seq_lens, float *out,
                                float *workspace, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
@@ -86,24 +83,13 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
                                int64_t window, float scale, int64_t num_threads) {
     if (num_threads > batch) num_threads = batch;
     if (num_threads < 1) num_threads = 1;
-    if (num_threads > 64) num_threads = 64;
-    Job jobs[64];
-    pthread_t threads[64];
-    const int64_t per_thread = (batch + num_threads - 1) / num_threads;
     const int64_t ws_stride = num_heads * max_len;
-    for (int64_t i = 0; i < num_threads; i++) {
-        Job j = {q, k_cache, v_cache, block_tables, seq_lens, out, workspace + i * ws_stride,
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int64_t b = 0; b < batch; b++) {
+        Job j = {q, k_cache, v_cache, block_tables, seq_lens, out,
                  batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len, window, scale,
-                 i * per_thread, (i + 1) * per_thread < batch ? (i + 1) * per_thread : batch};
-        jobs[i] = j;
+                 b, b + 1};
+        run_sequences(&j, workspace + omp_get_thread_num() * ws_stride);
     }
-    int64_t started = 0;
-    for (int64_t i = 1; i < num_threads; i++) { /* worker 0 is this thread */
-        if (pthread_create(&threads[i], NULL, worker, &jobs[i]) != 0) break;
-        started = i;
-    }
-    for (int64_t i = started + 1; i < num_threads; i++) run_sequences(&jobs[i], jobs[i].workspace);
-    run_sequences(&jobs[0], jobs[0].workspace);
-    for (int64_t i = 1; i <= started; i++) pthread_join(threads[i], NULL);
     return 0;
 }
