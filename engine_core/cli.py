@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     keys.add_argument("directory", help="where to write them (created with mode 0700)")
     keys.set_defaults(func=cmd_keys)
 
+    from api_proc.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args)
+
     dl = sub.add_parser("download-default", help="prepare the default model in the cache and print its path")
     dl.set_defaults(func=cmd_download_default)
     return parser

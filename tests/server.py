@@ -107,6 +107,11 @@ class PagodaServer:
                 continue
         raise LookupError(name)
 
+    def model_dir(self) -> Path:
+        from engine_core.default_model import ensure_default_model
+
+        return ensure_default_model()
+
     def runtime_dirs(self) -> list[Path]:
         return list(self.runtime_root.iterdir())
 

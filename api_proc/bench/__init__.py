@@ -1,0 +1,1 @@
+"""The bundled benchmark harness (`pagoda bench serve | throughput | latency`)."""

@@ -1,0 +1,85 @@
+"""One workload, Pagoda and baselines in the same run, a ratio table at the end.
+
+Pagoda is started here (`pagoda serve`) and measured with the bundled harness (`pagoda bench serve`
+code, streaming over HTTP). Baselines:
+  hf        HF transformers `generate` in this process (static batches of --concurrency), always;
+  NAME=URL  any OpenAI-compatible server, measured with the same harness and workload
+            (e.g. a vLLM CPU server started by benchmarks/peers/vllm_cpu.sh: vllm=http://127.0.0.1:8001).
+
+    python benchmarks/compare.py --num-prompts 64 --input-len 128 --output-len 128 --concurrency 16
+    python benchmarks/compare.py --baseline vllm=http://127.0.0.1:8001 --model-name smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from api_proc.bench.datasets import random_requests  # noqa: E402
+from api_proc.bench.metrics import summarize  # noqa: E402
+from api_proc.bench.runner import run_serve  # noqa: E402
+from tests.server import PagodaServer  # noqa: E402
+
+
+def measure_server(url: str, requests, concurrency: int, model: str | None) -> dict:
+    results, duration, _ = asyncio.run(run_serve(url, requests, max_concurrency=concurrency, model=model,
+                                                 progress=False))
+    summary = summarize(results, duration)
+    return {"output_tok_s": summary["output_throughput"], "ttft_p50_ms": summary["ttft_ms"]["median"],
+            "tpot_p50_ms": summary["tpot_ms"]["median"], "failed": summary["failed"]}
+
+
+def measure_hf(requests, batch_size: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine_core.default_model import ensure_default_model
+    from throughput import run_hf
+
+    model = AutoModelForCausalLM.from_pretrained(str(ensure_default_model()), dtype=torch.float32).eval()
+    work = [(r.prompt, r.output_len) for r in requests]
+    result = run_hf(model, work, batch_size)
+    return {"output_tok_s": result["output_tok_s"], "ttft_p50_ms": float("nan"), "tpot_p50_ms": float("nan"),
+            "failed": 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--baseline", action="append", default=[], metavar="NAME=URL")
+    parser.add_argument("--model-name", default=None, help="model name the URL baselines serve")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--server-args", default="", help="extra `pagoda serve` flags, e.g. \"--max-num-seqs 32\"")
+    args = parser.parse_args()
+    requests = random_requests(args.num_prompts, args.input_len, args.output_len, seed=0)
+    rows = {}
+    server = PagodaServer(Path(tempfile.mkdtemp(prefix="pagoda-compare-")), "--kv-cache-memory", "2GiB",
+                          *args.server_args.split())
+    try:
+        rows["pagoda"] = measure_server(server.base_url, requests, args.concurrency, None)
+    finally:
+        server.stop()
+    for spec in args.baseline:
+        name, _, url = spec.partition("=")
+        rows[name] = measure_server(url, requests, args.concurrency, args.model_name)
+    if not args.skip_hf:
+        rows["hf (in-process, static batches)"] = measure_hf(requests, args.concurrency)
+    print(f"\n{args.num_prompts} x {args.input_len} -> {args.output_len} tokens, concurrency {args.concurrency}")
+    print(f"  {'system':34} {'out tok/s':>10} {'TTFT p50':>10} {'TPOT p50':>10} {'failed':>7} {'pagoda / it':>12}")
+    for name, row in rows.items():
+        ratio = rows["pagoda"]["output_tok_s"] / row["output_tok_s"]
+        print(f"  {name:34} {row['output_tok_s']:10.1f} {row['ttft_p50_ms']:10.0f} {row['tpot_p50_ms']:10.1f} "
+              f"{row['failed']:7d} {ratio:11.2f}x")
+
+
+if __name__ == "__main__":
+    main()

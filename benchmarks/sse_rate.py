@@ -1,0 +1,41 @@
+"""Is the benchmark client ever the bottleneck? Streamed chunks parsed per second by one `pagoda bench`
+client process: 256 concurrent streams from a null server that emits tokens as fast as it can.
+Target: >= 20,000 chunks/s on the 2-core development machine.
+
+    python benchmarks/sse_rate.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from api_proc.bench.datasets import random_requests  # noqa: E402
+from api_proc.bench.metrics import summarize  # noqa: E402
+from api_proc.bench.runner import run_serve  # noqa: E402
+from tests.server import free_port  # noqa: E402
+from tests.sse_server import NullServer  # noqa: E402
+
+
+def main() -> None:
+    server = NullServer(free_port())
+    try:
+        requests = random_requests(256, 4, 400, seed=0)
+        start = time.perf_counter()
+        results, duration, _ = asyncio.run(run_serve(server.url, requests, progress=False))
+        wall = time.perf_counter() - start
+    finally:
+        server.stop()
+    chunks = sum(len(r.chunk_times) for r in results)
+    summary = summarize(results, duration)
+    assert summary["completed"] == 256 and chunks == 256 * 400
+    print(f"{chunks} chunks over 256 concurrent streams in {wall:.2f} s: {chunks / wall:,.0f} chunks/s "
+          f"({chunks / wall / 20000:.2f}x the 20,000/s target; the null server shares the same 2 cores)")
+
+
+if __name__ == "__main__":
+    main()

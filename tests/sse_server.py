@@ -1,0 +1,58 @@
+"""A trivial OpenAI-style SSE server that streams tokens as fast as it can (measures the client)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+from aiohttp import web
+
+CHUNK = b'data: {"id":"x","object":"text_completion","choices":[{"index":0,"text":"tok","finish_reason":null}]}\n\n'
+
+
+async def _models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": "null-model", "object": "model"}]})
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    n = int(body["max_tokens"])
+    if n < 0:
+        return web.json_response({"error": {"message": "max_tokens", "type": "invalid_request_error",
+                                            "param": "max_tokens", "code": None}}, status=400)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for start in range(0, n, 16):  # a few chunks per write, as a busy server's socket would carry them
+        await response.write(CHUNK * min(16, n - start))
+    usage = {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}
+    await response.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+    return response
+
+
+class NullServer:
+    """Runs in a background thread with its own event loop; `url` is its base address."""
+
+    def __init__(self, port: int):
+        self.url = f"http://127.0.0.1:{port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(port,), daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+
+    def _run(self, port: int) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.add_routes([web.get("/v1/models", _models), web.post("/v1/completions", _completions)])
+        runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start())
+        self._runner = runner
+        self._ready.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
