@@ -80,3 +80,20 @@ def test_cli_saves_results_and_plots(server, tmp_path):
     saved = json.loads(out.read_text())
     assert saved["summary"]["completed"] == 4 and len(saved["requests"]) == 4
     assert png.stat().st_size > 10_000
+
+
+def test_offline_throughput_and_latency_commands(tmp_path, default_model_dir):
+    from engine_core.cli import main
+
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", str(default_model_dir), "--kv-cache-memory", "128MiB",
+                 "--dataset-name", "prefix", "--prefix-len", "32", "--input-len", "8", "--output-len", "4",
+                 "--num-prompts", "6", "--save-result", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["requests"] == 6 and result["output_tokens"] == 24 and result["input_tokens"] == 6 * 40
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", str(default_model_dir), "--kv-cache-memory", "128MiB",
+                 "--batch-size", "2", "--input-len", "16", "--output-len", "4", "--num-iters", "2",
+                 "--save-result", str(out)]) == 0
+    latency = json.loads(out.read_text())
+    assert len(latency["latencies_s"]) == 2 and 0 < latency["median_s"] <= max(latency["latencies_s"])
