@@ -66,4 +66,16 @@ def load_model(model_dir: Path, model_cfg, dtype: "torch.dtype", device: "torch.
         model = cls(model_cfg, dtype)
     model.load_weights(iterate_weights(model_dir))
     model.eval()
+    _pack_linears(model)
     return model
+
+
+def _pack_linears(model) -> None:
+    """Hand CPU float32 linear weights to oneDNN's packed layout (see layers/linear.py). A tied LM
+    head keeps its plain weight too: it is also the embedding table."""
+    from engine_core.layers.linear import Linear
+
+    tied = getattr(model, "embed_tokens", 0) is None
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            module.pack_for_cpu(keep_weight=tied and name.endswith("lm_head"))

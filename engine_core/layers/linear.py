@@ -5,9 +5,15 @@ takes), but on the CPU its storage is `[in, out]` when the output is at least as
 MKL streams such weights up to 1.9x faster for a single decode token (576->3072: 21.5 vs 11.4 GB/s
 here), while narrowing projections (1536->576) are faster in the usual layout. Large batches run at the
 same speed either way. Merged layers (QKV, gate+up) make one matmul out of several small ones.
+
+After loading, `pack_for_cpu` hands float32 CPU weights to oneDNN in its own blocked layout (packed
+once, valid for any batch size): here 1.3x faster than MKL on the plain weight at one token and up
+to 2.7x at 16. The plain weight is then released, unless another module reads it too.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -21,13 +27,33 @@ def _weight(in_features: int, out_features: int, dtype) -> torch.Tensor:
     return torch.empty(out_features, in_features, dtype=dtype)
 
 
+def _onednn_usable() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and os.environ.get("PAGODA_DISABLE_ONEDNN_LINEAR") != "1")
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
         super().__init__()
         self.weight = nn.Parameter(_weight(in_features, out_features, dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.packed: torch.Tensor | None = None  # oneDNN's layout of the weight, once packed
+
+    def pack_for_cpu(self, keep_weight: bool = False) -> bool:
+        """Use oneDNN's packed layout from now on (float32 on the CPU only); True if packed."""
+        weight = self.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_usable():
+            return False
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
+        if not keep_weight:  # the packed copy replaces it: no second copy of the weights in memory
+            self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            rows = x.reshape(-1, x.shape[-1])
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.weight, self.bias)
 
 
