@@ -65,11 +65,16 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
 
     def wait_ready(self, started: float) -> Child | None:
-        """Wait until every child said "ready"; return a child that died first, if one did."""
+        """Wait until every child said "ready"; return a child that died first, or the first child
+        still not ready when the start-up timeout ran out (None after a stop signal)."""
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not all(c.ready for c in self.children):
-            if self.stop_signal is not None or time.monotonic() > deadline:
+            if self.stop_signal is not None:
                 return None
+            if time.monotonic() > deadline:
+                late = next(c for c in self.children if not c.ready)
+                logger.error("%s not ready after %.0fs", late.name, _START_TIMEOUT_S)
+                return late
             pending = {c.link.conn: c for c in self.children if not c.ready}
             sentinels = {c.process.sentinel: c for c in self.children}
             for obj in wait(list(pending) + list(sentinels), timeout=0.2):
@@ -194,7 +199,7 @@ def serve(args) -> int:
         dead = supervisor.wait_ready(started)
         if dead is not None or supervisor.stop_signal is not None:
             if dead is not None:
-                logger.error("%s exited during start-up (exit code %s)", dead.name, dead.process.exitcode)
+                logger.error("%s failed during start-up (exit code %s)", dead.name, dead.process.exitcode)
             supervisor.fail()
             return 1 if dead is not None or supervisor.stop_signal is None else 0
         supervisor.tell(("api",), "serve")

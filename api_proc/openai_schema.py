@@ -110,15 +110,15 @@ class CompletionRequest(_Common, kw_only=True):
             return [prompt]
         if not prompt:
             raise ApiError(400, "'prompt' must not be empty.", "prompt")
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        if all(_is_token_id(p) for p in prompt):
             return [prompt]
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-               for p in prompt):
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
             return list(prompt)
         raise ApiError(400, "Invalid type for 'prompt': expected a string, a list of strings, a list of "
-                            "token ids or a list of token-id lists.", "prompt", "invalid_type")
+                            "token ids (integers in [0, 2**31)) or a list of token-id lists.", "prompt",
+                       "invalid_type")
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -158,6 +158,10 @@ class ChatCompletionRequest(_Common, kw_only=True):
                                     "of text parts.", f"messages[{i}].content", "invalid_type")
             out.append({**message, "content": content or ""})
         return out
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 31
 
 
 _FIELDS = set(CompletionRequest.__struct_fields__) | set(ChatCompletionRequest.__struct_fields__)

@@ -7,6 +7,7 @@ handler cancellation), which closes the generate stream and so aborts the reques
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -68,6 +69,16 @@ async def openai_errors(request: web.Request, handler):
             raise
         return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
                                        code="not_found" if exc.status == 404 else None))
+    except OverflowError as exc:  # an integer too large to cross to the engine
+        return error_response(ApiError(400, f"A number in the request is out of range: {exc}.",
+                                       code="integer_above_max_value"))
+    except asyncio.TimeoutError:  # (TimeoutError's alias from Python 3.11)
+        return error_response(ApiError(503, "The tokenizer process did not answer in time.",
+                                       error_type="server_error", code="timeout"))
+    except Exception as exc:  # noqa: BLE001 - a bug must still answer in OpenAI's shape, not plain text
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(ApiError(500, f"Internal server error: {type(exc).__name__}",
+                                       error_type="server_error"))
 
 
 class ApiServer:
@@ -94,7 +105,7 @@ class ApiServer:
             return json_response({"status": "draining"}, 503)
         try:
             report = await self.client.health(self.settings.health_timeout)
-        except TimeoutError:
+        except asyncio.TimeoutError:
             return json_response({"status": "unhealthy", "message": "the tokenizer process does not answer"}, 503)
         body = {"status": "ok" if report.healthy else "unhealthy", "message": report.message,
                 "seconds_since_engine_progress": round(report.seconds_since_engine_progress, 3)}
@@ -114,7 +125,11 @@ class ApiServer:
         self._check_model(body.get("model"))
         add_special = body.get("add_special_tokens", True)
         if "messages" in body:
-            chat = ChatCompletionRequest(messages=body["messages"])
+            messages = body["messages"]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise ApiError(400, "Invalid type for 'messages': expected a list of message objects.",
+                               "messages", "invalid_type")
+            chat = ChatCompletionRequest(messages=messages)
             options = protocol.ChatOptions(add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                                            continue_final_message=bool(body.get("continue_final_message", False)))
             result = await self.client.tokenize(messages=chat.template_messages(), chat=options)
@@ -131,7 +146,8 @@ class ApiServer:
         body = await self._json_object(request)
         self._check_model(body.get("model"))
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                   and 0 <= t < 2 ** 31 for t in tokens):
             raise ApiError(400, "Invalid type for 'tokens': expected a list of token ids.", "tokens", "invalid_type")
         return json_response({"prompt": await self.client.detokenize(tokens)})
 
@@ -216,13 +232,21 @@ class ApiServer:
         cached_tokens: dict[int, int] = {}
         output_tokens: dict[int, int] = {}
 
+        echoes: dict[int, str] = {}  # prompt text per prompt, for every choice's first chunk (echo)
+        echoed: set[int] = set()
+
         def chunk(prompt_index: int, delta: protocol.GenerateDelta) -> dict:
             index = prompt_index * n + delta.index
             prompt_tokens[prompt_index] = delta.num_prompt_tokens
             if delta.index == 0:
                 cached_tokens[prompt_index] = delta.num_cached_tokens
             output_tokens[index] = delta.num_output_tokens
-            text = (delta.prompt or "") + delta.text
+            if delta.prompt is not None:
+                echoes[prompt_index] = delta.prompt
+            text = delta.text
+            if req.echo and index not in echoed:
+                echoed.add(index)
+                text = echoes.get(prompt_index, "") + text
             logprobs = None
             if req.logprobs is not None:
                 logprobs = offsets.setdefault(index, CompletionLogprobs()).chunk(delta.logprobs or [])

@@ -68,7 +68,7 @@ def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
     """Sample `index` of an n > 1 request: n=1, and a seeded request's i-th sample uses seed + i."""
     if params.n == 1:
         return params
-    seed = None if params.seed is None else params.seed + index
+    seed = None if params.seed is None else (params.seed + index) % 2 ** 63
     return msgspec.structs.replace(params, n=1, seed=seed)
 
 

@@ -109,9 +109,25 @@ class DetokProc:
         elif isinstance(message, protocol.DetokenizeRequest):
             self._detokenize(identity, message)
         elif isinstance(message, protocol.ResetPrefixCacheRequest):
+            try:
+                self._require_engine()
+            except RequestInvalid as exc:
+                self._reply(identity, exc.to_message(message.request_id))
+                return
             engine_id = f"reset-{next(self._ids)}"
             self._pending_resets[engine_id] = (identity, message.request_id)
             self._to_engine(protocol.ResetPrefixCache(engine_id))
+
+    def _handle_frontend_safely(self, client: bytes, frame: bytes) -> None:
+        """One client's bad luck (a tokenizer error, a malformed buffer) must not end the process."""
+        try:
+            self._handle_frontend(client, frame)
+        except Exception as exc:  # noqa: BLE001 - answered as a server error, the loop goes on
+            logger.exception("request from a client failed")
+            request_id = _peek_request_id(frame)
+            self._abort(client, [request_id])
+            self._reply(client, protocol.RequestError(request_id=request_id, status=500, error_type="server_error",
+                                                      message=f"{type(exc).__name__}: {exc}"))
 
     def _require_engine(self) -> protocol.EngineReady:
         if self.engine_dead is not None:
@@ -130,7 +146,7 @@ class DetokProc:
         check_context(len(ids), params.max_tokens, engine.max_model_len,
                       "messages" if request.messages is not None else "prompt")
         prompt_tokens = protocol.pack_tokens(ids)
-        engine_ids = []
+        engine_ids = self.by_client[key] = []  # registered first, so a failure below can abort them
         for index in range(params.n):
             engine_id = str(next(self._ids))
             detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, request.stop,
@@ -144,7 +160,6 @@ class DetokProc:
             engine_ids.append(engine_id)
             self._to_engine(protocol.AddRequest(engine_id, prompt_tokens, sibling_params(params, index),
                                                 request.cache_salt))
-        self.by_client[key] = engine_ids
 
     def _abort(self, identity: bytes, request_ids: list[str]) -> None:
         engine_ids = []
@@ -162,6 +177,10 @@ class DetokProc:
         for (identity, request_id) in list(self.by_client):
             self._reply(identity, protocol.RequestError(request_id=request_id, status=503, message=message,
                                                         error_type="server_error", code="engine_dead"))
+        for identity, request_id in self._pending_resets.values():
+            self._reply(identity, protocol.RequestError(request_id=request_id, status=503, message=message,
+                                                        error_type="server_error", code="engine_dead"))
+        self._pending_resets.clear()
         self.by_client.clear()
         self.samples.clear()
 
@@ -229,7 +248,15 @@ class DetokProc:
             sample = self.samples.get(delta.request_id)
             if sample is None:  # aborted by its client, or already ended by a stop string
                 continue
-            out = sample.delta(delta, self._token_text)
+            try:
+                out = sample.delta(delta, self._token_text)
+            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode: end this one only
+                logger.exception("detokenizing request %s failed", sample.client_request_id)
+                self._abort(sample.identity, [sample.client_request_id])
+                self._reply(sample.identity, protocol.RequestError(
+                    request_id=sample.client_request_id, status=500, error_type="server_error",
+                    message=f"the output could not be detokenized: {type(exc).__name__}: {exc}"))
+                continue
             outgoing[sample.identity].append(out)
             if out.finish_reason is not None:
                 del self.samples[delta.request_id]
@@ -280,7 +307,7 @@ class DetokProc:
                             identity, frame = socket.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._handle_frontend(prefix + identity, frame)
+                        self._handle_frontend_safely(prefix + identity, frame)
 
     def close(self) -> None:
         if self.auth is not None:

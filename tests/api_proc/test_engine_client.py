@@ -106,3 +106,12 @@ def test_async_client_runs_requests_concurrently(server, client):
             aclient.close()
 
     assert asyncio.run(run()) == expected
+
+
+def test_a_malformed_frame_fails_one_request_not_the_server(client):
+    client.socket.send(protocol.encoder.encode(protocol.DetokenizeRequest("broken", b"abc")))  # not int32s
+    client._stash["broken"] = []
+    answer = client._recv_for("broken", 10)
+    assert isinstance(answer, protocol.RequestError) and answer.status == 500
+    assert client.health().healthy
+    assert _collect(client.generate("still serving", SamplingParams(max_tokens=2), timeout=30))[2][-1].finish_reason

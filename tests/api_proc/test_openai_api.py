@@ -262,3 +262,27 @@ def test_prefix_cache_over_http_cached_tokens_salt_and_reset(client, server):
     assert status == 200 and body["num_blocks"] > 0
     after = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
     assert after.usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "n": 2, "seed": 2 ** 64 - 1}, "seed"),
+    ({"prompt": "x", "max_tokens": 2 ** 70}, "max_tokens"),
+    ({"prompt": [1, 2, 2 ** 40]}, "prompt"),
+    ({"prompt": "x", "stop_token_ids": [2 ** 63]}, "stop_token_ids"),
+])
+def test_out_of_range_numbers_are_400_and_harm_nothing(server, client, body, param):
+    status, got = http("POST", server.base_url + "/v1/completions", body)
+    assert status == 400 and got["error"]["param"] == param, got
+    status, got = http("POST", server.base_url + "/tokenize", {"messages": "hi"})
+    assert status == 400 and got["error"]["param"] == "messages"
+    assert http("GET", server.base_url + "/health")[0] == 200
+    assert client.completions.create(model=MODEL_NAME, prompt="ok", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_streamed_echo_prefixes_every_choice(client):
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="Hi there", max_tokens=3, n=2, echo=True,
+                                            temperature=0, stream=True))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert all(t.startswith("Hi there") and len(t) > len("Hi there") for t in texts.values())
