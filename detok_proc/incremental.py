@@ -19,6 +19,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  stop: list[str] | tuple[str, ...] = (), include_stop_str_in_output: bool = False):
         self._tokenizer = tokenizer.backend_tokenizer  # the Rust tokenizer behind a HF fast tokenizer
+        self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]),
                                     skip_special_tokens=skip_special_tokens)
         self.stop = [s for s in stop if s]
@@ -36,7 +37,7 @@ class IncrementalDetokenizer:
         for token_id in token_ids:
             if self.stopped:
                 break
-            chunk = self._stream.step(self._tokenizer, token_id)
+            chunk = self._step(token_id)
             if chunk:
                 before = len(self.text)
                 self.text += chunk
@@ -45,6 +46,14 @@ class IncrementalDetokenizer:
         delta = self.text[self._sent:end] if end > self._sent else ""
         self._sent = max(self._sent, end)
         return delta
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self._stream.step(self._tokenizer, token_id)
+        except Exception:  # noqa: BLE001 - tokenizers raises "Invalid prefix encountered" on some
+            # byte-fallback sequences; start a fresh stream rather than fail the request (as vLLM does)
+            self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
+            return self._stream.step(self._tokenizer, token_id)
 
     def flush(self) -> str:
         """The request finished: whatever was held back is final now."""

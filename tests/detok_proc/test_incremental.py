@@ -61,3 +61,16 @@ def test_earliest_of_several_stop_strings_wins(tokenizer):
     output = tokenizer.encode("alpha beta gamma delta")
     detok, _, everything = _stream(tokenizer, output, [1], stop=["delta", "beta"])
     assert detok.stop_reason == "beta" and "".join(everything) == "alpha "
+
+
+def test_a_decoder_error_restarts_the_stream_instead_of_failing(tokenizer):
+    ids = tokenizer.encode(" one two three")
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Count:"))
+
+    class Failing:  # stands in for the "Invalid prefix encountered" some byte-fallback vocabularies hit
+        def step(self, *_):
+            raise Exception("Invalid prefix encountered")
+
+    detok._stream = Failing()
+    text = detok.add(ids) + detok.flush()
+    assert text.strip() == "one two three"
