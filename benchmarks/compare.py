@@ -63,7 +63,7 @@ def main() -> None:
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, seed=0)
     rows = {}
     server = PagodaServer(Path(tempfile.mkdtemp(prefix="pagoda-compare-")), "--kv-cache-memory", "2GiB",
-                          *args.server_args.split())
+                          *args.server_args.split(), remove_dir_on_stop=True)
     try:
         rows["pagoda"] = measure_server(server.base_url, requests, args.concurrency, None)
     finally:

@@ -33,7 +33,7 @@ def workload(seed: int = 0) -> list[list[int]]:
 
 def measure(caching: bool) -> dict:
     args = [] if caching else ["--no-prefix-caching"]
-    server = PagodaServer(Path(tempfile.mkdtemp(prefix="pagoda-bench-")), *args)
+    server = PagodaServer(Path(tempfile.mkdtemp(prefix="pagoda-bench-")), *args, remove_dir_on_stop=True)
     try:
         http("POST", server.base_url + "/v1/completions", {"prompt": [5] * 8, "max_tokens": 2})
         started = time.perf_counter()

@@ -136,7 +136,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="pagoda-bench-"))
     launched = time.perf_counter()
-    server = PagodaServer(tmp, "--kv-cache-memory", args.kv_cache_memory, *args.server_args)
+    server = PagodaServer(tmp, "--kv-cache-memory", args.kv_cache_memory, *args.server_args, remove_dir_on_stop=True)
     ready_s = time.perf_counter() - launched
     url = server.base_url
     rows = [("launch -> /health 200", f"{ready_s:.1f} s", f"{VLLM['ready_s'] / ready_s:.0f}x faster")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -62,7 +63,10 @@ def alive(pid: int) -> bool:
 
 
 class PagodaServer:
-    def __init__(self, tmp_path: Path, *extra_args: str, ready_timeout: float = 120.0):
+    def __init__(self, tmp_path: Path, *extra_args: str, ready_timeout: float = 120.0,
+                 remove_dir_on_stop: bool = False):
+        self.tmp_path = tmp_path
+        self.remove_dir_on_stop = remove_dir_on_stop  # benchmarks own their directory; pytest owns tests'
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.frontend = f"ipc://{tmp_path}/frontend.sock"
@@ -124,4 +128,6 @@ class PagodaServer:
                 self.process.kill()
                 self.process.wait()
         self._log.close()
+        if self.remove_dir_on_stop:
+            shutil.rmtree(self.tmp_path, ignore_errors=True)
         return self.process.returncode
