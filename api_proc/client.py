@@ -133,9 +133,6 @@ class AsyncEngineClient:
             if remaining:
                 await self.socket.send(protocol.encoder.encode(protocol.AbortRequest([request_id])))
 
-    async def abort(self, request_id: str) -> None:
-        await self._send(protocol.AbortRequest([request_id]))
-
     def fail_all(self, message: str, status: int = 503) -> None:
         """End every waiting request with an error (the server is going away)."""
         for request_id, queue in self._queues.items():

@@ -45,14 +45,6 @@ class CompletionLogprobs:
             self.offset += len(e.token)
         return out
 
-    @staticmethod
-    def merge(parts: list[dict]) -> dict:
-        merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for part in parts:
-            for key in merged:
-                merged[key].extend(part[key])
-        return merged
-
 
 class Choice:
     """Everything one sample produced, for a non-streamed response."""

@@ -126,8 +126,7 @@ class EngineCore:
                 request_id=request.request_id, new_token_ids=[token],
                 finish_reason=request.finish_reason if request.request_id in finished else None,
                 new_logprobs=[logprobs] if logprobs is not None else [],
-                num_cached_tokens=request.num_cached_tokens,
-                num_prompt_tokens=request.num_prompt_tokens))
+                num_cached_tokens=request.num_cached_tokens))
         return outputs
 
     @property

@@ -74,7 +74,6 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the request's last delta
     new_logprobs: list[TokenLogprobs] = []
-    num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
 
     @property

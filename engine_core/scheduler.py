@@ -123,10 +123,11 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         prefill_tokens = sum(n for n in out.num_scheduled_tokens if n > 1)  # partial prefills running
+        prefilling = self._prefilling_heads() if self.waiting else set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             head = self.kv.head_hash(request) if request.num_computed_tokens == 0 else None
-            if head is not None and head in self._prefilling_heads():
+            if head is not None and head in prefilling:
                 break  # a request with the same first block is being prefilled: wait, then share it
             hits = self.kv.computed_blocks(request) if request.num_computed_tokens == 0 else []
             num_hit_tokens = len(hits) * self.kv.block_size
@@ -144,6 +145,8 @@ class Scheduler:
             request.num_computed_tokens += num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if head is not None and self._prefilling_full_blocks(request):
+                prefilling.add(head)
             out.requests.append(request)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
@@ -151,9 +154,11 @@ class Scheduler:
 
     def _prefilling_heads(self) -> set[bytes]:
         """First-block hashes of running requests that still have full prompt blocks to compute."""
+        return {r.block_hashes[0] for r in self.running if r.block_hashes and self._prefilling_full_blocks(r)}
+
+    def _prefilling_full_blocks(self, request: Request) -> bool:
         bs = self.kv.block_size
-        return {r.block_hashes[0] for r in self.running
-                if r.block_hashes and r.num_computed_tokens < r.num_prompt_tokens // bs * bs}
+        return request.num_computed_tokens < request.num_prompt_tokens // bs * bs
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: free everything, restart from token 0 later (before newer arrivals)."""

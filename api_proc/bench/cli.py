@@ -78,35 +78,38 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from api_proc.bench.offline import run_throughput
+def _offline_llm(args: argparse.Namespace):
     from engine_core.cli import engine_config_from_args
     from engine_core.llm import LLM
 
-    config = engine_config_from_args(args)
-    llm = LLM(**asdict(config))
+    return LLM(**asdict(engine_config_from_args(args)))
+
+
+def _save_json(path: str | None, result: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from api_proc.bench.offline import run_throughput
+
+    llm = _offline_llm(args)
     result = run_throughput(llm, load_dataset(args, llm.tokenizer), ignore_eos=not args.no_ignore_eos)
     print(f"Throughput: {result['request_throughput']:.2f} requests/s, {result['total_throughput']:.1f} total "
           f"tokens/s, {result['output_throughput']:.1f} output tokens/s ({result['elapsed_s']:.1f} s)")
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(result, f, indent=1)
+    _save_json(args.save_result, result)
     return 0
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     from api_proc.bench.offline import run_latency
-    from engine_core.cli import engine_config_from_args
-    from engine_core.llm import LLM
 
-    llm = LLM(**asdict(engine_config_from_args(args)))
-    result = run_latency(llm, args.batch_size, args.input_len, args.output_len, args.num_iters, args.num_iters_warmup,
-                         args.seed)
+    result = run_latency(_offline_llm(args), args.batch_size, args.input_len, args.output_len, args.num_iters,
+                         args.num_iters_warmup, args.seed)
     print(f"Batch of {args.batch_size} x {args.input_len} -> {args.output_len} tokens: mean {result['mean_s']:.3f} s, "
           f"median {result['median_s']:.3f} s, p90 {result['p90_s']:.3f} s, p99 {result['p99_s']:.3f} s")
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(result, f, indent=1)
+    _save_json(args.save_result, result)
     return 0
 
 
