@@ -20,7 +20,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA")
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--kv-cache-memory", default="2GiB", help="memory for the KV cache pool, e.g. 2GiB, 512MiB")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="memory for the KV cache pool, e.g. 2GiB, 512MiB (default: 2GiB on CPU; on CUDA what "
+                        "--gpu-memory-utilization leaves after weights, the profiled activation peak and graphs)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: share of the GPU's memory this server may use in all, KV cache included")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy = random weights of the model's shape, no checkpoint needed (benchmarks)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget of one engine step (longer prompts are prefilled in chunks)")
     g.add_argument("--max-joint-prefill-tokens", type=int, default=256,
@@ -39,7 +47,9 @@ def engine_config_from_args(args: argparse.Namespace):
     from engine_core.config import EngineConfig, parse_size
 
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                        kv_cache_memory=parse_size(args.kv_cache_memory),
+                        kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+                        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                        load_format=args.load_format,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_joint_prefill_tokens=args.max_joint_prefill_tokens, max_num_seqs=args.max_num_seqs,
                         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching, seed=args.seed, num_threads=args.num_threads)

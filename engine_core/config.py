@@ -46,7 +46,10 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"  # auto = cuda when available, else cpu
     block_size: int = 16
-    kv_cache_memory: int = 2 * 1024 ** 3  # bytes for the KV pool (CPU)
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None = 2 GiB on CPU, profiled on CUDA
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the card this process may use, KV pool included
+    enforce_eager: bool = False  # CUDA: no graph capture for decode steps
+    load_format: str = "auto"  # auto = the checkpoint's safetensors; dummy = random weights (benchmarks)
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set (tests)
     max_num_batched_tokens: int = 2048
     max_joint_prefill_tokens: int = 256  # see Scheduler: how many prefill tokens several requests may share a step with
@@ -61,6 +64,10 @@ class EngineConfig:
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_joint_prefill_tokens < 1:
             raise ValueError("max_num_batched_tokens, max_joint_prefill_tokens and max_num_seqs must be positive")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError("load_format must be auto or dummy")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
     def torch_device(self) -> "torch.device":
         import torch

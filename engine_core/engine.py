@@ -40,6 +40,8 @@ class EngineCore:
         self.max_model_len = self._max_model_len(capacity)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len, config.max_joint_prefill_tokens)
+        if self.runner.device.type == "cuda" and not config.enforce_eager:
+            self.runner.enable_decode_graphs(self.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; max concurrency at full context "
                     "length (%d): %.2fx; model %s loaded in %.1fs", self.kv_manager.pool.num_usable_blocks,
                     config.block_size, capacity, self.max_model_len, capacity / self.max_model_len,

@@ -32,7 +32,7 @@ class LLM:
         unknown = set(engine_args) - _CONFIG_FIELDS
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
-        if "kv_cache_memory" in engine_args:
+        if engine_args.get("kv_cache_memory") is not None:
             engine_args["kv_cache_memory"] = parse_size(engine_args["kv_cache_memory"])
         self.engine = EngineCore(EngineConfig(model=model, **engine_args))
         self.tokenizer = load_tokenizer(self.engine.model_dir)

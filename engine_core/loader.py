@@ -56,7 +56,8 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, "torch.Tensor"]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: Path, model_cfg, dtype: "torch.dtype", device: "torch.device") -> "torch.nn.Module":
+def load_model(model_dir: Path, model_cfg, dtype: "torch.dtype", device: "torch.device",
+               load_format: str = "auto") -> "torch.nn.Module":
     import torch
 
     from engine_core.models import model_class
@@ -64,10 +65,29 @@ def load_model(model_dir: Path, model_cfg, dtype: "torch.dtype", device: "torch.
     cls = model_class(model_cfg.architecture)
     with torch.device(device):
         model = cls(model_cfg, dtype)
-    model.load_weights(iterate_weights(model_dir))
+    if load_format == "dummy":
+        fill_dummy_weights(model)
+    else:
+        model.load_weights(iterate_weights(model_dir))
     model.eval()
     _pack_linears(model)
     return model
+
+
+def fill_dummy_weights(model, seed: int = 0) -> None:
+    """Random weights of the right shapes (std 1/sqrt(fan-in), norms at 1), so a model's speed can be
+    measured from its config.json alone; a fixed seed keeps runs comparable."""
+    import torch
+
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif param.dim() == 2:
+                param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
 
 
 def _pack_linears(model) -> None:

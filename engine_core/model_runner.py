@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 from engine_core.config import EngineConfig, resolve_dtype
+from engine_core.cuda_graphs import DecodeGraphs
+from engine_core.gpu_memory import profile_gpu_memory
 from engine_core.layers.attention import AttentionMetadata
 from engine_core.loader import load_model
 from engine_core.model_config import ModelConfig
@@ -23,6 +25,7 @@ from engine_core.sampler import SamplingBatch, sample
 from engine_core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024 ** 3
 
 
 @dataclass
@@ -43,23 +46,59 @@ class ModelRunner:
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        self.model = load_model(model_dir, model_cfg, self.dtype, self.device)
-        self.num_blocks = self._num_blocks()
-        self._allocate_kv_cache()
+        self.model = load_model(model_dir, model_cfg, self.dtype, self.device, config.load_format)
+        self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
+        self.kv_cache: torch.Tensor | None = None
+        self.allocate_kv_cache(self._num_blocks())
 
     def _num_blocks(self) -> int:
+        per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype)
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        return self.config.kv_cache_memory // kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype)
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory // per_block
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_KV_CACHE_MEMORY // per_block
+        max_len = min(self.config.max_model_len or self.model_cfg.max_position_embeddings,
+                      self.model_cfg.max_position_embeddings)
+        profile = profile_gpu_memory(self, min(self.config.max_num_batched_tokens, max_len), max_len,
+                                     capture_graphs=not self.config.enforce_eager)
+        budget = profile.kv_cache_bytes(self.config.gpu_memory_utilization)
+        if budget < 2 * per_block:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: {profile.total / 2**30:.1f} GiB x "
+                f"{self.config.gpu_memory_utilization} utilization leaves {budget / 2**30:.2f} GiB after "
+                f"{profile.in_use / 2**30:.2f} GiB in use and a {profile.activation_peak / 2**30:.2f} GiB "
+                "activation peak; raise --gpu-memory-utilization or lower --max-num-batched-tokens")
+        logger.info("KV cache gets %.2f GiB (--gpu-memory-utilization %.2f)", budget / 2**30,
+                    self.config.gpu_memory_utilization)
+        return budget // per_block
 
-    def _allocate_kv_cache(self) -> None:
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One key and one value tensor per layer, bound into the attention layers."""
         cfg = self.model_cfg
-        shape = (cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.release_kv_cache()
+        self.num_blocks = num_blocks
+        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         # torch.empty: pages are touched only as blocks are used, so a large pool costs nothing up front.
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         for layer_index, attn in enumerate(self.model.attention_layers()):
             attn.key_cache = self.kv_cache[layer_index, 0]
             attn.value_cache = self.kv_cache[layer_index, 1]
+
+    def release_kv_cache(self) -> None:
+        for attn in self.model.attention_layers():
+            attn.key_cache = attn.value_cache = None
+        self.kv_cache = None
+
+    # ---- CUDA graphs ----------------------------------------------------------------------------
+    def enable_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:
+        """Route pure-decode steps through persistent buffers, replaying captured CUDA graphs when
+        `capture` (CUDA only); with capture=False the same path runs eager (how the CPU tests use it)."""
+        self.decode_graphs = DecodeGraphs(self.model, self.config.max_num_seqs, max_model_len, self.block_size,
+                                          self.device, capture)
+        if capture:
+            self.decode_graphs.capture_all()
 
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -67,9 +106,15 @@ class ModelRunner:
         order = sorted(range(len(sched.requests)), key=lambda i: sched.num_scheduled_tokens[i] != 1)
         requests = [sched.requests[i] for i in order]
         counts = [sched.num_scheduled_tokens[i] for i in order]
-        input_ids, positions, meta, last_token_index = self._prepare(requests, counts)
-        hidden = self.model(input_ids, positions, meta)
-        sampling = [(r, last_token_index[i]) for i, r in enumerate(requests) if r.num_computed_tokens == r.num_tokens]
+        step = _prepare(requests, counts, self.block_size)
+        graphs = self.decode_graphs
+        if graphs is not None and step.num_decodes == len(requests) and graphs.padded_size(len(requests)):
+            hidden = graphs.run(step.token_ids, step.positions, step.slot_mapping, step.seq_lens,
+                                [r.block_ids for r in requests])
+        else:
+            hidden = self.model(*self.to_device(step))
+        sampling = [(r, step.last_token_index[i]) for i, r in enumerate(requests)
+                    if r.num_computed_tokens == r.num_tokens]
         if not sampling:
             return StepResult({}, {})
         rows = torch.tensor([index for _, index in sampling], device=self.device)
@@ -80,32 +125,48 @@ class ModelRunner:
         logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, out.logprobs) if lp is not None}
         return StepResult(sampled, logprobs)
 
-    def _prepare(self, requests: list[Request], counts: list[int]):
-        bs = self.block_size
-        total = sum(counts)
-        token_ids = np.empty(total, dtype=np.int64)
-        positions = np.empty(total, dtype=np.int64)
-        seq_lens = np.empty(len(requests), dtype=np.int64)
-        max_blocks = max(len(r.block_ids) for r in requests)
-        block_tables = np.zeros((len(requests), max_blocks), dtype=np.int64)
-        offset = 0
-        for i, (request, n) in enumerate(zip(requests, counts)):
-            end = request.num_computed_tokens  # already advanced by the scheduler
-            start = end - n
-            token_ids[offset:offset + n] = request.all_token_ids[start:end]
-            positions[offset:offset + n] = np.arange(start, end)
-            seq_lens[i] = end
-            block_tables[i, :len(request.block_ids)] = request.block_ids
-            offset += n
-        cum = np.cumsum(counts)
-        row_of_token = np.repeat(np.arange(len(requests)), counts)
-        slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs
-        num_decodes = sum(1 for n in counts if n == 1)
-        prefill_counts = np.asarray(counts[num_decodes:], dtype=np.int64)
-        query_start_loc = np.concatenate(([0], np.cumsum(prefill_counts)))
+    def to_device(self, step: "StepInputs") -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=to(slot_mapping), num_decodes=num_decodes,
-            seq_lens=to(seq_lens), max_decode_seq_len=int(seq_lens[:num_decodes].max(initial=0)),
-            block_tables=to(block_tables), query_start_loc=to(query_start_loc))
-        return to(token_ids), to(positions), meta, (cum - 1).tolist()
+            slot_mapping=to(step.slot_mapping), num_decodes=step.num_decodes, seq_lens=to(step.seq_lens),
+            max_decode_seq_len=int(step.seq_lens[:step.num_decodes].max(initial=0)),
+            block_tables=to(step.block_tables), query_start_loc=to(step.query_start_loc))
+        return to(step.token_ids), to(step.positions), meta
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened batch on the host (decodes first), before it goes to the device."""
+    token_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    seq_lens: np.ndarray  # [B]
+    block_tables: np.ndarray  # [B, max blocks of any sequence in the step]
+    num_decodes: int
+    query_start_loc: np.ndarray  # [P+1] over the prefill sequences
+    last_token_index: list[int]  # [B] row of each sequence's last token in the flat batch
+
+
+def _prepare(requests: list[Request], counts: list[int], block_size: int) -> StepInputs:
+    total = sum(counts)
+    token_ids = np.empty(total, dtype=np.int64)
+    positions = np.empty(total, dtype=np.int64)
+    seq_lens = np.empty(len(requests), dtype=np.int64)
+    max_blocks = max(len(r.block_ids) for r in requests)
+    block_tables = np.zeros((len(requests), max_blocks), dtype=np.int64)
+    offset = 0
+    for i, (request, n) in enumerate(zip(requests, counts)):
+        end = request.num_computed_tokens  # already advanced by the scheduler
+        start = end - n
+        token_ids[offset:offset + n] = request.all_token_ids[start:end]
+        positions[offset:offset + n] = np.arange(start, end)
+        seq_lens[i] = end
+        block_tables[i, :len(request.block_ids)] = request.block_ids
+        offset += n
+    row_of_token = np.repeat(np.arange(len(requests)), counts)
+    slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    num_decodes = sum(1 for n in counts if n == 1)
+    prefill_counts = np.asarray(counts[num_decodes:], dtype=np.int64)
+    return StepInputs(token_ids, positions, slot_mapping, seq_lens, block_tables, num_decodes,
+                      query_start_loc=np.concatenate(([0], np.cumsum(prefill_counts))),
+                      last_token_index=(np.cumsum(counts) - 1).tolist())

@@ -1,9 +1,11 @@
 """Kernel dispatch: model code calls these functions; each picks its implementation by device.
 
 Every op has a plain torch implementation (`kernels.torch_ref`), the reference in tests and the
-fallback everywhere. On the CPU, ops with a compiled C kernel (`kernels.cpu`) use it when it builds;
-a Triton implementation with the same signature registers itself in `_TRITON` and is chosen for CUDA
-tensors. `PAGODA_DISABLE_CPU_KERNELS=1` forces the torch path on the CPU.
+fallback everywhere. On the CPU, ops with a compiled C kernel (`kernels.cpu`) use it when it builds.
+On CUDA every op has a Triton kernel with the same signature (`kernels.triton`), imported the first
+time a CUDA tensor asks for one, so CPU processes never load Triton. `PAGODA_DISABLE_CPU_KERNELS=1`
+forces the torch path on the CPU, `PAGODA_DISABLE_TRITON=1` on CUDA (the reference the GPU check
+compares against).
 """
 
 from __future__ import annotations
@@ -26,24 +28,22 @@ _TORCH: dict[str, Callable] = {
     "silu_and_mul": _layers.silu_and_mul,
     "rotary_embedding": _layers.rotary_embedding,
 }
-_TRITON: dict[str, Callable] = {}
 _CPU_COMPILED = {"paged_decode_attention", "rotary_embedding", "reshape_and_cache"}
+# Read once, at import.
+_CPU_KERNELS_DISABLED = os.environ.get("PAGODA_DISABLE_CPU_KERNELS") == "1"
+_TRITON_DISABLED = os.environ.get("PAGODA_DISABLE_TRITON") == "1"
 
 
-def register_triton(name: str, fn: Callable) -> None:
-    if name not in _TORCH:
-        raise KeyError(f"unknown kernel {name!r}")
-    _TRITON[name] = fn
-    _resolve.cache_clear()
+def _triton(name: str) -> Callable:
+    from kernels.triton import attention, layers
 
-
-_CPU_KERNELS_DISABLED = os.environ.get("PAGODA_DISABLE_CPU_KERNELS") == "1"  # read once, at import
+    return getattr(attention, name, None) or getattr(layers, name)
 
 
 @functools.lru_cache(maxsize=None)
 def _resolve(name: str, device_type: str) -> Callable:
-    if device_type == "cuda" and name in _TRITON:
-        return _TRITON[name]
+    if device_type == "cuda" and not _TRITON_DISABLED:
+        return _triton(name)
     if device_type == "cpu" and name in _CPU_COMPILED and not _CPU_KERNELS_DISABLED:
         from kernels import cpu
 

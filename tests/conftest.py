@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run on the CPU through Triton's interpreter. `@triton.jit` picks the
+# interpreter when it decorates, so this must be set before any test module imports a kernel.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -44,10 +44,11 @@ def _key_mask(query_pos: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, max_seq_len: int | None = None, *,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: `query` `[B, H, D]` attends to the sequence's first `seq_lens[b]`
-    cached tokens (its own K/V already written). Returns `[B, H, D]`. Batched, no per-sequence loop.
-    `max_seq_len` (= max(seq_lens)) saves a device sync when the caller knows it."""
+    cached tokens (its own K/V already written). Returns `[B, H, D]` (written into `out` if given).
+    Batched, no per-sequence loop. `max_seq_len` (= max(seq_lens)) saves a device sync when the caller knows it."""
     batch, num_heads, head_dim = query.shape
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     keys = _gather_sequences(key_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, L, D]
@@ -56,21 +57,25 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     # Rows past a sequence's end are never-written cache memory: zero them, or NaN there poisons the sum.
     hidden = ~mask[:, :, :, None]  # [B, 1, L, 1], broadcast over kv heads and head_dim
     keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
-    out = F.scaled_dot_product_attention(query[:, :, None, :], keys, values, attn_mask=mask[:, None],
-                                         scale=scale, enable_gqa=True)
-    return out.view(batch, num_heads, head_dim)
+    result = F.scaled_dot_product_attention(query[:, :, None, :], keys, values, attn_mask=mask[:, None],
+                                            scale=scale, enable_gqa=True).view(batch, num_heads, head_dim)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                            scale: float, sliding_window: int | None = None, *,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for a variable-length batch of query chunks over a paged prefix.
 
     Sequence b owns query rows `query_start_loc[b]:query_start_loc[b+1]`, which are its last tokens:
     positions `seq_lens[b] - q_len .. seq_lens[b] - 1`. All of its K/V (prefix + the new tokens) are
-    already in the cache. `query` `[T, H, D]` -> `[T, H, D]`.
+    already in the cache. `query` `[T, H, D]` -> `[T, H, D]` (written into `out` if given).
     """
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for b in range(len(lens)):  # prefill chunks are few and large: a loop over them costs nothing

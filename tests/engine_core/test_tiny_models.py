@@ -81,3 +81,22 @@ def test_bfloat16_runs_and_mostly_agrees_with_float32(tmp_path):
     fp32 = run_engine(EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=32)), prompts, params)
     assert all(len(t) == 8 for t in bf16)
     assert [t[0] for t in bf16] == [t[0] for t in fp32]  # first tokens survive bf16 rounding
+
+
+def test_dummy_weights_need_only_a_config_and_are_reproducible(tmp_path):
+    """`load_format="dummy"`: a model directory holding just config.json runs, with the same random
+    weights every time (the GPU benchmark builds Llama-3-8B this way)."""
+    config_cls, extra = CASES["llama3"]
+    model_dir = tmp_path / "config-only"
+    config_cls(**{**COMMON, **extra}, architectures=["LlamaForCausalLM"]).save_pretrained(model_dir)
+    assert [p.name for p in model_dir.iterdir()] == ["config.json"]
+    prompts = [[5, 6, 7, 8], list(range(10, 40))]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = EngineCore(EngineConfig(model=str(model_dir), load_format="dummy", num_kv_blocks=32))
+        norms = {n: p for n, p in engine.runner.model.named_parameters() if n.endswith("norm.weight")}
+        assert norms and all(bool((p == 1).all()) for p in norms.values())
+        runs.append(run_engine(engine, prompts, params))
+    assert runs[0] == runs[1] and all(len(r) == 8 for r in runs[0])
+    assert len(set(map(tuple, runs[0]))) == 2  # different prompts, different continuations: weights are not all equal

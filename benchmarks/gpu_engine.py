@@ -1,0 +1,142 @@
+"""End-to-end engine checks for a GPU: greedy tokens across execution paths, offline throughput with
+and without CUDA graphs, batch-1 decode against the weight-bandwidth bound. Random-weight models are
+built from a config alone (`load_format="dummy"`), so nothing is downloaded.
+
+    python benchmarks/gpu_engine.py tokens --path graphs     # prints the greedy tokens as JSON
+    python benchmarks/gpu_engine.py tokens --path eager      #   (--path reference: torch kernels)
+    python benchmarks/gpu_engine.py throughput [--enforce-eager]
+    python benchmarks/gpu_engine.py --model-shape tiny ...   # a small model: runs on the CPU too
+
+`benchmarks/gpu_check.sh` runs them all and compares. The `reference` path needs its own process:
+PAGODA_DISABLE_TRITON is read when `kernels` is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from engine_core.config import EngineConfig  # noqa: E402
+from engine_core.engine import EngineCore  # noqa: E402
+from engine_core.sampling_params import SamplingParams  # noqa: E402
+
+# Llama-3-8B's shape; SmolLM2-135M's for the token checks (fp32 there: exact comparisons need it).
+SHAPES = {
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                      rope_theta=500000.0, tie_word_embeddings=False),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True),
+    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                 rope_theta=10000.0, tie_word_embeddings=False),
+}
+
+
+def model_dir(shape: str) -> Path:
+    """A directory holding only the config.json of `shape` (written once per temp dir)."""
+    path = Path(tempfile.gettempdir()) / f"pagoda-shape-{shape}"
+    path.mkdir(exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+              "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, **SHAPES[shape]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def engine(args, **overrides) -> EngineCore:
+    cfg = dict(model=str(model_dir(args.model_shape)), load_format="dummy", dtype=args.dtype,
+               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, enable_prefix_caching=False)
+    cfg.update(overrides)
+    if cfg.get("device", "auto") == "cpu" or not torch.cuda.is_available():
+        cfg.setdefault("num_kv_blocks", 512)
+    return EngineCore(EngineConfig(**cfg))
+
+
+def run(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        core.add_request(f"r{index}", prompt, params)
+    outputs = {f"r{i}": [] for i in range(len(prompts))}
+    started = time.perf_counter()
+    while core.has_unfinished_requests():
+        for delta in core.step():
+            outputs[delta.request_id].extend(delta.new_token_ids)
+    return [outputs[f"r{i}"] for i in range(len(prompts))], time.perf_counter() - started
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def cmd_tokens(args) -> dict:
+    """Greedy tokens of 8 prompts that stay one decode batch of a captured size from start to end."""
+    core = engine(args, enforce_eager=args.path == "eager")
+    prompts = random_prompts(8, 40, SHAPES[args.model_shape]["vocab_size"])
+    tokens, _ = run(core, prompts, args.max_tokens)
+    return {"path": args.path, "tokens": tokens}
+
+
+def cmd_throughput(args) -> dict:
+    core = engine(args, enforce_eager=args.enforce_eager)
+    vocab = SHAPES[args.model_shape]["vocab_size"]
+    run(core, random_prompts(2, 16, vocab, seed=1), 4)  # warm-up: first-call compilation stays out
+    batch = random_prompts(args.num_prompts, args.input_len, vocab)
+    tokens, seconds = run(core, batch, args.output_len)
+    generated = sum(map(len, tokens))
+    single, single_seconds = run(core, random_prompts(1, 128, vocab, seed=2), args.output_len)
+    first_token, _ = run(core, random_prompts(1, 128, vocab, seed=2), 1)
+    weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
+    return {"graphs": not args.enforce_eager and core.runner.decode_graphs is not None,
+            "batch": {"requests": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+                      "seconds": seconds, "output_tok_s": generated / seconds,
+                      "total_tok_s": (generated + args.num_prompts * args.input_len) / seconds},
+            "single_stream_s_per_token": single_seconds / len(single[0]),
+            "weight_bytes": weight_bytes, "kv_blocks": core.kv_manager.pool.num_usable_blocks}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["tokens", "throughput"])
+    parser.add_argument("--model-shape", choices=list(SHAPES), default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--path", choices=["graphs", "eager", "reference"], default="graphs")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.path == "reference" and os.environ.get("PAGODA_DISABLE_TRITON") != "1":
+        parser.error("--path reference needs PAGODA_DISABLE_TRITON=1 in the environment")
+    if args.command == "tokens":
+        args.model_shape = args.model_shape or "smollm2-135m"
+        args.dtype = args.dtype or "float32"
+        result = cmd_tokens(args)
+    else:
+        args.model_shape = args.model_shape or "llama3-8b"
+        args.dtype = args.dtype or "auto"
+        result = cmd_throughput(args)
+    text = json.dumps(result)
+    if args.json:
+        args.json.write_text(text)
+    print(text if args.command == "throughput" else f"{len(result['tokens'])} sequences")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""Each kernel the dispatcher picks, against its torch reference and the memory-bandwidth roofline.
+
+On CUDA the dispatched kernels are the Triton ones; on the CPU, the compiled C kernels where they
+exist (other ops dispatch to the reference itself, ratio 1.0). The roofline is the bytes a kernel must
+move at least (read inputs once, write outputs once) divided by the copy bandwidth measured in the same
+run (`dst.copy_(src)` of a large buffer, counting read + write).
+
+    python benchmarks/kernels.py                  # shapes for the device found: Llama-3-8B on CUDA,
+                                                  # SmolLM2-135M on the CPU
+    python benchmarks/kernels.py --json out.json  # also save the rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kernels import _TORCH, implementation  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model's attention and MLP sizes, and the workload sizes to time them at."""
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    tokens: int  # prefill-sized element-wise ops
+    decode_batch: int
+    context: int  # tokens per sequence for decode attention
+    prefill_seqs: int
+    prefill_len: int
+
+
+GPU_SHAPE = Shape(32, 8, 128, 4096, 14336, tokens=4096, decode_batch=64, context=4096, prefill_seqs=4,
+                  prefill_len=2048)
+CPU_SHAPE = Shape(9, 3, 64, 576, 1536, tokens=1024, decode_batch=16, context=1024, prefill_seqs=2,
+                  prefill_len=512)
+
+
+def timed(fn: Callable[[], object], device: torch.device, min_seconds: float = 0.3) -> float:
+    """Median seconds per call over enough calls to fill `min_seconds` (after two warm-ups)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn(), fn()
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    once = max(time.perf_counter() - start, 1e-6)
+    samples = []
+    for _ in range(max(5, min(200, int(min_seconds / once)))):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return sorted(samples)[len(samples) // 2]
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    size = (1 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.empty(size, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return 2 * size / timed(lambda: dst.copy_(src), device)
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def paged_cache(shape: Shape, num_tokens_per_seq: list[int], block_size: int, dtype, device):
+    """A random KV cache whose blocks are handed to sequences in a shuffled order (like a busy pool)."""
+    blocks_per_seq = [-(-n // block_size) for n in num_tokens_per_seq]
+    total = sum(blocks_per_seq) + 1
+    key_cache = torch.randn(total, block_size, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
+    value_cache = torch.randn_like(key_cache)
+    order = (torch.randperm(total - 1) + 1).tolist()
+    width = max(blocks_per_seq)
+    tables = torch.zeros(len(blocks_per_seq), width, dtype=torch.int64)
+    offset = 0
+    for row, count in enumerate(blocks_per_seq):
+        tables[row, :count] = torch.tensor(order[offset:offset + count])
+        offset += count
+    return key_cache, value_cache, tables.to(device)
+
+
+def cases(shape: Shape, dtype, device) -> list[tuple[str, str, Callable[[Callable], Callable], int]]:
+    """(kernel, shape text, call(fn) -> thunk, minimum bytes moved)."""
+    s, out = shape, []
+    rand = lambda *size: torch.randn(*size, dtype=dtype, device=device)  # noqa: E731
+    block_size = 16
+    scale = s.head_dim ** -0.5
+
+    # decode attention: every sequence reads its whole context once
+    lens = [s.context] * s.decode_batch
+    kc, vc, tables = paged_cache(s, lens, block_size, dtype, device)
+    seq_lens = torch.tensor(lens, device=device)
+    q = rand(s.decode_batch, s.num_heads, s.head_dim)
+    moved = 2 * s.decode_batch * s.context * s.num_kv_heads * s.head_dim * q.element_size() + 2 * nbytes(q)
+    out.append(("paged_decode_attention", f"{s.decode_batch}x{s.context} ctx, {s.num_heads}/{s.num_kv_heads}"
+                f" heads x {s.head_dim}", lambda f: lambda: f(q, kc, vc, tables, seq_lens, scale), moved))
+
+    # prefill attention: fresh prompts (compute-bound; the roofline column is only a floor)
+    lens = [s.prefill_len] * s.prefill_seqs
+    pkc, pvc, ptables = paged_cache(s, lens, block_size, dtype, device)
+    pq = rand(sum(lens), s.num_heads, s.head_dim)
+    starts = torch.tensor([0] + [s.prefill_len * (i + 1) for i in range(s.prefill_seqs)], device=device)
+    plens = torch.tensor(lens, device=device)
+    moved = 2 * nbytes(pq) + 2 * sum(lens) * s.num_kv_heads * s.head_dim * pq.element_size()
+    out.append(("paged_prefill_attention", f"{s.prefill_seqs}x{s.prefill_len} causal",
+                lambda f: lambda: f(pq, pkc, pvc, ptables, starts, plens, scale), moved))
+
+    # cache write: one decode step's worth of tokens per sequence, scattered over the pool
+    k, v = rand(s.tokens, s.num_kv_heads, s.head_dim), rand(s.tokens, s.num_kv_heads, s.head_dim)
+    wkc = torch.zeros(s.tokens // block_size + 8, block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
+    wvc = torch.zeros_like(wkc)
+    slots = torch.randperm(wkc.shape[0] * block_size, device=device)[:s.tokens]
+    out.append(("reshape_and_cache", f"{s.tokens} tokens", lambda f: lambda: f(k, v, wkc, wvc, slots),
+                2 * (nbytes(k) + nbytes(v))))
+
+    x, residual, weight = rand(s.tokens, s.hidden), rand(s.tokens, s.hidden), rand(s.hidden)
+    out.append(("rms_norm", f"{s.tokens}x{s.hidden}", lambda f: lambda: f(x, weight, 1e-6), 2 * nbytes(x)))
+    out.append(("fused_add_rms_norm", f"{s.tokens}x{s.hidden}",
+                lambda f: lambda: f(x, residual, weight, 1e-6), 4 * nbytes(x)))
+    gate_up = rand(s.tokens, 2 * s.intermediate)
+    out.append(("silu_and_mul", f"{s.tokens}x2x{s.intermediate}", lambda f: lambda: f(gate_up),
+                nbytes(gate_up) * 3 // 2))
+    rq, rk = rand(s.tokens, s.num_heads, s.head_dim), rand(s.tokens, s.num_kv_heads, s.head_dim)
+    positions = torch.arange(s.tokens, device=device)
+    cos_sin = torch.randn(s.tokens, s.head_dim, device=device)
+    out.append(("rotary_embedding", f"{s.tokens} tokens, {s.num_heads}+{s.num_kv_heads} heads",
+                lambda f: lambda: f(positions, rq, rk, cos_sin, True), 2 * (nbytes(rq) + nbytes(rk))))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, default=None, help="save the rows here")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth(device)
+    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, "
+          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    rows = []
+    header = f"{'kernel':<24} {'shape':<34} {'ours ms':>9} {'torch ms':>9} {'speedup':>8} {'GB/s':>7} {'% copy bw':>9}"
+    print(header)
+    print("-" * len(header))
+    for name, text, make, moved in cases(shape, dtype, device):
+        ours = timed(make(implementation(name, device)), device)
+        reference = timed(make(_TORCH[name]), device)
+        row = {"kernel": name, "shape": text, "ours_ms": ours * 1e3, "torch_ms": reference * 1e3,
+               "speedup": reference / ours, "gb_s": moved / ours / 1e9, "pct_copy_bw": 100 * moved / ours / bandwidth}
+        rows.append(row)
+        print(f"{name:<24} {text:<34} {row['ours_ms']:>9.3f} {row['torch_ms']:>9.3f} {row['speedup']:>7.2f}x "
+              f"{row['gb_s']:>7.0f} {row['pct_copy_bw']:>8.0f}%")
+    if args.json:
+        args.json.write_text(json.dumps({"device": str(device), "dtype": str(dtype), "copy_gb_s": bandwidth / 1e9,
+                                         "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

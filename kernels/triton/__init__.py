@@ -1,0 +1,1 @@
+"""Triton GPU kernels, drop-in replacements (same signatures) for the torch references in `kernels.torch_ref`."""

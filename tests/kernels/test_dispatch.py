@@ -1,0 +1,59 @@
+"""The dispatcher: one function per op, torch/C on the CPU, Triton on CUDA with the reference's signature;
+and the whole model run on the Triton kernels (through the interpreter here) gives the torch path's
+greedy tokens, eager and through the padded CUDA-graph decode buffers."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import transformers
+
+import kernels
+from engine_core.config import EngineConfig
+from engine_core.engine import EngineCore
+from engine_core.sampling_params import SamplingParams
+from tests.helpers import run_engine
+
+pytest.importorskip("triton")
+
+NAMES = sorted(kernels._TORCH)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_triton_kernel_has_the_reference_signature(name):
+    triton_fn, reference = kernels._triton(name), kernels._TORCH[name]
+    assert triton_fn.__module__.startswith("kernels.triton.")
+    assert list(inspect.signature(triton_fn).parameters) == list(inspect.signature(reference).parameters)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cpu_tensors_never_reach_triton(name):
+    assert not kernels.implementation(name, torch.device("cpu")).__module__.startswith("kernels.triton")
+
+
+@pytest.fixture
+def tiny_model(tmp_path):
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                                      initializer_range=0.25, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU check runs the model on Triton for real")
+def test_model_on_triton_kernels_gives_the_torch_tokens(tiny_model, monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    # Lengths around block boundaries and one that needs several 40-token chunks over its own prefix.
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 15, 16, 33, 90)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    config = EngineConfig(model=str(tiny_model), max_num_batched_tokens=40, num_kv_blocks=48, max_model_len=256)
+    expected = run_engine(EngineCore(config), prompts, params)
+
+    monkeypatch.setattr(kernels, "implementation", lambda name, device: kernels._triton(name))
+    assert run_engine(EngineCore(config), prompts, params) == expected
+    engine = EngineCore(config)
+    engine.runner.enable_decode_graphs(engine.max_model_len, capture=False)  # padded decode batches
+    assert run_engine(engine, prompts, params) == expected
