@@ -40,7 +40,7 @@ def build_request(request_id: str, prompt: str | None, messages: list[dict] | No
     if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
     chat_options = {k: options.pop(k) for k in ("add_generation_prompt", "continue_final_message",
-                                                 "chat_template_kwargs") if k in options}
+                                                 "chat_template_kwargs", "tools") if k in options}
     return protocol.GenerateRequest(
         request_id=request_id, params=params or SamplingParams(), prompt=prompt, messages=messages,
         prompt_tokens=None if prompt_token_ids is None else protocol.pack_tokens(prompt_token_ids),
@@ -147,6 +147,14 @@ class AsyncEngineClient:
     async def health(self, timeout: float = 5.0) -> protocol.HealthReport:
         return await self._call(protocol.HealthQuery(self.new_request_id()), timeout)
 
+    async def metrics(self, timeout: float = 5.0) -> bytes:
+        """Every process's metrics in Prometheus' text format (what GET /metrics serves)."""
+        return (await self._call(protocol.MetricsQuery(self.new_request_id()), timeout)).text
+
+    def post(self, message) -> None:
+        """Send a message that has no answer (ApiWorkerStats) without waiting; call in the event loop."""
+        self.socket.send(protocol.encoder.encode(message))  # pyzmq queues it if it cannot go at once
+
     async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                        add_special_tokens: bool = True, chat: protocol.ChatOptions | None = None,
                        timeout: float = 30.0) -> protocol.TokenizeResult:
@@ -217,13 +225,23 @@ class EngineClient:
                 self.socket.send(protocol.encoder.encode(protocol.AbortRequest([request_id])))
 
     def health(self, timeout: float = 5.0) -> protocol.HealthReport:
-        request_id = self.new_request_id()
-        self._stash[request_id] = []
+        return self._call(protocol.HealthQuery(self.new_request_id()), timeout)
+
+    def metrics(self, timeout: float = 5.0) -> bytes:
+        """Every process's metrics in Prometheus' text format."""
+        return self._call(protocol.MetricsQuery(self.new_request_id()), timeout).text
+
+    def _call(self, message, timeout: float | None):
+        """Send a one-answer request and wait for its answer."""
+        self._stash[message.request_id] = []
         try:
-            self.socket.send(protocol.encoder.encode(protocol.HealthQuery(request_id)))
-            return self._recv_for(request_id, timeout)
+            self.socket.send(protocol.encoder.encode(message))
+            answer = self._recv_for(message.request_id, timeout)
         finally:
-            self._stash.pop(request_id, None)
+            self._stash.pop(message.request_id, None)
+        if isinstance(answer, protocol.RequestError):
+            raise EngineError(answer)
+        return answer
 
     def close(self) -> None:
         self.socket.close(linger=0)

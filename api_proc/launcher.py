@@ -9,6 +9,8 @@ child that exits on its own makes the server fail fast (in-flight requests get a
 supervisor restarts it); SIGTERM/SIGINT drain (HTTP stops accepting, in-flight requests finish up to
 --shutdown-timeout), then stop the rest and exit 0. The runtime directory holding the ipc sockets is
 removed on every path, by the parent or, if the parent is SIGKILLed, by the orphaned children.
+Under systemd (Type=notify) the parent also reports READY=1, STOPPING=1 and engine-loop watchdog pings
+(api_proc/sd_notify.py).
 """
 
 from __future__ import annotations
@@ -47,10 +49,10 @@ class Supervisor:
         self.children: list[Child] = []
         self.stop_signal: int | None = None
 
-    def start(self, name: str, target, *args) -> Child:
+    def start(self, name: str, target, *args, **kwargs) -> Child:
         parent_end, child_end = self.mp.Pipe()
         process = self.mp.Process(target=target, args=args, name=name, daemon=False,
-                                  kwargs={"parent_conn": child_end, "runtime_dir": self.runtime_dir})
+                                  kwargs={**kwargs, "parent_conn": child_end, "runtime_dir": self.runtime_dir})
         process.start()
         child_end.close()
         child = Child(name, process, ChildLink(name, parent_end))
@@ -91,6 +93,24 @@ class Supervisor:
                     logger.info("%s ready after %.1fs%s", child.name, time.monotonic() - started,
                                 f" ({details})" if details else "")
         return None
+
+    def wait_serving(self, timeout: float = 10.0) -> bool:
+        """After "serve": wait until every API worker confirms that its /health answers 200 now; False
+        if one died (`watch` then reports it), a stop signal came or the time ran out."""
+        waiting = {c.link.conn: c for c in self.children if c.name.startswith("api")}
+        deadline = time.monotonic() + timeout
+        while waiting and self.stop_signal is None and time.monotonic() < deadline:
+            for conn in wait(list(waiting), timeout=0.2):
+                try:
+                    kind, _ = waiting[conn].link.recv()
+                except (EOFError, OSError):
+                    return False
+                if kind == "serving":
+                    del waiting[conn]
+        if waiting and self.stop_signal is None and all(c.process.is_alive() for c in waiting.values()):
+            logger.warning("%s did not confirm serving within %.0fs", ", ".join(c.name for c in waiting.values()),
+                           timeout)
+        return not waiting
 
     def watch(self) -> Child | None:
         """Block until a stop signal (None) or until a child exits (that child)."""
@@ -157,7 +177,8 @@ def make_runtime_dir() -> str:
 
 def serve(args) -> int:
     """Run the server until a signal or a failure; the exit status for the shell or systemd."""
-    from api_proc.server import ApiSettings
+    from api_proc.sd_notify import SystemdService
+    from api_proc.serve_settings import api_settings, frontend_limits
     from api_proc.worker import run_api_worker
     from detok_proc.server import run_detok
     from engine_core.cli import engine_config_from_args
@@ -166,6 +187,7 @@ def serve(args) -> int:
     from engine_core.zmq_security import CurveConfig
 
     started = time.monotonic()
+    systemd = SystemdService()  # no-op unless run by systemd (Type=notify)
     if not port_is_free(args.host, args.port):
         logger.error("cannot listen on %s:%d: the address is in use", args.host, args.port)
         return 2
@@ -184,16 +206,17 @@ def serve(args) -> int:
     frontend = f"ipc://{runtime_dir}/frontend.sock"
     frontends = [frontend] + ([args.frontend] if args.frontend and not args.frontend.startswith("tcp://") else [])
     names = args.served_model_name or [args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"]
-    settings = ApiSettings(frontend_addr=frontend, served_model_names=names, host=args.host, port=args.port,
-                           reuse_port=args.api_workers > 1, shutdown_timeout=args.shutdown_timeout)
+    settings = api_settings(args, frontend, names)
 
     supervisor = Supervisor(runtime_dir)
     supervisor.install_signal_handlers()
     status = 1
+    systemd.status(f"starting: loading {model_dir}")
     try:
         supervisor.start("engine_core", run_engine_core, config, engine_in, engine_out)
         supervisor.start("detok", run_detok, model_dir, frontends, engine_in, engine_out,
-                         args.engine_stall_timeout, curve and args.frontend, curve)
+                         args.engine_stall_timeout, curve and args.frontend, curve, limits=frontend_limits(args),
+                         model_name=names[0])
         for i in range(args.api_workers):
             supervisor.start(f"api_{i}", run_api_worker, settings)
         dead = supervisor.wait_ready(started)
@@ -203,19 +226,24 @@ def serve(args) -> int:
             supervisor.fail()
             return 1 if dead is not None or supervisor.stop_signal is None else 0
         supervisor.tell(("api",), "serve")
+        if supervisor.wait_serving():
+            systemd.ready(f"serving http://{args.host}:{args.port}", frontend)
         logger.info("ready in %.1fs: http://%s:%d (%d API worker%s); direct clients: %s", time.monotonic() - started,
                     args.host, args.port, args.api_workers, "s" if args.api_workers > 1 else "",
                     ", ".join(frontends + ([args.frontend] if curve else [])))
         dead = supervisor.watch()
         if dead is None:
+            systemd.stopping("draining in-flight requests")
             supervisor.drain(args.shutdown_timeout)
             status = 0
         else:
             logger.error("%s exited unexpectedly (exit code %s); stopping the server", dead.name,
                          dead.process.exitcode)
+            systemd.failed(f"{dead.name} exited unexpectedly; stopping")
             supervisor.fail()
             status = 1
     finally:
+        systemd.close()
         supervisor.kill_remaining()
         shutil.rmtree(runtime_dir, ignore_errors=True)
     logger.info("stopped (exit %d)", status)

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_params import StructuredOutputsParams
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -57,8 +58,19 @@ class _Common(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # requests share cached prefix blocks only with equal salts
+    # Output constraints, read by api_proc/structured.py: OpenAI's, vLLM's current and vLLM's older names.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # refused: JSON whitespace is fixed
+    guided_decoding_backend: str | None = None  # only "xgrammar" (or "auto") is served
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+        """`constraint`: the request's one output constraint (api_proc/structured.py)."""
         if not 1 <= self.n <= MAX_N:
             raise ApiError(400, f"Invalid 'n': expected a value in [1, {MAX_N}], but got {self.n} instead.", "n",
                            "integer_above_max_value" if self.n > MAX_N else "integer_below_min_value")
@@ -74,7 +86,8 @@ class _Common(msgspec.Struct, kw_only=True):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                 stop_token_ids=self.stop_token_ids or [], logprobs=logprobs,
-                skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias())
+                skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
+                structured_outputs=constraint)
         except ValueError as exc:
             field = str(exc).split()[0]
             raise ApiError(400, str(exc), field if field in _FIELDS else None) from None
@@ -130,6 +143,9 @@ class ChatCompletionRequest(_Common, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # api_proc/tools.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
 
     def logprobs_count(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -10,16 +10,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web
 
+from api_proc.auth import AuthPolicy
 from api_proc.client import AsyncEngineClient, EngineError
+from api_proc.metrics import count_rejected, count_timed_out
+from api_proc.metrics import install as install_metrics
+from api_proc.middleware import CorsSettings, auth_middleware, install_cors, preflight_middleware
 from api_proc.openai_format import (Choice, CompletionLogprobs, chat_logprobs, envelope, finish_reason, new_id,
                                     usage)
-from api_proc.openai_schema import ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from api_proc.request_log import RequestRecord, logged
+from api_proc.openai_schema import MAX_N, ApiError, ChatCompletionRequest, CompletionRequest, parse_body
 from api_proc.streams import merge
+from api_proc.structured import structured_outputs_of
+from api_proc.tool_parsing import ToolCallStream, tool_response
+from api_proc.tools import plan_tools
 from engine_core import protocol
 
 logger = logging.getLogger(__name__)
@@ -37,6 +45,12 @@ class ApiSettings:
     shutdown_timeout: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
     health_timeout: float = 5.0
+    auth: AuthPolicy = field(default_factory=AuthPolicy)
+    cors: CorsSettings | None = None
+    max_tokens_cap: int | None = None
+    max_n: int = MAX_N
+    request_timeout: float | None = None  # seconds, end to end
+    log_requests: bool = False  # put prompts into the per-request log lines
 
 
 def json_response(body, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -45,12 +59,15 @@ def json_response(body, status: int = 200, headers: dict | None = None) -> web.R
 
 
 def error_response(error: ApiError) -> web.Response:
+    if error.status in (413, 429):
+        count_rejected(error.status)
     return json_response(error.body(), error.status, error.headers)
 
 
 def _engine_error(exc: EngineError) -> ApiError:
     error_type = exc.type if exc.status < 500 else "server_error"
-    return ApiError(exc.status, exc.message, exc.param, exc.code, error_type)
+    headers = {"Retry-After": "1"} if exc.status == 429 else None  # full now; capacity frees up quickly
+    return ApiError(exc.status, exc.message, exc.param, exc.code, error_type, headers)
 
 
 @web.middleware
@@ -89,13 +106,19 @@ class ApiServer:
         self.serving = False  # set once the parent says every process is ready
         self.draining = False
         self.active_requests = 0  # generation handlers running now
-        self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[openai_errors])
+        middlewares = [openai_errors, auth_middleware(settings.auth)]
+        if settings.cors is not None:
+            middlewares.insert(0, preflight_middleware(settings.cors))
+        self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
+        if settings.cors is not None:
+            install_cors(self.app, settings.cors)
         self.app.add_routes([
             web.get("/health", self.health), web.get("/version", self.version), web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
             web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
             web.post("/reset_prefix_cache", self.reset_prefix_cache),
         ])
+        install_metrics(self.app, self.client)  # GET /metrics (api_proc/metrics.py)
 
     # ---- small routes ------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -178,13 +201,47 @@ class ApiServer:
             raise ApiError(503, "The server is shutting down and accepts no new requests.",
                            error_type="server_error", code="server_shutting_down")
 
+    def _limited(self, params, max_tokens_param: str):
+        """The server's caps on n and max_tokens (a request without max_tokens gets the cap)."""
+        if params.n > self.settings.max_n:
+            raise ApiError(400, f"Invalid 'n': this server allows at most {self.settings.max_n}, but got "
+                                f"{params.n}.", "n", "integer_above_max_value")
+        cap = self.settings.max_tokens_cap
+        if cap is not None:
+            if params.max_tokens is None:
+                params.max_tokens = cap
+            elif params.max_tokens > cap:
+                raise ApiError(400, f"Invalid '{max_tokens_param}': this server allows at most {cap}, but got "
+                                    f"{params.max_tokens}.", max_tokens_param, "integer_above_max_value")
+        return params
+
+    async def _deadline(self, deltas):
+        """`deltas`, ended with a 504 once the request has run for `request_timeout` seconds (leaving the
+        `aclosing` block then closes the stream, which aborts the request in the engine)."""
+        timeout = self.settings.request_timeout
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        async with aclosing(deltas):  # closed with us, at once: that is what aborts the request
+            iterator = deltas.__aiter__()
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):  # None: no deadline
+                        item = await iterator.__anext__()
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    count_timed_out()
+                    raise ApiError(504, f"The request did not finish within this server's limit of {timeout:g} s.",
+                                   error_type="server_error", code="request_timeout") from None
+                yield item
+
     # ---- generation --------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self._check_accepting()
         req = parse_body(await request.read(), CompletionRequest)
         model = self._check_model(req.model)
         prompts = req.prompts()
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        params = self._limited(req.sampling_params(req.max_tokens, req.logprobs, structured_outputs_of(req)),
+                               "max_tokens")
         if req.echo and req.logprobs is not None:
             raise ApiError(400, "'echo' together with 'logprobs' needs prompt logprobs, which this server "
                                 "does not compute.", "echo")
@@ -196,7 +253,8 @@ class ApiServer:
         meta = dict(response_id=new_id("cmpl"), model=model)
         self.active_requests += 1
         try:
-            async with aclosing(merge(streams)) as deltas:
+            record = RequestRecord(meta["response_id"], "completions", req.prompt if self.settings.log_requests else None)
+            async with aclosing(logged(self._deadline(merge(streams)), record)) as deltas:
                 if req.stream:
                     return await self._stream_completions(request, req, deltas, meta)
                 return await self._complete(req, deltas, meta, params.n)
@@ -268,23 +326,28 @@ class ApiServer:
         req = parse_body(await request.read(), ChatCompletionRequest)
         model = self._check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = req.sampling_params(max_tokens, req.logprobs_count())
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)  # None: no tool to call
+        constraint = structured_outputs_of(req, tools)
+        params = self._limited(req.sampling_params(max_tokens, req.logprobs_count(), constraint),
+                               "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         stream = self.client.generate(
             messages=req.template_messages(), params=params, stop=req.stop_list,
             include_stop_str_in_output=req.include_stop_str_in_output,
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            chat_template_kwargs=req.chat_template_kwargs or {}, cache_salt=req.cache_salt)
+            chat_template_kwargs=req.chat_template_kwargs or {}, cache_salt=req.cache_salt,
+            tools=tools.template_tools if tools else None)
         meta = dict(response_id=new_id("chatcmpl"), model=model)
         self.active_requests += 1
         try:
-            async with aclosing(merge([stream])) as deltas:
+            record = RequestRecord(meta["response_id"], "chat", req.messages if self.settings.log_requests else None)
+            async with aclosing(logged(self._deadline(merge([stream])), record)) as deltas:
                 if req.stream:
-                    return await self._stream_chat(request, req, deltas, meta)
-                return await self._chat_complete(req, deltas, meta)
+                    return await self._stream_chat(request, req, deltas, meta, tools)
+                return await self._chat_complete(req, deltas, meta, tools)
         finally:
             self.active_requests -= 1
 
-    async def _chat_complete(self, req: ChatCompletionRequest, deltas, meta: dict) -> web.Response:
+    async def _chat_complete(self, req: ChatCompletionRequest, deltas, meta: dict, tools) -> web.Response:
         choices: dict[int, Choice] = {}
         async for _, delta in deltas:
             choices.setdefault(delta.index, Choice()).add(delta)
@@ -292,8 +355,10 @@ class ApiServer:
         for index in sorted(choices):
             choice = choices[index]
             logprobs = {"content": chat_logprobs(choice.logprob_entries)} if req.logprobs else None
-            out.append({"index": index, "message": {"role": "assistant", "content": choice.text},
-                        "logprobs": logprobs, "finish_reason": choice.finish_reason,
+            message, reason = {"role": "assistant", "content": choice.text}, choice.finish_reason
+            if tools is not None:  # the output may be tool calls (api_proc/tool_parsing.py)
+                message, reason = tool_response(tools, choice.text, reason)
+            out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason,
                         "stop_reason": choice.stop_reason})
         first = choices[0]
         completion_tokens = sum(c.num_output_tokens for c in choices.values())
@@ -301,8 +366,10 @@ class ApiServer:
                                       usage=usage(first.num_prompt_tokens, completion_tokens,
                                                   first.num_cached_tokens)))
 
-    async def _stream_chat(self, request, req: ChatCompletionRequest, deltas, meta: dict) -> web.StreamResponse:
+    async def _stream_chat(self, request, req: ChatCompletionRequest, deltas, meta: dict,
+                           tools) -> web.StreamResponse:
         started: set[int] = set()
+        tool_streams: dict[int, ToolCallStream] = {}
         counts = {"prompt": 0, "cached": 0}
         output_tokens: dict[int, int] = {}
 
@@ -311,13 +378,16 @@ class ApiServer:
             if delta.index == 0:
                 counts["cached"] = delta.num_cached_tokens
             output_tokens[delta.index] = delta.num_output_tokens
-            message = {"content": delta.text}
+            message, reason = {"content": delta.text}, finish_reason(delta)
+            if tools is not None:  # tool calls stream as OpenAI's delta.tool_calls
+                stream = tool_streams.setdefault(delta.index, ToolCallStream(tools))
+                message, reason = stream.step(delta.text, reason)
             if delta.index not in started:
                 started.add(delta.index)
-                message = {"role": "assistant", "content": delta.text}
+                message = {"role": "assistant", **message}
             logprobs = {"content": chat_logprobs(delta.logprobs or [])} if req.logprobs else None
             choice = {"index": delta.index, "delta": message, "logprobs": logprobs,
-                      "finish_reason": finish_reason(delta), "stop_reason": delta.stop_reason}
+                      "finish_reason": reason, "stop_reason": delta.stop_reason}
             return envelope("chat.completion.chunk", meta["response_id"], meta["model"], choices=[choice])
 
         def final() -> dict | None:

@@ -56,6 +56,8 @@ async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
     def on_command(command: str) -> None:
         if command == "serve":
             server.serving = True
+            if link is not None:  # /health can answer 200 from now on; the parent's READY=1 waits for this
+                link.send("serving")
         elif command == "drain":
             loop.create_task(drain_then_exit())
         elif command == "fail":

@@ -6,11 +6,12 @@ ZeroMQ clients get the same checks and the same OpenAI-shaped errors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
 from detok_proc.incremental import IncrementalDetokenizer
+from detok_proc.metrics import SampleTiming
 from detok_proc.tokenizer import encode_chat
 from engine_core import protocol
 from engine_core.sampling_params import SamplingParams
@@ -19,13 +20,14 @@ from engine_core.sampling_params import SamplingParams
 class RequestInvalid(Exception):
     """A client error, with the OpenAI error fields to answer it with."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 error_type: str = "invalid_request_error"):
         super().__init__(message)
-        self.param, self.code, self.status = param, code, status
+        self.param, self.code, self.status, self.error_type = param, code, status, error_type
 
     def to_message(self, request_id: str) -> protocol.RequestError:
         return protocol.RequestError(request_id=request_id, status=self.status, message=str(self),
-                                     param=self.param, code=self.code)
+                                     param=self.param, code=self.code, error_type=self.error_type)
 
 
 def prompt_token_ids(tokenizer, request, vocab_size: int) -> list[int]:
@@ -35,7 +37,7 @@ def prompt_token_ids(tokenizer, request, vocab_size: int) -> list[int]:
         try:
             ids = encode_chat(tokenizer, request.messages, add_generation_prompt=chat.add_generation_prompt,
                               continue_final_message=chat.continue_final_message,
-                              chat_template_kwargs=chat.chat_template_kwargs)
+                              chat_template_kwargs=chat.chat_template_kwargs, tools=chat.tools)
         except Exception as exc:  # noqa: BLE001 - jinja raises many kinds; all are the client's input
             raise RequestInvalid(f"the chat template could not render these messages: {exc}", "messages") from exc
         param = "messages"
@@ -86,6 +88,7 @@ class SampleState:
     prompt: str | None = None  # echo: sent once, with the first delta
     prompt_tokens: bytes | None = None
     num_output_tokens: int = 0
+    timing: SampleTiming = field(default_factory=SampleTiming)  # for the metrics (detok_proc/metrics.py)
 
     def delta(self, delta: protocol.RequestDelta, token_text) -> protocol.GenerateDelta:
         """The client's view of one engine delta. `token_text(id)` names a token for logprobs."""

@@ -24,6 +24,8 @@ import zmq
 
 from detok_proc.requests import RequestInvalid, SampleState, check_context, prompt_token_ids, sibling_params
 from detok_proc.incremental import IncrementalDetokenizer
+from detok_proc.limits import FrontendLimits
+from detok_proc.metrics import DetokMetrics
 from detok_proc.tokenizer import load_tokenizer
 from engine_core import protocol
 from engine_core.lifecycle import ParentLink, init_child_process
@@ -35,7 +37,8 @@ _POLL_MS = 500
 
 class DetokProc:
     def __init__(self, model_dir: str, frontend_addrs: list[str], engine_input_addr: str, engine_output_addr: str,
-                 stall_timeout: float = 30.0, tcp_addr: str | None = None, curve: CurveConfig | None = None):
+                 stall_timeout: float = 30.0, tcp_addr: str | None = None, curve: CurveConfig | None = None,
+                 limits: FrontendLimits | None = None, model_name: str | None = None):
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.stall_timeout = stall_timeout
@@ -68,6 +71,8 @@ class DetokProc:
         self._pending_resets: dict[str, tuple[bytes, str]] = {}  # engine id -> (client, client's id)
         self.stop_requested = False
         self.on_ready = lambda: None
+        self.limits = limits or FrontendLimits()
+        self.metrics = DetokMetrics(model_name or model_dir, lambda: self.stats)
 
     def _router(self, addrs: list[str], router: zmq.Socket | None = None) -> zmq.Socket:
         router = router or self.ctx.socket(zmq.ROUTER)
@@ -101,9 +106,13 @@ class DetokProc:
             except RequestInvalid as exc:
                 self._reply(identity, exc.to_message(message.request_id))
         elif isinstance(message, protocol.AbortRequest):
-            self._abort(identity, message.request_ids)
+            self._abort(identity, message.request_ids, by_client=True)
         elif isinstance(message, protocol.HealthQuery):
             self._reply(identity, self._health(message.request_id))
+        elif isinstance(message, protocol.MetricsQuery):
+            self._reply(identity, protocol.MetricsReport(message.request_id, self.metrics.render()))
+        elif isinstance(message, protocol.ApiWorkerStats):  # no answer
+            self.metrics.api_worker_stats(message)
         elif isinstance(message, protocol.TokenizeRequest):
             self._tokenize(identity, message)
         elif isinstance(message, protocol.DetokenizeRequest):
@@ -137,14 +146,16 @@ class DetokProc:
         return self.engine
 
     def _start(self, identity: bytes, request: protocol.GenerateRequest) -> None:
+        arrival = time.monotonic()
         engine = self._require_engine()
         key = (identity, request.request_id)
         if key in self.by_client:
             raise RequestInvalid(f"request id {request.request_id!r} is already in use", "request_id")
         params = request.params
         ids = prompt_token_ids(self.tokenizer, request, engine.vocab_size)
-        check_context(len(ids), params.max_tokens, engine.max_model_len,
-                      "messages" if request.messages is not None else "prompt")
+        prompt_param = "messages" if request.messages is not None else "prompt"
+        self.limits.check(len(ids), params.n, len(self.samples), prompt_param)
+        check_context(len(ids), params.max_tokens, engine.max_model_len, prompt_param)
         prompt_tokens = protocol.pack_tokens(ids)
         engine_ids = self.by_client[key] = []  # registered first, so a failure below can abort them
         for index in range(params.n):
@@ -156,22 +167,28 @@ class DetokProc:
             if request.return_prompt and index == 0:
                 sample.prompt = request.prompt if request.prompt is not None else self.tokenizer.decode(ids)
                 sample.prompt_tokens = prompt_tokens
+            sample.timing.arrival = arrival
             self.samples[engine_id] = sample
             engine_ids.append(engine_id)
             self._to_engine(protocol.AddRequest(engine_id, prompt_tokens, sibling_params(params, index),
                                                 request.cache_salt))
 
-    def _abort(self, identity: bytes, request_ids: list[str]) -> None:
+    def _abort(self, identity: bytes, request_ids: list[str], by_client: bool = False) -> None:
+        """Stop the engine work of these requests; `by_client`: the client asked (or vanished), so
+        they count as finished by "abort" in the metrics; errors end requests uncounted."""
         engine_ids = []
         for request_id in request_ids:
             for engine_id in self.by_client.pop((identity, request_id), []):
-                if self.samples.pop(engine_id, None) is not None:
+                sample = self.samples.pop(engine_id, None)
+                if sample is not None:
                     engine_ids.append(engine_id)
+                    if by_client:
+                        self.metrics.finished(sample, "abort")
         if engine_ids:
             self._to_engine(protocol.AbortRequests(engine_ids))
 
     def _abort_client(self, identity: bytes) -> None:
-        self._abort(identity, [rid for ident, rid in list(self.by_client) if ident == identity])
+        self._abort(identity, [rid for ident, rid in list(self.by_client) if ident == identity], by_client=True)
 
     def _fail_all(self, message: str) -> None:
         for (identity, request_id) in list(self.by_client):
@@ -232,6 +249,7 @@ class DetokProc:
             self._rejected(message)
         elif isinstance(message, protocol.EngineReady):
             self.engine = message
+            self.metrics.engine_ready(message)
             self.on_ready()
         elif isinstance(message, protocol.PrefixCacheReset):
             client, request_id = self._pending_resets.pop(message.request_id, (None, ""))
@@ -258,7 +276,9 @@ class DetokProc:
                     message=f"the output could not be detokenized: {type(exc).__name__}: {exc}"))
                 continue
             outgoing[sample.identity].append(out)
+            self.metrics.tokens(sample, delta)
             if out.finish_reason is not None:
+                self.metrics.finished(sample, out.finish_reason)
                 del self.samples[delta.request_id]
                 self._sample_done(sample, delta.request_id)
                 if not delta.finished:  # ended here by a stop string: the engine must stop too
@@ -281,7 +301,8 @@ class DetokProc:
         if sample is None:
             return
         self._abort(sample.identity, [sample.client_request_id])
-        self._reply(sample.identity, RequestInvalid(message.message).to_message(sample.client_request_id))
+        self._reply(sample.identity, RequestInvalid(message.message, message.param)
+                    .to_message(sample.client_request_id))
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
@@ -331,12 +352,13 @@ def _peek_request_id(frame: bytes) -> str:
 
 def run_detok(model_dir: str, frontend_addrs: list[str], engine_input_addr: str, engine_output_addr: str,
               stall_timeout: float = 30.0, tcp_addr: str | None = None, curve: CurveConfig | None = None,
-              parent_conn: Connection | None = None, runtime_dir: str | None = None) -> None:
+              parent_conn: Connection | None = None, runtime_dir: str | None = None,
+              limits: FrontendLimits | None = None, model_name: str | None = None) -> None:
     """Process entry point; exits 0 on SIGTERM/SIGINT or the parent's "stop"."""
     init_child_process("pagoda-detok")
     started = time.monotonic()
     proc = DetokProc(model_dir, frontend_addrs, engine_input_addr, engine_output_addr, stall_timeout,
-                     tcp_addr, curve)
+                     tcp_addr, curve, limits, model_name)
     link = ParentLink(parent_conn, runtime_dir, proc.ipc_files) if parent_conn is not None else None
 
     def request_stop(*_):

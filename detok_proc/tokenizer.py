@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from detok_proc.tool_prompt import messages_with_tools, template_renders_tools
+
 
 def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
@@ -12,14 +14,22 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> str:
-    """The model's own jinja chat template applied to `messages`, as text."""
+                continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> str:
+    """The model's own jinja chat template applied to `messages`, as text. `tools` (OpenAI's shape)
+    go to the template, or into the system message when the template ignores them (tool_prompt.py)."""
     if tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use a plain completion prompt")
+    kwargs = dict(chat_template_kwargs or {})
+    if tools:
+        if template_renders_tools(tokenizer):
+            kwargs["tools"] = tools
+        else:
+            messages = messages_with_tools(messages, tools)
     return tokenizer.apply_chat_template(
         messages, tokenize=False,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        continue_final_message=continue_final_message, **kwargs)
 
 
 def encode_chat(tokenizer, messages: list[dict], **kwargs) -> list[int]:

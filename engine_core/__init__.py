@@ -5,16 +5,18 @@ Kept lazy on purpose: `api_proc` and `detok_proc` import `engine_core.protocol` 
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from engine_core.llm import LLM
     from engine_core.outputs import CompletionOutput, RequestOutput
     from engine_core.sampling_params import SamplingParams
+    from engine_core.structured_params import StructuredOutputsParams
 
 _LAZY = {
     "LLM": "engine_core.llm",
     "SamplingParams": "engine_core.sampling_params",
+    "StructuredOutputsParams": "engine_core.structured_params",
     "RequestOutput": "engine_core.outputs",
     "CompletionOutput": "engine_core.outputs",
 }

@@ -91,6 +91,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                    help="extra address for direct clients: ipc:///path.sock, or tcp://host:port (needs --curve-keys)")
     g.add_argument("--curve-keys", default=None, metavar="DIR",
                    help="CURVE certificates for a tcp:// frontend, as written by `pagoda keys DIR`")
+    from api_proc.serve_settings import add_limit_args
+
+    add_limit_args(parser)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -123,6 +126,8 @@ def cmd_download_default(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="text lines, or one JSON object per line (every process)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a completion for one prompt with the offline engine")
@@ -139,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (and the direct-client socket)")
     srv.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
                      help="Hugging Face model directory or hub id (same as --model; default: SmolLM2-135M-Instruct)")
+    srv.add_argument("--config", metavar="FILE",
+                     help="YAML file of flags (`max-num-seqs: 64`, lists for repeatable flags); the command line wins")
     add_serve_args(srv)
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
@@ -157,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
+    from engine_core.cli_config import parse_args_with_config
+
+    args = parse_args_with_config(build_parser(), argv)
+    configure_logging(args.log_level, args.log_format)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -8,7 +8,10 @@ stuck one is noticed (no message for longer than the stall timeout). No asyncio 
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
+import os
 import signal
 import time
 from multiprocessing.connection import Connection
@@ -81,6 +84,8 @@ class EngineCoreProc:
         self._pending = []
         if self.engine.has_unfinished_requests():
             deltas += self.engine.step()
+            for request_id, message, param in self.engine.take_rejected():  # bad structured-output specs
+                self._send(protocol.RequestRejected(request_id, message, param))
         s = self.engine.scheduler.stats()
         stats = protocol.SchedulerStatsMessage(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions,
                                                s.prefix_cache_queries, s.prefix_cache_hits)
@@ -91,16 +96,20 @@ class EngineCoreProc:
 
         self.engine = EngineCore(config)
         self.engine.warm_up()
+        # The grammar backend (xgrammar, tokenizer: ~1.5 s of CPU) loads in its thread from here on, after
+        # the warm-up rather than beside it: on 2 cores they would only slow each other's start.
+        self.engine.structured.start()
 
     def run(self) -> None:
         engine = self.engine
         self._send(protocol.EngineReady(engine.runner.num_blocks, engine.config.block_size, engine.max_model_len,
-                                        engine.model_cfg.vocab_size, str(engine.model_dir)))
+                                        engine.model_cfg.vocab_size, str(engine.model_dir), os.getpid()))
         was_busy = False
         while not self.stop_requested:
             busy = engine.has_unfinished_requests() or bool(self._pending)
             if was_busy and not busy:
                 engine.check_integrity()  # every block back in the pool; a violation kills loudly
+                release_free_heap()
             was_busy = busy
             self._drain_inputs(0 if busy else _IDLE_POLL_MS)
             self._step()
@@ -109,6 +118,22 @@ class EngineCoreProc:
         self.inputs.close(linger=0)
         self.outputs.close(linger=1000)  # let the last messages (EngineDead) leave
         self.ctx.term()
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim). Steps allocate tensors of ever
+    different shapes from several threads' arenas; the freed memory stays mapped and the process's RSS
+    creeps up over hours of traffic (+13 % in 1,000 soak requests). Called when the engine goes idle,
+    where the few milliseconds it takes cost nobody anything."""
+    try:
+        _libc().malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    return ctypes.CDLL("libc.so.6")
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,

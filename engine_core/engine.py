@@ -20,6 +20,7 @@ from engine_core.protocol import RequestDelta
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler
+from engine_core.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ class EngineCore:
                                    self.max_model_len, config.max_joint_prefill_tokens)
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_decode_graphs(self.max_model_len)
+        # Constrained requests wait here, off the scheduler, while a worker thread compiles their grammar.
+        self.structured = StructuredOutputManager(self.model_dir, self.model_cfg.vocab_size,
+                                                  self.model_cfg.eos_token_ids)
+        self.rejected: list[tuple[str, str, str | None]] = []  # (request id, why, param): see take_rejected
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; max concurrency at full context "
                     "length (%d): %.2fx; model %s loaded in %.1fs", self.kv_manager.pool.num_usable_blocks,
                     config.block_size, capacity, self.max_model_len, capacity / self.max_model_len,
@@ -74,15 +79,39 @@ class EngineCore:
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        if self.structured.has_pending(request_id):
+            raise ValueError(f"duplicate request id {request_id!r}")
         request = Request(request_id, prompt_token_ids, params, self.model_cfg.eos_token_ids,
                           cache_salt=cache_salt)
-        self.scheduler.add_request(request)
+        if params.structured_outputs is not None:
+            if request_id in self.scheduler.requests:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self.structured.submit(request)  # scheduled once its grammar is ready, or rejected
+        else:
+            self.scheduler.add_request(request)
+
+    def take_rejected(self) -> list[tuple[str, str, str | None]]:
+        """Requests refused after `add_request` returned (a structured-output spec that does not
+        compile): (request id, message, the request field to blame). None of them computed anything."""
+        rejected, self.rejected = self.rejected, []
+        return rejected
+
+    def _admit_compiled(self) -> None:
+        if not self.structured.num_pending:
+            return
+        if not self.scheduler.has_unfinished():  # nothing else to do: sleep on the compile, not spin
+            self.structured.wait(timeout=0.05)
+        ready, refused = self.structured.collect()
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, message in refused:
+            self.rejected.append((request.request_id, message, request.params.structured_outputs.source))
 
     def abort_request(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id) is not None
+        return self.structured.abort(request_id) or self.scheduler.abort(request_id) is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.structured.num_pending > 0
 
     def check_integrity(self) -> None:
         """Assert the block pool's invariants, and that an idle engine holds no blocks (run by the
@@ -111,6 +140,7 @@ class EngineCore:
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        self._admit_compiled()
         sched = self.scheduler.schedule()
         if not sched:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -128,7 +158,8 @@ class EngineCore:
                 request_id=request.request_id, new_token_ids=[token],
                 finish_reason=request.finish_reason if request.request_id in finished else None,
                 new_logprobs=[logprobs] if logprobs is not None else [],
-                num_cached_tokens=request.num_cached_tokens))
+                num_cached_tokens=request.num_cached_tokens,
+                queue_time=request.scheduled_time - request.arrival_time if request.num_output_tokens == 1 else None))
         return outputs
 
     @property

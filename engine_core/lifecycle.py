@@ -25,13 +25,16 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
+def configure_logging(level: str, log_format: str | None = None) -> None:
+    """The format every process logs in (text or json); children inherit the level and format
+    through PAGODA_LOG_LEVEL and PAGODA_LOG_FORMAT."""
+    from engine_core.log_format import formatter
 
-
-def configure_logging(level: str) -> None:
-    """The format every process logs in; children inherit the level through PAGODA_LOG_LEVEL."""
-    os.environ["PAGODA_LOG_LEVEL"] = level.upper()
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+    log_format = log_format or os.environ.get("PAGODA_LOG_FORMAT", "text")
+    handler = logging.StreamHandler()
+    handler.setFormatter(formatter(log_format))
+    os.environ["PAGODA_LOG_LEVEL"], os.environ["PAGODA_LOG_FORMAT"] = level.upper(), log_format
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
 def init_child_process(name: str) -> None:

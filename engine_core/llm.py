@@ -113,6 +113,8 @@ class LLM:
                     if out.finished:
                         reasons[out.request_id] = out.finish_reason
                         bar.update(1)
+                for request_id, message, _ in self.engine.take_rejected():  # a structured-output spec
+                    raise ValueError(f"prompt {slots[request_id][0]}: {message}")
         finally:  # interrupted (Ctrl-C, an engine error): leave nothing of this call queued
             bar.close()
             for request_id in slots.keys() - reasons.keys():

@@ -75,6 +75,8 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the request's last delta
     new_logprobs: list[TokenLogprobs] = []
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+    # On a request's first delta only: seconds from its arrival in the engine to its first scheduling.
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -102,6 +104,7 @@ class StepOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):
 class RequestRejected(msgspec.Struct, tag="rejected", array_like=True):
     request_id: str
     message: str
+    param: str | None = None  # the request field at fault, when known (e.g. "response_format")
 
 
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
@@ -110,6 +113,7 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     max_model_len: int
     vocab_size: int
     model_dir: str
+    pid: int = 0  # the engine process (the tokenizer process reports its process metrics)
 
 
 class EngineDead(msgspec.Struct, tag="dead", array_like=True):
@@ -130,6 +134,7 @@ class ChatOptions(msgspec.Struct, omit_defaults=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict = {}
+    tools: list[dict] | None = None  # OpenAI-shaped tools for the prompt (detok_proc/tool_prompt.py)
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True, omit_defaults=True):
@@ -173,8 +178,24 @@ class ResetPrefixCacheRequest(msgspec.Struct, tag="reset_prefix_cache"):
     request_id: str
 
 
+class MetricsQuery(msgspec.Struct, tag="metrics"):
+    """Answered by MetricsReport: every process's Prometheus metrics (detok_proc/metrics.py)."""
+
+    request_id: str
+
+
+class ApiWorkerStats(msgspec.Struct, tag="api_stats", kw_only=True):
+    """An HTTP worker's own counters, cumulative since it started; sent (no answer) at start-up and
+    whenever one changes, so the tokenizer process can add them to every worker's /metrics."""
+
+    pid: int
+    rejected: dict[int, int] = {}  # requests refused, by HTTP status (429, 413)
+    aborted: int = 0  # requests whose client disconnected before the response was complete
+    timed_out: int = 0  # requests ended by the server's request timeout
+
+
 FrontendRequest = Union[GenerateRequest, AbortRequest, TokenizeRequest, DetokenizeRequest, HealthQuery,
-                        ResetPrefixCacheRequest]
+                        ResetPrefixCacheRequest, MetricsQuery, ApiWorkerStats]
 
 # ---- frontend: detok_proc -> clients ------------------------------------------------------------
 
@@ -249,8 +270,13 @@ class PrefixCacheResetResult(msgspec.Struct, tag="prefix_cache_reset"):
     num_blocks: int
 
 
+class MetricsReport(msgspec.Struct, tag="metrics"):
+    request_id: str
+    text: bytes  # Prometheus text exposition format
+
+
 FrontendResponse = Union[GenerateOutputs, RequestError, TokenizeResult, DetokenizeResult, HealthReport,
-                         PrefixCacheResetResult]
+                         PrefixCacheResetResult, MetricsReport]
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

@@ -5,9 +5,14 @@ from __future__ import annotations
 import enum
 import time
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_core.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -55,7 +60,10 @@ class Request:
         self.block_hashes: list[bytes] = []  # of its full blocks, filled in by the KV cache manager
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first scheduled
         self.num_preemptions = 0
+        self.scheduled_time: float | None = None  # time.monotonic() when first scheduled (queue time)
         self.generator: torch.Generator | None = None
+        # Structured output: set once its grammar is compiled (engine_core/structured_output.py).
+        self.grammar: RequestGrammar | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 
@@ -77,11 +85,15 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:  # the matcher follows exactly the tokens kept
+            self.grammar.accept(token_id)
 
     def stop_status(self, max_model_len: int) -> RequestStatus | None:
         """The finished status the last appended token puts this request in, if any."""
         token = self.all_token_ids[-1]
         params = self.params
+        if self.grammar is not None and self.grammar.finished:  # complete: nothing may follow
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -1,8 +1,8 @@
 """Vectorized sampling over a batch of logits rows.
 
-Penalties, min_tokens masking, temperature, top-k, top-p and min-p are applied to the whole batch with
-tensor ops; only requests with their own `seed` draw noise from their own generator (so a seeded
-request gives the same tokens whatever else shares its batch).
+Penalties, min_tokens masking, structured-output grammar masks, temperature, top-k, top-p and min-p
+are applied to the whole batch with tensor ops; only requests with their own `seed` draw noise from
+their own generator (so a seeded request gives the same tokens whatever else shares its batch).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from engine_core.protocol import TokenLogprobs
 from engine_core.request import Request
+from engine_core.structured_output import apply_grammar_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -30,6 +31,7 @@ class SamplingBatch:
     penalized: bool
     biased: bool  # some request has a logit_bias
     max_logprobs: int  # largest `logprobs` asked for, -1 if none
+    grammar_rows: list[int]  # rows of requests with structured output (a grammar to mask by)
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int) -> "SamplingBatch":
@@ -48,7 +50,8 @@ class SamplingBatch:
         return cls(requests, temperature, all_greedy, top_k, top_p, min_p,
                    penalized=any(p.uses_penalties for p in params),
                    biased=any(p.logit_bias for p in params),
-                   max_logprobs=max(logprobs) if logprobs else -1)
+                   max_logprobs=max(logprobs) if logprobs else -1,
+                   grammar_rows=[row for row, r in enumerate(requests) if r.grammar is not None])
 
 
 @dataclass
@@ -97,10 +100,11 @@ def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
 
 
 def mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """Forbid EOS and stop tokens while a request has produced fewer than min_tokens."""
+    """Forbid EOS and stop tokens while a request has produced fewer than min_tokens (not for
+    structured output: its grammar decides when the output may end)."""
     rows, cols = [], []
     for row, request in enumerate(requests):
-        if request.num_output_tokens < request.params.min_tokens:
+        if request.num_output_tokens < request.params.min_tokens and request.grammar is None:
             banned = set(request.stop_token_ids)
             if not request.params.ignore_eos:
                 banned |= request.eos_token_ids
@@ -159,6 +163,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.biased:
         logits = apply_logit_bias(logits, batch.requests)
     logits = mask_min_tokens(logits, batch.requests)
+    if batch.grammar_rows:  # last of the logit processors, so nothing can revive a masked token
+        if logits is raw_logits and batch.max_logprobs >= 0:
+            logits = logits.clone()  # the mask works in place; logprobs come from the raw logits
+        apply_grammar_bitmask(logits, batch.requests, batch.grammar_rows)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy_tokens

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engine_core.structured_params import StructuredOutputsParams
+
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     n: int = 1
@@ -25,6 +27,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     logprobs: int | None = None  # number of top logprobs besides the sampled token's
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = {}  # token id -> value added to its logit before sampling
+    # Constrain the output (JSON schema, regex, choice, grammar): tokens that would break it are masked
+    # at the logits. The grammar then decides when the output may end, so min_tokens does not hold
+    # EOS back, and a complete output ends the request even with ignore_eos.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -59,6 +65,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
 
     @property
     def greedy(self) -> bool:

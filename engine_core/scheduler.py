@@ -9,6 +9,7 @@ progress reset) and put back at the head of the waiting queue, to be recomputed 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -76,6 +77,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        request.grammar = None  # its matcher's state goes now, not whenever the request is collected
         del self.requests[request.request_id]
 
     def abort(self, request_id: str) -> Request | None:
@@ -142,6 +144,7 @@ class Scheduler:
                 self.kv.record_lookup(request.num_tokens, num_hit_tokens)
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = num_hit_tokens
+                    request.scheduled_time = time.monotonic()
             request.num_computed_tokens += num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)

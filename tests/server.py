@@ -40,6 +40,16 @@ def http(method: str, url: str, body: bytes | dict | None = None, timeout: float
         return status, raw.decode(errors="replace")
 
 
+def wait_until(condition, timeout: float, interval: float = 0.05) -> bool:
+    """Poll `condition` until it holds or `timeout` seconds pass; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return condition()
+
+
 def child_pids(pid: int) -> list[int]:
     """Direct children of `pid` (Linux /proc)."""
     out = []

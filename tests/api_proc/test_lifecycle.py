@@ -15,16 +15,7 @@ import pytest
 
 from api_proc.client import EngineClient
 from engine_core.sampling_params import SamplingParams
-from tests.server import MODEL_NAME, PagodaServer, alive, free_port, http
-
-
-def _wait_until(condition, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(interval)
-    return condition()
+from tests.server import MODEL_NAME, PagodaServer, alive, free_port, http, wait_until
 
 
 def test_health_is_503_until_the_engine_is_ready(tmp_path):
@@ -73,7 +64,7 @@ def test_sigterm_drains_in_flight_request_then_exits_0(tmp_path):
     thread.join(60)
     assert result == {"tokens": 80}
     assert server.process.wait(30) == 0
-    assert _wait_until(lambda: not any(alive(pid) for pid in children), 2.0)
+    assert wait_until(lambda: not any(alive(pid) for pid in children), 2.0)
     assert server.runtime_dirs() == [] and not (tmp_path / "frontend.sock").exists()
     server.stop()
 
@@ -84,9 +75,9 @@ def test_kill_9_of_the_parent_leaves_nothing_behind(tmp_path):
     assert len(children) >= 3  # engine, detok, api (and multiprocessing's resource tracker)
     server.process.kill()
     server.process.wait()
-    assert _wait_until(lambda: not any(alive(pid) for pid in children), 2.0), \
+    assert wait_until(lambda: not any(alive(pid) for pid in children), 2.0), \
         [open(f"/proc/{p}/comm").read() for p in children if alive(p)]
-    assert _wait_until(lambda: server.runtime_dirs() == [], 1.0)
+    assert wait_until(lambda: server.runtime_dirs() == [], 1.0)
     assert not (tmp_path / "frontend.sock").exists()
     server.stop()
 
@@ -114,7 +105,7 @@ def test_engine_death_fails_requests_and_exits_nonzero_promptly(tmp_path):
     assert time.monotonic() - killed < 2.5
     thread.join(10)
     assert not thread.is_alive() and errors
-    assert _wait_until(lambda: not any(alive(pid) for pid in children), 2.0)
+    assert wait_until(lambda: not any(alive(pid) for pid in children), 2.0)
     assert server.runtime_dirs() == []
     server.stop()
 
@@ -124,12 +115,12 @@ def test_stalled_engine_turns_health_503(tmp_path):
     engine = server.child_named("pagoda-engine")
     try:
         os.kill(engine, signal.SIGSTOP)
-        assert _wait_until(lambda: http("GET", server.base_url + "/health")[0] == 503, 6.0, 0.2)
+        assert wait_until(lambda: http("GET", server.base_url + "/health")[0] == 503, 6.0, 0.2)
         status, body = http("GET", server.base_url + "/health")
         assert "stalled" in body["message"]
     finally:
         os.kill(engine, signal.SIGCONT)
-    assert _wait_until(lambda: http("GET", server.base_url + "/health")[0] == 200, 5.0, 0.2)
+    assert wait_until(lambda: http("GET", server.base_url + "/health")[0] == 200, 5.0, 0.2)
     assert server.stop() == 0
 
 
@@ -153,10 +144,10 @@ def test_disconnects_free_the_request_and_curve_tcp_frontend(tmp_path):
             with socket.create_connection(("127.0.0.1", server.port)) as sock:
                 sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-                assert _wait_until(lambda: direct.health().num_running == 1, 10.0, 0.1)
+                assert wait_until(lambda: direct.health().num_running == 1, 10.0, 0.1)
             # the socket is closed: within a step or so the engine has nothing running and no blocks
-            assert _wait_until(lambda: direct.health().num_running == 0, 5.0, 0.1), stream
-            assert _wait_until(lambda: direct.health().kv_cache_usage == 0.0, 2.0, 0.1)
+            assert wait_until(lambda: direct.health().num_running == 0, 5.0, 0.1), stream
+            assert wait_until(lambda: direct.health().kv_cache_usage == 0.0, 2.0, 0.1)
         direct.close()
         stranger_keys = tmp_path / "stranger"
         subprocess.run([sys.executable, "-m", "engine_core.cli", "keys", str(stranger_keys)], check=True,

@@ -1,0 +1,83 @@
+"""One log line per finished HTTP generation request: id, endpoint, status, prompt / completion /
+cached tokens, time to first token, latency, finish reasons — and the prompt itself only when the
+server runs with `--log-requests` (prompts are users' data).
+
+`logged(deltas, record)` wraps a request's delta stream and writes the line when the stream ends,
+however it ends: exhausted (200), an error passing through it (its status), or closed early by a
+client that went away (499, nginx's "client closed request")."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from api_proc.client import EngineError
+from api_proc.metrics import count_aborted
+from api_proc.openai_schema import ApiError
+
+logger = logging.getLogger("pagoda.requests")
+CLIENT_CLOSED = 499
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    endpoint: str
+    prompt: object | None = None  # logged only with --log-requests
+    status: int = CLIENT_CLOSED
+    started: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    prompt_tokens: dict[int, int] = field(default_factory=dict)  # per prompt
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt (its first sample)
+    output_tokens: dict[tuple[int, int], int] = field(default_factory=dict)  # per (prompt, sample)
+    finish_reasons: Counter = field(default_factory=Counter)
+
+    def observe(self, prompt_index: int, delta) -> None:
+        if self.first_token is None and delta.num_output_tokens:
+            self.first_token = time.monotonic()
+        self.prompt_tokens[prompt_index] = delta.num_prompt_tokens
+        if delta.index == 0:
+            self.cached_tokens[prompt_index] = delta.num_cached_tokens
+        self.output_tokens[(prompt_index, delta.index)] = delta.num_output_tokens
+        if delta.finish_reason is not None:
+            self.finish_reasons[delta.finish_reason] += 1
+
+    def fields(self) -> dict:
+        now = time.monotonic()
+        fields = {"request_id": self.request_id, "endpoint": self.endpoint, "status": self.status,
+                  "prompt_tokens": sum(self.prompt_tokens.values()),
+                  "completion_tokens": sum(self.output_tokens.values()),
+                  "cached_tokens": sum(self.cached_tokens.values()),
+                  "ttft_ms": None if self.first_token is None else round((self.first_token - self.started) * 1e3, 1),
+                  "latency_ms": round((now - self.started) * 1e3, 1),
+                  "finish_reason": ",".join(sorted(self.finish_reasons)) or None}
+        if self.prompt is not None:
+            fields["prompt"] = self.prompt
+        return fields
+
+    def emit(self) -> None:
+        level = logging.WARNING if self.status >= 500 else logging.INFO
+        logger.log(level, "request finished", extra={"fields": self.fields()})
+
+
+async def logged(deltas, record: RequestRecord):
+    """Yield `deltas` unchanged, recording them; log the record when the stream ends."""
+    try:
+        async with aclosing(deltas):  # closed with us, at once: that is what aborts the request
+            async for prompt_index, delta in deltas:
+                record.observe(prompt_index, delta)
+                yield prompt_index, delta
+        record.status = 200
+    except ApiError as exc:
+        record.status = exc.status
+        raise
+    except EngineError as exc:
+        record.status = exc.status
+        raise
+    finally:
+        if record.status == CLIENT_CLOSED:
+            count_aborted()
+        record.emit()

@@ -1,0 +1,74 @@
+"""`pagoda serve` flags -> the settings each process gets (HTTP workers: ApiSettings; the tokenizer
+process: FrontendLimits). Kept apart from the launcher so the mapping is in one readable place."""
+
+from __future__ import annotations
+
+import argparse
+
+from api_proc.auth import AuthPolicy, read_keys
+from api_proc.middleware import CorsSettings
+from api_proc.server import ApiSettings
+from detok_proc.limits import FrontendLimits
+from engine_core.config import parse_size
+
+
+def auth_policy(args: argparse.Namespace) -> AuthPolicy:
+    return AuthPolicy(api_keys=tuple(read_keys(args.api_key, "PAGODA_API_KEY", args.api_key_file)),
+                      admin_keys=tuple(read_keys(args.admin_key, "PAGODA_ADMIN_KEY", args.admin_key_file)),
+                      protect_probes=args.protect_probes)
+
+
+def api_settings(args: argparse.Namespace, frontend_addr: str, served_model_names: list[str]) -> ApiSettings:
+    cors = None
+    if args.allowed_origin:
+        cors = CorsSettings(allowed_origins=tuple(args.allowed_origin),
+                            allowed_headers=tuple(args.allowed_header or CorsSettings.allowed_headers),
+                            allow_credentials=args.allow_credentials)
+    return ApiSettings(frontend_addr=frontend_addr, served_model_names=served_model_names, host=args.host,
+                       port=args.port, reuse_port=args.api_workers > 1, shutdown_timeout=args.shutdown_timeout,
+                       max_body_bytes=parse_size(args.max_body_size), auth=auth_policy(args), cors=cors,
+                       max_tokens_cap=args.max_tokens_cap, max_n=args.max_n, request_timeout=args.request_timeout,
+                       log_requests=args.log_requests)
+
+
+def frontend_limits(args: argparse.Namespace) -> FrontendLimits:
+    return FrontendLimits(max_prompt_tokens=args.max_prompt_tokens, max_pending_requests=args.max_pending_requests)
+
+
+def add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """Access and limit flags of `pagoda serve`."""
+    g = parser.add_argument_group("access")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; also PAGODA_API_KEY, "
+                        "comma-separated). With any key set, only the API's own routes are reachable")
+    g.add_argument("--api-key-file", default=None, help="file with one API key per line ('#' comments)")
+    g.add_argument("--admin-key", action="append", default=None,
+                   help="key for admin routes such as /reset_prefix_cache (repeatable; also PAGODA_ADMIN_KEY). "
+                        "With user keys but no admin key, admin routes are closed")
+    g.add_argument("--admin-key-file", default=None, help="file with one admin key per line")
+    g.add_argument("--protect-probes", action="store_true",
+                   help="/health and /metrics need a key too (default: public, for load balancers and Prometheus)")
+    g.add_argument("--allowed-origin", action="append", default=None,
+                   help="CORS: an origin browsers may call from ('*' = any; repeatable; default: no CORS headers)")
+    g.add_argument("--allowed-header", action="append", default=None,
+                   help="CORS: request headers browsers may send (default: Authorization, Content-Type)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-requests", action="store_true",
+                   help="include prompts and messages in the per-request log lines (off: users' data)")
+    # Also accepted before the command (`pagoda --log-format json serve`); SUPPRESS keeps that value.
+    g.add_argument("--log-format", choices=["text", "json"], default=argparse.SUPPRESS,
+                   help="text lines, or one JSON object per line, from every process (default: text)")
+    g.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR (default: INFO)")
+    g = parser.add_argument_group("limits")
+    g.add_argument("--max-body-size", default="32MiB", help="largest request body (413 above)")
+    g.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt in tokens (400 above; default: the model's context length)")
+    g.add_argument("--max-tokens-cap", type=int, default=None,
+                   help="largest max_tokens a request may ask for (400 above), also the default when a request "
+                        "sets none (default: no cap but the context length)")
+    g.add_argument("--max-n", type=int, default=128, help="largest n (samples per request)")
+    g.add_argument("--max-pending-requests", type=int, default=1024,
+                   help="running + queued requests (each sample counts); more get 429 with Retry-After")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take end to end before it is aborted (504; default: none)")

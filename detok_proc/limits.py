@@ -1,0 +1,24 @@
+"""Admission limits the tokenizer process enforces for every frontend (HTTP workers and direct
+clients alike): it is the one place that sees all in-flight requests and every prompt's token count."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from detok_proc.requests import RequestInvalid
+
+
+@dataclass(frozen=True)
+class FrontendLimits:
+    max_prompt_tokens: int | None = None  # None = only the model's context length limits prompts
+    max_pending_requests: int | None = None  # running + queued engine requests (each of n samples counts)
+
+    def check(self, num_prompt_tokens: int, num_samples: int, num_pending: int, param: str) -> None:
+        """Raise RequestInvalid (400 for a long prompt, 429 when full) before anything is queued."""
+        if self.max_prompt_tokens is not None and num_prompt_tokens > self.max_prompt_tokens:
+            raise RequestInvalid(f"The prompt has {num_prompt_tokens} tokens; this server accepts at most "
+                                 f"{self.max_prompt_tokens}.", param, code="prompt_too_long")
+        if self.max_pending_requests is not None and num_pending + num_samples > self.max_pending_requests:
+            raise RequestInvalid(f"The server is at capacity ({num_pending} requests running or queued, limit "
+                                 f"{self.max_pending_requests}); retry shortly.", status=429,
+                                 code="too_many_requests", error_type="rate_limit_error")

@@ -1,0 +1,203 @@
+"""The server's Prometheus metrics, kept in the tokenizer process and rendered for every /metrics.
+
+The tokenizer process is the one place that sees each engine step's scheduler stats and each
+request's whole life, so the metrics of the whole server live here, in one CollectorRegistry; an HTTP
+worker's /metrics asks for the rendered text (MetricsQuery -> MetricsReport).
+
+- Scheduler state and the engine's cumulative counters (running, waiting, KV-cache usage, prefix-cache
+  queries and hits, preemptions) are read at scrape time from the latest `StepOutputs.stats`: the
+  engine's own numbers, one source of truth (DESIGN §1).
+- Request metrics carry vLLM's names, types, labels (`model_name`, `engine`) and buckets, so dashboards
+  built for vLLM work unchanged. As in vLLM, each of a request's `n` samples is one (engine) request
+  here: it counts once in request_success, prompt_tokens and every per-request histogram.
+- Counters only the HTTP layer knows (rejected with 429/413, aborted by a client disconnect, timed out)
+  come from every worker as `ApiWorkerStats` snapshots, cumulative per worker, sent whenever one
+  changes. The sum over workers is exported, so any worker's /metrics shows them all, and a snapshot
+  can be neither lost nor counted twice in a way that matters (the latest one per worker wins).
+- process_* metrics of every process (process_metrics.py).
+
+Times are this process's time.monotonic(): a sample arrives when its request reaches this process
+(before tokenization), a token when its step's message arrives here; queue time is the engine's own
+(arrival in the engine to first scheduling), sent with a request's first token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from detok_proc.process_metrics import ProcessesCollector
+from engine_core import protocol
+
+if TYPE_CHECKING:
+    from detok_proc.requests import SampleState
+
+disable_created_metrics()  # no *_created series (as vLLM): they double the output and no dashboard reads them
+
+LABELS = ["model_name", "engine"]
+FINISH_REASONS = ("stop", "length", "abort")
+REJECTED_STATUSES = (413, 429)  # exported from the start, at 0, so rate() works before the first one
+# vLLM's buckets, so its dashboards' quantiles mean the same here.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+@dataclass
+class SampleTiming:
+    """One sample's life as this process saw it (time.monotonic()); kept on its SampleState."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    queue_time: float | None = None  # seconds, measured by the engine
+
+
+class DetokMetrics:
+    def __init__(self, model_name: str, latest_stats: Callable[[], protocol.SchedulerStatsMessage]):
+        self.labels = (model_name, "0")  # one engine: vLLM's engine index 0
+        self.registry = CollectorRegistry()
+        self.processes = ProcessesCollector()
+        self.api_workers = ApiWorkerCounters(model_name)
+        for collector in (EngineStatsCollector(self.labels, latest_stats), self.api_workers, self.processes):
+            self.registry.register(collector)
+        r, lab = self.registry, self.labels
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS,
+                                     registry=r).labels(*lab)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         LABELS, registry=r).labels(*lab)
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          LABELS + ["finished_reason"], registry=r)
+        self.request_success = {reason: success.labels(*lab, reason) for reason in FINISH_REASONS}
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              LABELS, registry=r, buckets=TTFT_BUCKETS).labels(*lab)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             LABELS, registry=r, buckets=ITL_BUCKETS).labels(*lab)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             LABELS, registry=r, buckets=REQUEST_LATENCY_BUCKETS).labels(*lab)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", LABELS, registry=r,
+                                    buckets=REQUEST_LATENCY_BUCKETS).labels(*lab)
+        # Token-count histograms need the context length for their buckets: made in engine_ready().
+        self.request_prompt_tokens: Histogram | None = None
+        self.request_generation_tokens: Histogram | None = None
+
+    def engine_ready(self, ready: protocol.EngineReady) -> None:
+        self.processes.add(ready.pid, "engine")
+        if self.request_prompt_tokens is None:
+            buckets = buckets_1_2_5(ready.max_model_len)
+            self.request_prompt_tokens = Histogram(
+                "vllm:request_prompt_tokens", "Number of prefill tokens processed.", LABELS,
+                registry=self.registry, buckets=buckets).labels(*self.labels)
+            self.request_generation_tokens = Histogram(
+                "vllm:request_generation_tokens", "Number of generation tokens processed.", LABELS,
+                registry=self.registry, buckets=buckets).labels(*self.labels)
+
+    def api_worker_stats(self, stats: protocol.ApiWorkerStats) -> None:
+        self.api_workers.update(stats)
+        self.processes.add(stats.pid, "api")
+
+    # ---- one sample's life -----------------------------------------------------------------------
+    def tokens(self, sample: SampleState, delta: protocol.RequestDelta) -> None:
+        """A delta of the engine reached `sample` (call once per delta, after sample.delta())."""
+        if not delta.new_token_ids:
+            return
+        now, timing = time.monotonic(), sample.timing
+        if timing.first_token is None:  # prefill done: its prompt tokens count now (vLLM does the same)
+            timing.first_token = now
+            timing.queue_time = delta.queue_time
+            self.ttft.observe(now - timing.arrival)
+            self.prompt_tokens.inc(sample.num_prompt_tokens)
+        else:
+            self.itl.observe(now - timing.last_token)
+        timing.last_token = now
+        self.generation_tokens.inc(len(delta.new_token_ids))
+
+    def finished(self, sample: SampleState, finish_reason: str) -> None:
+        """`sample` ended: "stop" or "length", or "abort" when its client aborted it. Samples ended by an
+        error are not counted (as in vLLM, request_success counts requests that ran to an end)."""
+        self.request_success[finish_reason].inc()
+        timing = sample.timing
+        self.e2e.observe(time.monotonic() - timing.arrival)
+        if timing.queue_time is not None:  # known once the sample's first token came
+            self.queue_time.observe(timing.queue_time)
+        self.request_prompt_tokens.observe(sample.num_prompt_tokens)
+        self.request_generation_tokens.observe(sample.num_output_tokens)
+
+    def render(self) -> bytes:
+        """Every metric in Prometheus' text format."""
+        return generate_latest(self.registry)
+
+
+class EngineStatsCollector(Collector):
+    """Scheduler gauges and the engine's cumulative counters, straight from its latest step stats."""
+
+    def __init__(self, labels: tuple[str, str], latest_stats: Callable[[], protocol.SchedulerStatsMessage]):
+        self.labels = list(labels)
+        self.latest_stats = latest_stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.latest_stats()
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)):
+            gauge = GaugeMetricFamily(name, doc, labels=LABELS)
+            gauge.add_metric(self.labels, value)
+            yield gauge
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                 s.prefix_cache_queries),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                 s.prefix_cache_hits),
+                ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)):
+            counter = CounterMetricFamily(name, doc, labels=LABELS)
+            counter.add_metric(self.labels, value)
+            yield counter
+
+
+class ApiWorkerCounters(Collector):
+    """The HTTP workers' counters: the latest cumulative snapshot of each worker, summed."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.workers: dict[int, protocol.ApiWorkerStats] = {}
+
+    def update(self, stats: protocol.ApiWorkerStats) -> None:
+        self.workers[stats.pid] = stats
+
+    def collect(self) -> Iterable[Metric]:
+        workers = list(self.workers.values())
+        rejected = CounterMetricFamily("pagoda:request_rejected", "Requests refused before any work, by HTTP "
+                                       "status: 429 (server at capacity), 413 (body too large).",
+                                       labels=["model_name", "status_code"])
+        statuses = set(REJECTED_STATUSES).union(*(w.rejected for w in workers))
+        for status in sorted(statuses):
+            rejected.add_metric([self.model_name, str(status)], sum(w.rejected.get(status, 0) for w in workers))
+        yield rejected
+        for name, doc, attribute in (
+                ("pagoda:request_aborted", "Requests whose HTTP client disconnected before the response was "
+                 "complete (their generation is aborted).", "aborted"),
+                ("pagoda:request_timeout", "Requests ended by the server's request timeout (504).", "timed_out")):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], sum(getattr(w, attribute) for w in workers))
+            yield counter

@@ -1,0 +1,43 @@
+"""process_* metrics (CPU, memory, file descriptors, start time) of every Pagoda process, for /metrics.
+
+The tokenizer process renders /metrics for the whole server, so it reports the standard process
+metrics of each process — itself, the engine and every HTTP worker — read from /proc at scrape time
+(prometheus-client's ProcessCollector, which reads any pid of the same user). They keep the standard
+names; `process` ("detok", "engine", "api") and `pid` labels tell the processes apart, so
+`sum(process_resident_memory_bytes)` is the server's memory. A process that has exited just stops
+being reported.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+
+class ProcessesCollector(Collector):
+    """The process_* families of several processes, one labelled sample per process."""
+
+    def __init__(self) -> None:
+        self._collectors: dict[int, tuple[str, ProcessCollector]] = {}
+        self.add(os.getpid(), "detok")
+
+    def add(self, pid: int, role: str) -> None:
+        """Report `pid` from now on, labelled process=`role` (idempotent)."""
+        if pid > 0 and pid not in self._collectors:
+            self._collectors[pid] = (role, ProcessCollector(pid=lambda: pid, registry=None))
+
+    def collect(self) -> Iterable[Metric]:
+        families: dict[str, Metric] = {}
+        for pid, (role, collector) in self._collectors.items():
+            for family in collector.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type)
+                for sample in family.samples:
+                    merged.add_sample(sample.name, {**sample.labels, "process": role, "pid": str(pid)},
+                                      sample.value)
+        return list(families.values())

@@ -1,0 +1,214 @@
+"""API keys, admin key, CORS and every limit of `pagoda serve`, against one real server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from http.client import HTTPConnection
+import json
+import openai
+import pytest
+
+from tests.server import MODEL_NAME, PagodaServer, http
+
+USER_KEY, ADMIN_KEY, ORIGIN = "user-key-0123456789", "admin-key-0123456789", "https://app.example"
+USER = {"Authorization": f"Bearer {USER_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("access")
+    key_file = tmp / "keys.txt"
+    key_file.write_text("# second user key\nfile-key-0123456789\n")
+    srv = PagodaServer(tmp, "--api-key", USER_KEY, "--api-key-file", str(key_file), "--admin-key", ADMIN_KEY,
+                       "--max-tokens-cap", "12", "--max-n", "2", "--max-prompt-tokens", "60",
+                       "--max-pending-requests", "3", "--max-body-size", "64KiB",
+                       "--allowed-origin", ORIGIN, "--log-format", "json", "--log-requests")
+    yield srv
+    srv.stop()
+
+
+def _open(server, method: str, path: str, body: dict | None = None, headers: dict | None = None):
+    """A raw HTTP response left open (for streams and header checks): (connection, response)."""
+    connection = HTTPConnection("127.0.0.1", server.port, timeout=60)
+    data = json.dumps(body).encode() if body is not None else None
+    connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    return connection, connection.getresponse()
+
+
+def _counter(server, name: str, **labels: str) -> float:
+    """One sample of GET /metrics (public on this server), 0 if absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http("GET", server.base_url + "/metrics")[1]
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def _completion(max_tokens: int = 8, **extra) -> dict:
+    return {"model": MODEL_NAME, "prompt": "Once upon a time", "max_tokens": max_tokens, **extra}
+
+
+def test_no_key_or_a_wrong_key_gets_401_on_every_route(server):
+    routes = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+              ("POST", "/tokenize"), ("GET", "/version"), ("POST", "/reset_prefix_cache"),
+              ("GET", "/no/such/route"), ("GET", "/v1/../reset_prefix_cache"), ("GET", "/v1")]
+    for headers in ({}, {"Authorization": "Bearer wrong-key-0123456789"}, {"Authorization": USER_KEY}):
+        for method, path in routes:
+            status, body = http(method, server.base_url + path, {} if method == "POST" else None, headers=headers)
+            assert status == 401, (method, path, headers, body)
+            assert body["error"]["code"] == "invalid_api_key" and body["error"]["type"] == "invalid_request_error"
+    assert "Incorrect API key" in http("GET", server.base_url + "/v1/models",
+                                       headers={"Authorization": "Bearer wrong-key-0123456789"})[1]["error"]["message"]
+
+
+def test_keys_open_their_routes_and_only_those(server):
+    assert http("GET", server.base_url + "/health")[0] == 200  # probes are public by default
+    assert http("GET", server.base_url + "/v1/models", headers=USER)[0] == 200
+    assert http("GET", server.base_url + "/v1/models", headers={"Authorization": "Bearer file-key-0123456789"})[0] == 200
+    assert http("GET", server.base_url + "/no/such/route", headers=USER)[0] == 404
+    status, body = http("POST", server.base_url + "/reset_prefix_cache", headers=USER)
+    assert status == 403 and body["error"]["code"] == "admin_key_required"
+    assert http("POST", server.base_url + "/reset_prefix_cache", headers=ADMIN)[0] == 200
+
+
+def test_openai_sdk_with_and_without_the_key(server):
+    good = openai.OpenAI(base_url=server.base_url + "/v1", api_key=USER_KEY)
+    assert good.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=3).usage.completion_tokens == 3
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url + "/v1", api_key="nope-nope-nope").models.list()
+
+
+def test_limits_answer_with_their_status(server):
+    url = server.base_url + "/v1/completions"
+    cases = [
+        (_completion(max_tokens=13), 400, "integer_above_max_value"),
+        (_completion(n=3), 400, "integer_above_max_value"),
+        (_completion(prompt="word " * 100), 400, "prompt_too_long"),
+    ]
+    for body, status, code in cases:
+        got_status, got = http("POST", url, body, headers=USER)
+        assert (got_status, got["error"]["code"]) == (status, code), got
+    rejected = _counter(server, "pagoda:request_rejected_total", status_code="413")
+    status, body = http("POST", url, b'{"prompt": "' + b"x" * 70_000 + b'"}', headers=USER)
+    assert status == 413 and "error" in body
+    assert _counter(server, "pagoda:request_rejected_total", status_code="413") == rejected + 1
+    # Without max_tokens the cap is the default: generation stops at 12 tokens.
+    status, body = http("POST", url, {"model": MODEL_NAME, "prompt": "Count: 1, 2, 3,", "max_tokens": None,
+                                      "ignore_eos": True}, headers=USER)
+    assert status == 200 and body["usage"]["completion_tokens"] == 12
+
+
+def test_queue_full_gets_429_with_retry_after_then_recovers(server):
+    rejected = _counter(server, "pagoda:request_rejected_total", status_code="429")
+    aborted = _counter(server, "pagoda:request_aborted_total")
+    body = _completion(max_tokens=12, stream=True, ignore_eos=True)
+    streams = [_open(server, "POST", "/v1/completions", body, USER) for _ in range(3)]
+    for _, response in streams:  # each has produced a token: all three are running
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")
+    connection, full = _open(server, "POST", "/v1/completions", _completion(), USER)
+    assert full.status == 429 and full.getheader("Retry-After") == "1"
+    assert json.loads(full.read())["error"]["code"] == "too_many_requests"
+    connection.close()
+    for connection, _ in streams:
+        connection.close()  # disconnect: their slots free up
+    deadline = time.monotonic() + 30
+    while (status := http("POST", server.base_url + "/v1/completions", _completion(), headers=USER)[0]) == 429:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert status == 200
+    assert _counter(server, "pagoda:request_rejected_total", status_code="429") >= rejected + 1
+    assert _counter(server, "pagoda:request_aborted_total") >= aborted + 3  # the three streams that were cut
+
+
+def test_request_timeout_gives_504_and_frees_the_engine(tmp_path):
+    server = PagodaServer(tmp_path, "--request-timeout", "5")
+    try:
+        _check_timeout(server)
+    finally:
+        server.stop()
+
+
+def _check_timeout(server):
+    engine = server.child_named("pagoda-engine")
+    os.kill(engine, signal.SIGSTOP)  # a stuck engine: the request cannot finish
+    try:
+        started = time.monotonic()
+        status, body = http("POST", server.base_url + "/v1/completions", _completion())
+        assert status == 504 and body["error"]["code"] == "request_timeout"
+        assert time.monotonic() - started < 30
+        assert _counter(server, "pagoda:request_timeout_total") == 1
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    deadline = time.monotonic() + 60  # the resumed engine serves again (retried: this box may be busy)
+    while (status := http("POST", server.base_url + "/v1/completions", _completion(max_tokens=1))[0]) != 200:
+        assert status == 504 and time.monotonic() < deadline
+
+
+def test_cors_preflight_and_headers(server):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+
+    def headers_of(method, path, body=None, headers=None):
+        connection, response = _open(server, method, path, body, headers)
+        response.read()
+        connection.close()
+        return response.status, response
+
+    status, response = headers_of("OPTIONS", "/v1/chat/completions", headers=preflight)  # browsers send no key
+    assert status == 204 and response.getheader("Access-Control-Allow-Origin") == ORIGIN
+    assert "Authorization" in response.getheader("Access-Control-Allow-Headers")
+    assert headers_of("OPTIONS", "/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})[0] == 403
+    assert headers_of("GET", "/v1/models", headers={**USER, "Origin": ORIGIN})[1].getheader(
+        "Access-Control-Allow-Origin") == ORIGIN
+    streamed = headers_of("POST", "/v1/completions", _completion(stream=True), {**USER, "Origin": ORIGIN})[1]
+    assert streamed.getheader("Content-Type").startswith("text/event-stream")
+    assert streamed.getheader("Access-Control-Allow-Origin") == ORIGIN
+    status, denied = headers_of("GET", "/v1/models", headers={"Origin": ORIGIN})  # errors carry CORS headers too
+    assert status == 401 and denied.getheader("Access-Control-Allow-Origin") == ORIGIN
+    assert headers_of("GET", "/v1/models", headers={**USER, "Origin": "https://x.y"})[1].getheader(
+        "Access-Control-Allow-Origin") is None
+
+
+def _request_lines(server) -> list[dict]:
+    lines = []
+    for line in server.log().splitlines():
+        entry = json.loads(line)  # --log-format json: every line of every process is a JSON object
+        if entry["message"] == "request finished":
+            lines.append(entry)
+    return lines
+
+
+def test_one_json_log_line_per_request(server):
+    before = len(_request_lines(server))
+    status, body = http("POST", server.base_url + "/v1/completions", _completion(max_tokens=5, n=2), headers=USER)
+    assert status == 200
+    connection, response = _open(server, "POST", "/v1/chat/completions",
+                                 {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a story"}],
+                                  "max_tokens": 12, "stream": True, "ignore_eos": True}, USER)
+    response.readline()
+    connection.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while len(lines := _request_lines(server)) < before + 2:
+        assert time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.2)
+    done = next(e for e in lines[before:] if e["request_id"] == body["id"])
+    assert (done["status"], done["endpoint"], done["finish_reason"]) == (200, "completions", "length")
+    assert done["prompt_tokens"] == body["usage"]["prompt_tokens"]
+    assert done["completion_tokens"] == body["usage"]["completion_tokens"] == 10
+    assert done["cached_tokens"] == body["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < done["ttft_ms"] <= done["latency_ms"] and done["prompt"] == "Once upon a time"
+    gone = next(e for e in lines[before:] if e["endpoint"] == "chat")
+    assert gone["status"] == 499 and gone["prompt"][0]["content"] == "Tell me a story"
+    assert gone["finish_reason"] is None and gone["completion_tokens"] < 12
+
+
+def test_prompts_stay_out_of_the_log_unless_asked():
+    from api_proc.request_log import RequestRecord
+
+    assert "prompt" not in RequestRecord("cmpl-1", "completions").fields()
+    assert RequestRecord("cmpl-1", "completions", prompt="secret").fields()["prompt"] == "secret"
