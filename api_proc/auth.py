@@ -33,8 +33,8 @@ def read_keys(flag_values: list[str] | None, env_var: str, key_file: str | None)
     keys += [k for k in os.environ.get(env_var, "").split(",")]
     if key_file:
         for line in Path(key_file).read_text().splitlines():
-            line = line.split("#", 1)[0]
-            keys.append(line)
+            if not line.lstrip().startswith("#"):  # whole-line comments only: a key may contain '#'
+                keys.append(line)
     keys = [k.strip() for k in keys if k.strip()]
     if any(len(k) < 8 for k in keys):
         raise ValueError("API keys must be at least 8 characters long")
@@ -84,7 +84,8 @@ def _bearer(authorization: str | None) -> bytes | None:
     scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
-    return token.strip().encode()
+    # aiohttp decodes header bytes with surrogateescape: encode them back the same way, never raise.
+    return token.strip().encode("utf-8", "surrogateescape")
 
 
 def _matches(token: bytes | None, keys: tuple[bytes, ...]) -> bool:

@@ -226,7 +226,8 @@ def serve(args) -> int:
             supervisor.fail()
             return 1 if dead is not None or supervisor.stop_signal is None else 0
         supervisor.tell(("api",), "serve")
-        if supervisor.wait_serving():
+        supervisor.wait_serving()  # a worker that died instead is caught by watch() right below
+        if supervisor.stop_signal is None:
             systemd.ready(f"serving http://{args.host}:{args.port}", frontend)
         logger.info("ready in %.1fs: http://%s:%d (%d API worker%s); direct clients: %s", time.monotonic() - started,
                     args.host, args.port, args.api_workers, "s" if args.api_workers > 1 else "",

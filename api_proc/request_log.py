@@ -77,6 +77,12 @@ async def logged(deltas, record: RequestRecord):
     except EngineError as exc:
         record.status = exc.status
         raise
+    except OverflowError:  # a number too large to cross to the engine: the error middleware answers 400
+        record.status = 400
+        raise
+    except Exception:  # a bug: the error middleware answers 500
+        record.status = 500
+        raise
     finally:
         if record.status == CLIENT_CLOSED:
             count_aborted()

@@ -27,12 +27,13 @@ def api_settings(args: argparse.Namespace, frontend_addr: str, served_model_name
     return ApiSettings(frontend_addr=frontend_addr, served_model_names=served_model_names, host=args.host,
                        port=args.port, reuse_port=args.api_workers > 1, shutdown_timeout=args.shutdown_timeout,
                        max_body_bytes=parse_size(args.max_body_size), auth=auth_policy(args), cors=cors,
-                       max_tokens_cap=args.max_tokens_cap, max_n=args.max_n, request_timeout=args.request_timeout,
+                       max_n=args.max_n, request_timeout=args.request_timeout,
                        log_requests=args.log_requests)
 
 
 def frontend_limits(args: argparse.Namespace) -> FrontendLimits:
-    return FrontendLimits(max_prompt_tokens=args.max_prompt_tokens, max_pending_requests=args.max_pending_requests)
+    return FrontendLimits(max_prompt_tokens=args.max_prompt_tokens, max_pending_requests=args.max_pending_requests,
+                          max_tokens_cap=args.max_tokens_cap)
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +67,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="longest prompt in tokens (400 above; default: the model's context length)")
     g.add_argument("--max-tokens-cap", type=int, default=None,
                    help="largest max_tokens a request may ask for (400 above), also the default when a request "
-                        "sets none (default: no cap but the context length)")
+                        "sets none, or what the context leaves if less (default: no cap but the context length)")
     g.add_argument("--max-n", type=int, default=128, help="largest n (samples per request)")
     g.add_argument("--max-pending-requests", type=int, default=1024,
                    help="running + queued requests (each sample counts); more get 429 with Retry-After")

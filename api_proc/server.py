@@ -47,7 +47,6 @@ class ApiSettings:
     health_timeout: float = 5.0
     auth: AuthPolicy = field(default_factory=AuthPolicy)
     cors: CorsSettings | None = None
-    max_tokens_cap: int | None = None
     max_n: int = MAX_N
     request_timeout: float | None = None  # seconds, end to end
     log_requests: bool = False  # put prompts into the per-request log lines
@@ -201,18 +200,12 @@ class ApiServer:
             raise ApiError(503, "The server is shutting down and accepts no new requests.",
                            error_type="server_error", code="server_shutting_down")
 
-    def _limited(self, params, max_tokens_param: str):
-        """The server's caps on n and max_tokens (a request without max_tokens gets the cap)."""
+    def _limited(self, params):
+        """The server's cap on n (the max_tokens cap needs the prompt's length: the tokenizer process
+        applies it, for direct clients too)."""
         if params.n > self.settings.max_n:
             raise ApiError(400, f"Invalid 'n': this server allows at most {self.settings.max_n}, but got "
                                 f"{params.n}.", "n", "integer_above_max_value")
-        cap = self.settings.max_tokens_cap
-        if cap is not None:
-            if params.max_tokens is None:
-                params.max_tokens = cap
-            elif params.max_tokens > cap:
-                raise ApiError(400, f"Invalid '{max_tokens_param}': this server allows at most {cap}, but got "
-                                    f"{params.max_tokens}.", max_tokens_param, "integer_above_max_value")
         return params
 
     async def _deadline(self, deltas):
@@ -222,8 +215,11 @@ class ApiServer:
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         async with aclosing(deltas):  # closed with us, at once: that is what aborts the request
             iterator = deltas.__aiter__()
+            loop = asyncio.get_running_loop()
             while True:
                 try:
+                    if deadline is not None and loop.time() >= deadline:
+                        raise TimeoutError  # deltas already queued never suspend, so timeout_at alone misses this
                     async with asyncio.timeout_at(deadline):  # None: no deadline
                         item = await iterator.__anext__()
                 except StopAsyncIteration:
@@ -240,8 +236,7 @@ class ApiServer:
         req = parse_body(await request.read(), CompletionRequest)
         model = self._check_model(req.model)
         prompts = req.prompts()
-        params = self._limited(req.sampling_params(req.max_tokens, req.logprobs, structured_outputs_of(req)),
-                               "max_tokens")
+        params = self._limited(req.sampling_params(req.max_tokens, req.logprobs, structured_outputs_of(req)))
         if req.echo and req.logprobs is not None:
             raise ApiError(400, "'echo' together with 'logprobs' needs prompt logprobs, which this server "
                                 "does not compute.", "echo")
@@ -328,8 +323,7 @@ class ApiServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)  # None: no tool to call
         constraint = structured_outputs_of(req, tools)
-        params = self._limited(req.sampling_params(max_tokens, req.logprobs_count(), constraint),
-                               "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+        params = self._limited(req.sampling_params(max_tokens, req.logprobs_count(), constraint))
         stream = self.client.generate(
             messages=req.template_messages(), params=params, stop=req.stop_list,
             include_stop_str_in_output=req.include_stop_str_in_output,

@@ -12,6 +12,19 @@ from detok_proc.requests import RequestInvalid
 class FrontendLimits:
     max_prompt_tokens: int | None = None  # None = only the model's context length limits prompts
     max_pending_requests: int | None = None  # running + queued engine requests (each of n samples counts)
+    max_tokens_cap: int | None = None  # largest max_tokens; also the default when a request sets none
+
+    def cap_max_tokens(self, params, num_prompt_tokens: int, max_model_len: int) -> None:
+        """Refuse max_tokens above the cap; give a request without one the cap, or what the context
+        leaves if that is less (so a long prompt is not refused for a limit its client never set)."""
+        cap = self.max_tokens_cap
+        if cap is None:
+            return
+        if params.max_tokens is None:
+            params.max_tokens = max(1, min(cap, max_model_len - num_prompt_tokens))
+        elif params.max_tokens > cap:
+            raise RequestInvalid(f"Invalid 'max_tokens': this server allows at most {cap}, but got "
+                                 f"{params.max_tokens}.", "max_tokens", code="integer_above_max_value")
 
     def check(self, num_prompt_tokens: int, num_samples: int, num_pending: int, param: str) -> None:
         """Raise RequestInvalid (400 for a long prompt, 429 when full) before anything is queued."""

@@ -155,6 +155,7 @@ class DetokProc:
         ids = prompt_token_ids(self.tokenizer, request, engine.vocab_size)
         prompt_param = "messages" if request.messages is not None else "prompt"
         self.limits.check(len(ids), params.n, len(self.samples), prompt_param)
+        self.limits.cap_max_tokens(params, len(ids), engine.max_model_len)
         check_context(len(ids), params.max_tokens, engine.max_model_len, prompt_param)
         prompt_tokens = protocol.pack_tokens(ids)
         engine_ids = self.by_client[key] = []  # registered first, so a failure below can abort them

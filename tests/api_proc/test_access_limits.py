@@ -212,3 +212,61 @@ def test_prompts_stay_out_of_the_log_unless_asked():
 
     assert "prompt" not in RequestRecord("cmpl-1", "completions").fields()
     assert RequestRecord("cmpl-1", "completions", prompt="secret").fields()["prompt"] == "secret"
+
+
+def test_undecodable_authorization_header_is_a_401_not_a_500():
+    from api_proc.auth import AuthPolicy
+
+    policy = AuthPolicy(api_keys=(USER_KEY,))
+    # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes
+    assert policy.check("/v1/models", "Bearer \udcff\udcfe-not-a-key")[0] == 401
+    assert policy.check("/v1/models", f"bearer {USER_KEY}") is None
+
+
+def test_key_files_take_whole_line_comments_only(tmp_path):
+    from api_proc.auth import read_keys
+
+    keys = tmp_path / "keys"
+    keys.write_text("# a comment\nkey-with-#-inside-123\n  \n")
+    assert read_keys(None, "PAGODA_TEST_UNSET_VARIABLE", str(keys)) == ["key-with-#-inside-123"]
+
+
+def test_max_tokens_cap_defaults_within_the_context():
+    from detok_proc.limits import FrontendLimits
+    from detok_proc.requests import RequestInvalid
+    from engine_core.sampling_params import SamplingParams
+
+    limits = FrontendLimits(max_tokens_cap=4096)
+    params = SamplingParams(max_tokens=None)
+    limits.cap_max_tokens(params, num_prompt_tokens=5000, max_model_len=8192)
+    assert params.max_tokens == 3192  # what the context leaves, not a 400 for a limit nobody asked for
+    params = SamplingParams(max_tokens=None)
+    limits.cap_max_tokens(params, num_prompt_tokens=10, max_model_len=8192)
+    assert params.max_tokens == 4096
+    with pytest.raises(RequestInvalid):
+        limits.cap_max_tokens(SamplingParams(max_tokens=4097), 10, 8192)
+
+
+def test_deadline_holds_even_when_deltas_are_already_queued():
+    import asyncio
+
+    from api_proc.openai_schema import ApiError
+    from api_proc.server import ApiServer, ApiSettings
+
+    async def run() -> int:
+        server = ApiServer(ApiSettings(frontend_addr="ipc:///nonexistent/frontend.sock", served_model_names=["m"],
+                                       request_timeout=0.2))
+
+        async def ready_deltas():  # never suspends: every item is already there
+            for i in range(1000):
+                yield 0, i
+
+        seen = 0
+        with pytest.raises(ApiError) as error:
+            async for _ in server._deadline(ready_deltas()):
+                seen += 1
+                await asyncio.sleep(0.01)  # a slow reader
+        assert error.value.status == 504
+        return seen
+
+    assert asyncio.run(run()) < 100
