@@ -129,6 +129,9 @@ def _convert(parser: argparse.ArgumentParser, path: str, key: str, action: argpa
 def _scalar(action: argparse.Action, value: Any, fail) -> Any:
     if isinstance(value, (bool, list, dict)) or value is None:
         fail(f"expected a value for --{_key(action.option_strings[-1])}, got {value!r}")
+    if "key" in action.dest and not isinstance(value, str):
+        # YAML has already turned 0x5f3759df or 012345670 into a number: str() would give another key.
+        fail(f"quote the value of --{_key(action.option_strings[-1])}: YAML read it as the number {value!r}")
     text = str(value)  # YAML's 8 or 0.9 becomes what the command line would have given
     try:
         converted = action.type(text) if action.type is not None else text

@@ -56,6 +56,8 @@ def test_flags_added_by_other_modules_work_too(tmp_path):
     ("enforce-eager: 1\n", "enforce-eager: expected true or false"),
     ("port: [1, 2]\n", "port: expected a single value"),
     ("- port\n", "expected a mapping"),
+    ("api-key: 0x5f3759df\n", "quote the value of --api-key"),
+    ("admin-key: [012345670]\n", "quote the value of --admin-key"),
 ])
 def test_bad_files_are_usage_errors_naming_the_key(tmp_path, capsys, text, message):
     with pytest.raises(SystemExit) as exit_info:
