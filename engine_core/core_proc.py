@@ -121,10 +121,10 @@ class EngineCoreProc:
 
 
 def release_free_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim). Steps allocate tensors of ever
-    different shapes from several threads' arenas; the freed memory stays mapped and the process's RSS
-    creeps up over hours of traffic (+13 % in 1,000 soak requests). Called when the engine goes idle,
-    where the few milliseconds it takes cost nobody anything."""
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim): a burst of large steps leaves
+    freed memory mapped in several threads' arenas. Called when the engine goes idle, where the few
+    milliseconds it takes cost nobody anything. (The soak's memory growth had another cause — see
+    `onednn_rows` in layers/linear.py.)"""
     try:
         _libc().malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to do
