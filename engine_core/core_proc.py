@@ -8,8 +8,6 @@ stuck one is noticed (no message for longer than the stall timeout). No asyncio 
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import os
 import signal
@@ -109,7 +107,6 @@ class EngineCoreProc:
             busy = engine.has_unfinished_requests() or bool(self._pending)
             if was_busy and not busy:
                 engine.check_integrity()  # every block back in the pool; a violation kills loudly
-                release_free_heap()
             was_busy = busy
             self._drain_inputs(0 if busy else _IDLE_POLL_MS)
             self._step()
@@ -118,22 +115,6 @@ class EngineCoreProc:
         self.inputs.close(linger=0)
         self.outputs.close(linger=1000)  # let the last messages (EngineDead) leave
         self.ctx.term()
-
-
-def release_free_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim): a burst of large steps leaves
-    freed memory mapped in several threads' arenas. Called when the engine goes idle, where the few
-    milliseconds it takes cost nobody anything. (The soak's memory growth had another cause — see
-    `onednn_rows` in layers/linear.py.)"""
-    try:
-        _libc().malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
-
-
-@functools.lru_cache(maxsize=1)
-def _libc():
-    return ctypes.CDLL("libc.so.6")
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,

@@ -50,6 +50,18 @@ def _output(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _attention_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """Checked inputs of both attention kernels: (query with a contiguous head_dim, the output buffer,
+    (rows, num_heads, head_dim, block_size, num_kv_heads, query heads per KV head))."""
+    _check_cache(key_cache, value_cache)
+    rows, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    return query, _output(out, query), (rows, num_heads, head_dim, block_size, num_kv_heads,
+                                        num_heads // num_kv_heads)
+
+
 # ---- reshape_and_cache ------------------------------------------------------------------------------
 
 @triton.jit
@@ -205,12 +217,8 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
     No host syncs (CUDA-graph safe). `max_seq_len` only sizes the split count; results are correct for any
     `seq_lens[b] <= block_tables.shape[1] * block_size` whatever it says. seq_len-0 rows give zeros."""
-    _check_cache(key_cache, value_cache)
-    batch, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    query = query if query.stride(-1) == 1 else query.contiguous()
-    out = _output(out, query)
+    query, out, shape = _attention_inputs(query, key_cache, value_cache, out)
+    batch, num_heads, head_dim, block_size, num_kv_heads, group = shape
     if batch == 0:
         return out
     block_n = 64 if head_dim <= 128 else 32
@@ -299,12 +307,8 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     positions `seq_lens[b] - q_len .. seq_lens[b] - 1`. All of its K/V (prefix + the new tokens) are
     already in the cache. `query` `[T, H, D]` -> `[T, H, D]` (into `out` if given). Reads
     `query_start_loc` and `seq_lens` on the host to size the grid (a sync: prefill runs eagerly)."""
-    _check_cache(key_cache, value_cache)
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    query = query if query.stride(-1) == 1 else query.contiguous()
-    out = _output(out, query)
+    query, out, shape = _attention_inputs(query, key_cache, value_cache, out)
+    num_tokens, num_heads, head_dim, block_size, num_kv_heads, group = shape
     block_m = max(64, triton.next_power_of_2(group))
     tokens_per_tile = block_m // group
 

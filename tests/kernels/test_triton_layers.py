@@ -19,20 +19,9 @@ pytest.importorskip("triton")
 
 from kernels.torch_ref import layers as ref  # noqa: E402
 from kernels.triton import layers as tri  # noqa: E402
+from tests.kernels.devices import make_generator  # noqa: E402
 
-# On a machine with a GPU these run compiled on it (benchmarks/gpu_check.sh); elsewhere on the CPU through
-# Triton's interpreter, which tests/conftest.py switches on before anything imports Triton.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _on_device():
-    with torch.device(DEVICE):
-        yield
-
-
-def make_generator(seed: int) -> torch.Generator:
-    return torch.Generator(device=DEVICE).manual_seed(seed)
+pytestmark = pytest.mark.usefixtures("on_device")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5),
