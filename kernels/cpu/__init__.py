@@ -23,8 +23,13 @@ logger = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _COMMON_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
 # Attention may reassociate sums and use vector expf; the element-wise ops must round exactly like torch.
+# Not `-ffast-math` itself: when it links a shared library, GCC 12 adds crtfastmath.o, whose constructor
+# turns on flush-to-zero for the whole process that loads it (every float in it, torch's and Python's
+# included, then loses its subnormals). These are -ffast-math's code-generation flags without that.
+_FAST_MATH = ["-fno-math-errno", "-ffinite-math-only", "-fno-signed-zeros", "-fno-trapping-math",
+              "-fassociative-math", "-freciprocal-math", "-fno-rounding-math", "-fcx-limited-range"]
 _LIBRARIES = {
-    "paged_attention": ["-ffast-math", "-fopenmp"],  # libgomp: torch's own, already loaded
+    "paged_attention": [*_FAST_MATH, "-fopenmp"],  # libgomp: torch's own, already loaded
     "elementwise": ["-fno-fast-math", "-ffp-contract=off"],
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float

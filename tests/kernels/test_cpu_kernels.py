@@ -16,6 +16,16 @@ def test_cpu_kernels_build():
     assert cpu.available(), "the C kernels must build on this machine (a C compiler is part of the setup)"
 
 
+def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
+    import subprocess
+    import sys
+
+    # In a fresh process: once loaded, flush-to-zero would make the smallest normal double / 4 zero.
+    code = "from kernels import cpu; assert cpu.available(); print(2.2250738585072014e-308 / 4 != 0.0)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "True", result.stderr
+
+
 @pytest.mark.parametrize("head_dim,block_size,groups", SHAPES)
 @pytest.mark.parametrize("sliding_window", [None, 20])
 def test_compiled_cpu_decode_attention_matches_reference(head_dim, block_size, groups, sliding_window):
