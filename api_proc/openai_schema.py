@@ -14,17 +14,26 @@ import msgspec
 
 from engine_core.sampling_params import SamplingParams
 from engine_core.structured_params import StructuredOutputsParams
+from engine_core.validation import is_token_id, param_of
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's chat roles
 
 
 class ApiError(Exception):
+    """An error answered in OpenAI's envelope. `closes`: what happens to the connection afterwards:
+    None keeps it alive; "after_body" closes it once the rest of the body has been read (or ignored
+    for a few seconds), so a client still sending can read the answer; "now" closes it as soon as the
+    answer is out (the body is stalled or unreadable: waiting for it is pointless)."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 error_type: str = "invalid_request_error", headers: dict | None = None):
+                 error_type: str = "invalid_request_error", headers: dict | None = None,
+                 closes: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, error_type
         self.headers = headers or {}
+        self.closes = closes
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -89,8 +98,7 @@ class _Common(msgspec.Struct, kw_only=True):
                 skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
                 structured_outputs=constraint)
         except ValueError as exc:
-            field = str(exc).split()[0]
-            raise ApiError(400, str(exc), field if field in _FIELDS else None) from None
+            raise ApiError(400, str(exc), param_of(exc)) from None
 
     def _logit_bias(self) -> dict[int, float]:
         bias = {}
@@ -111,7 +119,7 @@ class _Common(msgspec.Struct, kw_only=True):
 
 class CompletionRequest(_Common, kw_only=True):
     prompt: str | list
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = None  # unset: OpenAI's default, 16 (ApiSettings.completion_max_tokens)
     logprobs: int | None = None
     echo: bool = False
     add_special_tokens: bool = True
@@ -123,11 +131,11 @@ class CompletionRequest(_Common, kw_only=True):
             return [prompt]
         if not prompt:
             raise ApiError(400, "'prompt' must not be empty.", "prompt")
-        if all(_is_token_id(p) for p in prompt):
+        if all(is_token_id(p) for p in prompt):
             return [prompt]
         if all(isinstance(p, str) for p in prompt):
             return list(prompt)
-        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+        if all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in prompt):
             return list(prompt)
         raise ApiError(400, "Invalid type for 'prompt': expected a string, a list of strings, a list of "
                             "token ids (integers in [0, 2**31)) or a list of token-id lists.", "prompt",
@@ -158,9 +166,13 @@ class ChatCompletionRequest(_Common, kw_only=True):
             raise ApiError(400, "'messages' must contain at least one message.", "messages")
         out = []
         for i, message in enumerate(self.messages):
+            if not isinstance(message, dict):
+                raise ApiError(400, f"Invalid type for 'messages[{i}]': expected a message object.",
+                               f"messages[{i}]", "invalid_type")
             role, content = message.get("role"), message.get("content")
-            if not isinstance(role, str):
-                raise ApiError(400, f"Missing or invalid 'messages[{i}].role'.", f"messages[{i}].role")
+            if role not in ROLES:
+                raise ApiError(400, f"Invalid 'messages[{i}].role': expected one of {', '.join(ROLES)}, but got "
+                                    f"{_shown(role)}.", f"messages[{i}].role")
             if isinstance(content, list):
                 texts = []
                 for part in content:
@@ -176,30 +188,23 @@ class ChatCompletionRequest(_Common, kw_only=True):
         return out
 
 
-def _is_token_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2 ** 31
+def _shown(value: object) -> str:
+    """A client's value in an error message, cut short (never a whole 30 MB string)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
-_FIELDS = set(CompletionRequest.__struct_fields__) | set(ChatCompletionRequest.__struct_fields__)
 _PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
 
 
-def parse_body(body: bytes, schema: type[msgspec.Struct]):
-    """Decode and type-check a JSON body, or raise the OpenAI-shaped 400 for it."""
-    if not body.strip():
-        raise ApiError(400, "We could not parse the JSON body of your request: the body is empty.")
-    try:
-        return msgspec.json.decode(body, type=schema)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
-        match = _PATH.search(text)
-        param = match.group(1) if match else None
-        if text.startswith("Object missing required field"):
-            name = text.split("`")[1]
-            raise ApiError(400, f"Missing required parameter: '{name}'.", name, "missing_required_parameter") from None
-        if text.startswith("Expected `object`") and param is None:
-            raise ApiError(400, "The request body must be a JSON object.", None, "invalid_type") from None
-        raise ApiError(400, f"Invalid type for '{param}': {text}", param, "invalid_type") from None
-    except msgspec.DecodeError as exc:
-        raise ApiError(400, f"We could not parse the JSON body of your request ({exc}). The API expects a "
-                            "JSON payload.") from None
+def validation_error(exc: msgspec.ValidationError) -> ApiError:
+    """The OpenAI-shaped 400 for a body whose fields have the wrong types."""
+    text = str(exc)
+    match = _PATH.search(text)
+    param = match.group(1) if match else None
+    if text.startswith("Object missing required field"):
+        name = text.split("`")[1]
+        return ApiError(400, f"Missing required parameter: '{name}'.", name, "missing_required_parameter")
+    if text.startswith("Expected `object`") and param is None:
+        return ApiError(400, "The request body must be a JSON object.", None, "invalid_type")
+    return ApiError(400, f"Invalid type for '{param}': {text}", param, "invalid_type")

@@ -2,16 +2,18 @@
 cached tokens, time to first token, latency, finish reasons — and the prompt itself only when the
 server runs with `--log-requests` (prompts are users' data).
 
-`logged(deltas, record)` wraps a request's delta stream and writes the line when the stream ends,
-however it ends: exhausted (200), an error passing through it (its status), or closed early by a
-client that went away (499, nginx's "client closed request")."""
+`with logged(record):` wraps a generation handler from its first line and writes the line when the
+handler ends, however it ends: answered (200, or the status of an error met mid-stream), refused
+(its 4xx, from body parsing onward), failed (500), or cancelled by a client that went away (499,
+nginx's "client closed request"). `observed(deltas, record)` counts tokens as the deltas pass."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
-from contextlib import aclosing
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
 from api_proc.client import EngineError
@@ -27,7 +29,7 @@ class RequestRecord:
     request_id: str
     endpoint: str
     prompt: object | None = None  # logged only with --log-requests
-    status: int = CLIENT_CLOSED
+    status: int | None = None  # None until known; an error met mid-stream sets its own
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # per prompt
@@ -63,27 +65,42 @@ class RequestRecord:
         logger.log(level, "request finished", extra={"fields": self.fields()})
 
 
-async def logged(deltas, record: RequestRecord):
-    """Yield `deltas` unchanged, recording them; log the record when the stream ends."""
+@contextmanager
+def logged(record: RequestRecord):
+    """Log `record` once when the block ends, with the status the request ended with."""
     try:
-        async with aclosing(deltas):  # closed with us, at once: that is what aborts the request
-            async for prompt_index, delta in deltas:
-                record.observe(prompt_index, delta)
-                yield prompt_index, delta
-        record.status = 200
-    except ApiError as exc:
-        record.status = exc.status
-        raise
-    except EngineError as exc:
+        yield record
+    except (ApiError, EngineError) as exc:
         record.status = exc.status
         raise
     except OverflowError:  # a number too large to cross to the engine: the error middleware answers 400
         record.status = 400
         raise
+    except asyncio.CancelledError:  # the client went away; aiohttp cancels its handler
+        record.status = CLIENT_CLOSED
+        raise
     except Exception:  # a bug: the error middleware answers 500
         record.status = 500
         raise
+    else:
+        if record.status is None:
+            record.status = 200
     finally:
+        if record.status is None:
+            record.status = CLIENT_CLOSED
         if record.status == CLIENT_CLOSED:
             count_aborted()
         record.emit()
+
+
+async def observed(deltas, record: RequestRecord):
+    """Yield `deltas` unchanged, recording their token counts, and the status of an error passing
+    through (a stream answers it as an error event after its 200 status line has gone out)."""
+    async with aclosing(deltas):  # closed with us, at once: that is what aborts the request
+        try:
+            async for prompt_index, delta in deltas:
+                record.observe(prompt_index, delta)
+                yield prompt_index, delta
+        except (ApiError, EngineError) as exc:
+            record.status = exc.status
+            raise

@@ -27,13 +27,21 @@ def api_settings(args: argparse.Namespace, frontend_addr: str, served_model_name
     return ApiSettings(frontend_addr=frontend_addr, served_model_names=served_model_names, host=args.host,
                        port=args.port, reuse_port=args.api_workers > 1, shutdown_timeout=args.shutdown_timeout,
                        max_body_bytes=parse_size(args.max_body_size), auth=auth_policy(args), cors=cors,
-                       max_n=args.max_n, request_timeout=args.request_timeout,
-                       log_requests=args.log_requests)
+                       max_n=args.max_n, request_timeout=args.request_timeout, body_timeout=args.body_timeout,
+                       header_timeout=args.header_timeout, max_connections=args.max_connections or None,
+                       max_tokens_cap=args.max_tokens_cap, log_requests=args.log_requests)
 
 
 def frontend_limits(args: argparse.Namespace) -> FrontendLimits:
     return FrontendLimits(max_prompt_tokens=args.max_prompt_tokens, max_pending_requests=args.max_pending_requests,
                           max_tokens_cap=args.max_tokens_cap)
+
+
+def _seconds_or_off(value: str) -> float | None:
+    seconds = float(value)
+    if seconds < 0:
+        raise argparse.ArgumentTypeError("must be 0 (off) or a positive number of seconds")
+    return seconds or None
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -73,3 +81,10 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="running + queued requests (each sample counts); more get 429 with Retry-After")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take end to end before it is aborted (504; default: none)")
+    g.add_argument("--header-timeout", type=_seconds_or_off, default=30.0,
+                   help="seconds a connection has to send a complete request head, from opening or from its "
+                        "first byte after a finished request (else 408 and closed; 0 = off)")
+    g.add_argument("--body-timeout", type=_seconds_or_off, default=30.0,
+                   help="seconds a request body may go without a byte arriving (else 408 and closed; 0 = off)")
+    g.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections per API worker; requests on connections past it get 503 (0 = no cap)")

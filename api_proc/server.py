@@ -22,13 +22,16 @@ from api_proc.metrics import install as install_metrics
 from api_proc.middleware import CorsSettings, auth_middleware, install_cors, preflight_middleware
 from api_proc.openai_format import (Choice, CompletionLogprobs, chat_logprobs, envelope, finish_reason, new_id,
                                     usage)
-from api_proc.request_log import RequestRecord, logged
-from api_proc.openai_schema import MAX_N, ApiError, ChatCompletionRequest, CompletionRequest, parse_body
+from api_proc.http_guard import ClosingResponse, over_capacity_middleware
+from api_proc.openai_schema import MAX_N, ApiError, ChatCompletionRequest, CompletionRequest
+from api_proc.request_body import decode_json, read_body
+from api_proc.request_log import RequestRecord, logged, observed
 from api_proc.streams import merge
 from api_proc.structured import structured_outputs_of
 from api_proc.tool_parsing import ToolCallStream, tool_response
 from api_proc.tools import plan_tools
 from engine_core import protocol
+from engine_core.validation import ParamError, check_token_ids
 
 logger = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
@@ -49,18 +52,31 @@ class ApiSettings:
     cors: CorsSettings | None = None
     max_n: int = MAX_N
     request_timeout: float | None = None  # seconds, end to end
+    body_timeout: float | None = 30.0  # seconds a request body may go without a byte arriving
+    header_timeout: float | None = 30.0  # seconds a connection has to deliver a request head
+    max_connections: int | None = 1024  # open connections per worker (503 past it)
+    max_tokens_cap: int | None = None  # the server's largest max_tokens (enforced by the tokenizer process)
     log_requests: bool = False  # put prompts into the per-request log lines
 
+    def completion_max_tokens(self) -> int:
+        """OpenAI's default max_tokens for /v1/completions (16), or the server's cap if lower."""
+        return 16 if self.max_tokens_cap is None else min(16, self.max_tokens_cap)
 
-def json_response(body, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=_json.encode(body), status=status, content_type="application/json",
-                        headers=headers)
+
+def json_response(body, status: int = 200, headers: dict | None = None,
+                  response_class: type[web.Response] = web.Response) -> web.Response:
+    return response_class(body=_json.encode(body), status=status, content_type="application/json",
+                          headers=headers)
 
 
 def error_response(error: ApiError) -> web.Response:
     if error.status in (413, 429):
         count_rejected(error.status)
-    return json_response(error.body(), error.status, error.headers)
+    response = json_response(error.body(), error.status, error.headers,
+                             ClosingResponse if error.closes == "now" else web.Response)
+    if error.closes == "after_body":
+        response.force_close()
+    return response
 
 
 def _engine_error(exc: EngineError) -> ApiError:
@@ -105,7 +121,7 @@ class ApiServer:
         self.serving = False  # set once the parent says every process is ready
         self.draining = False
         self.active_requests = 0  # generation handlers running now
-        middlewares = [openai_errors, auth_middleware(settings.auth)]
+        middlewares = [openai_errors, over_capacity_middleware(), auth_middleware(settings.auth)]
         if settings.cors is not None:
             middlewares.insert(0, preflight_middleware(settings.cors))
         self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
@@ -143,7 +159,7 @@ class ApiServer:
         return json_response({"object": "list", "data": data})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self._json_object(request)
+        body = decode_json(await self._body(request))
         self._check_model(body.get("model"))
         add_special = body.get("add_special_tokens", True)
         if "messages" in body:
@@ -165,26 +181,23 @@ class ApiServer:
                               "token_strs": result.token_strs if body.get("return_token_strs") else None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await self._json_object(request)
+        body = decode_json(await self._body(request))
         self._check_model(body.get("model"))
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                   and 0 <= t < 2 ** 31 for t in tokens):
+        if not isinstance(tokens, list):
             raise ApiError(400, "Invalid type for 'tokens': expected a list of token ids.", "tokens", "invalid_type")
+        try:
+            check_token_ids(tokens, None, "tokens")
+        except ParamError as exc:
+            raise ApiError(400, str(exc), exc.param, "invalid_type") from None
         return json_response({"prompt": await self.client.detokenize(tokens)})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         """Admin: forget every cached prefix (e.g. after changing what tenants may share)."""
         return json_response({"status": "ok", "num_blocks": await self.client.reset_prefix_cache()})
 
-    async def _json_object(self, request: web.Request) -> dict:
-        try:
-            body = msgspec.json.decode(await request.read())
-        except msgspec.DecodeError as exc:
-            raise ApiError(400, f"We could not parse the JSON body of your request ({exc}).") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "The request body must be a JSON object.", code="invalid_type")
-        return body
+    async def _body(self, request: web.Request) -> bytes:
+        return await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout)
 
     def _check_model(self, model: str | None) -> str:
         if model is not None and model not in self.settings.served_model_names:
@@ -231,12 +244,28 @@ class ApiServer:
                 yield item
 
     # ---- generation --------------------------------------------------------------------------
+    async def _generation(self, request: web.Request, endpoint: str, id_prefix: str, run) -> web.StreamResponse:
+        """Run a generation route: `run(request, record)`, counted as in flight (shutdown waits for
+        it) and logged once however it ends: answered, refused from body parsing on, failed, or left."""
+        record = RequestRecord(new_id(id_prefix), endpoint)
+        with logged(record):
+            self._check_accepting()
+            self.active_requests += 1
+            try:
+                return await run(request, record)
+            finally:
+                self.active_requests -= 1
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        self._check_accepting()
-        req = parse_body(await request.read(), CompletionRequest)
+        return await self._generation(request, "completions", "cmpl", self._completions)
+
+    async def _completions(self, request: web.Request, record: RequestRecord) -> web.StreamResponse:
+        req = decode_json(await self._body(request), CompletionRequest)
+        record.prompt = req.prompt if self.settings.log_requests else None
         model = self._check_model(req.model)
         prompts = req.prompts()
-        params = self._limited(req.sampling_params(req.max_tokens, req.logprobs, structured_outputs_of(req)))
+        max_tokens = self.settings.completion_max_tokens() if req.max_tokens is None else req.max_tokens
+        params = self._limited(req.sampling_params(max_tokens, req.logprobs, structured_outputs_of(req)))
         if req.echo and req.logprobs is not None:
             raise ApiError(400, "'echo' together with 'logprobs' needs prompt logprobs, which this server "
                                 "does not compute.", "echo")
@@ -245,16 +274,11 @@ class ApiServer:
             params=params, stop=req.stop_list, include_stop_str_in_output=req.include_stop_str_in_output,
             add_special_tokens=req.add_special_tokens, return_prompt=req.echo, cache_salt=req.cache_salt)
             for p in prompts]
-        meta = dict(response_id=new_id("cmpl"), model=model)
-        self.active_requests += 1
-        try:
-            record = RequestRecord(meta["response_id"], "completions", req.prompt if self.settings.log_requests else None)
-            async with aclosing(logged(self._deadline(merge(streams)), record)) as deltas:
-                if req.stream:
-                    return await self._stream_completions(request, req, deltas, meta)
-                return await self._complete(req, deltas, meta, params.n)
-        finally:
-            self.active_requests -= 1
+        meta = dict(response_id=record.request_id, model=model)
+        async with aclosing(observed(self._deadline(merge(streams)), record)) as deltas:
+            if req.stream:
+                return await self._stream_completions(request, req, deltas, meta)
+            return await self._complete(req, deltas, meta, params.n)
 
     async def _complete(self, req: CompletionRequest, deltas, meta: dict, n: int) -> web.Response:
         choices: dict[int, Choice] = {}
@@ -317,8 +341,11 @@ class ApiServer:
         return await self._sse(request, deltas, chunk, final)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        self._check_accepting()
-        req = parse_body(await request.read(), ChatCompletionRequest)
+        return await self._generation(request, "chat", "chatcmpl", self._chat)
+
+    async def _chat(self, request: web.Request, record: RequestRecord) -> web.StreamResponse:
+        req = decode_json(await self._body(request), ChatCompletionRequest)
+        record.prompt = req.messages if self.settings.log_requests else None
         model = self._check_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)  # None: no tool to call
@@ -330,16 +357,11 @@ class ApiServer:
             add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs or {}, cache_salt=req.cache_salt,
             tools=tools.template_tools if tools else None)
-        meta = dict(response_id=new_id("chatcmpl"), model=model)
-        self.active_requests += 1
-        try:
-            record = RequestRecord(meta["response_id"], "chat", req.messages if self.settings.log_requests else None)
-            async with aclosing(logged(self._deadline(merge([stream])), record)) as deltas:
-                if req.stream:
-                    return await self._stream_chat(request, req, deltas, meta, tools)
-                return await self._chat_complete(req, deltas, meta, tools)
-        finally:
-            self.active_requests -= 1
+        meta = dict(response_id=record.request_id, model=model)
+        async with aclosing(observed(self._deadline(merge([stream])), record)) as deltas:
+            if req.stream:
+                return await self._stream_chat(request, req, deltas, meta, tools)
+            return await self._chat_complete(req, deltas, meta, tools)
 
     async def _chat_complete(self, req: ChatCompletionRequest, deltas, meta: dict, tools) -> web.Response:
         choices: dict[int, Choice] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import signal
 import sys
 import time
@@ -15,6 +16,7 @@ from multiprocessing.connection import Connection
 
 from aiohttp import web
 
+from api_proc.http_guard import GuardedAppRunner, HttpGuard
 from api_proc.server import ApiServer, ApiSettings
 from engine_core.lifecycle import ParentLink, init_child_process
 
@@ -32,9 +34,24 @@ async def _drain(server: ApiServer, timeout: float) -> None:
         await asyncio.sleep(0.2)
 
 
+def _allow_open_files(connections: int | None) -> None:
+    """Raise the soft limit on open files so the connection cap, not EMFILE, is what refuses clients
+    (a refused accept() would be retried and logged by asyncio in a loop)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = (connections or 0) + 256  # sockets to the tokenizer process, libraries, logs
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new_soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
+        if new_soft < wanted:
+            logger.warning("only %d open files allowed (hard limit): fewer than --max-connections %s needs",
+                           new_soft, connections)
+
+
 async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
     server = ApiServer(settings)
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+    _allow_open_files(settings.max_connections)
+    guard = HttpGuard(header_timeout=settings.header_timeout, max_connections=settings.max_connections)
+    runner = GuardedAppRunner(server.app, guard, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_port=settings.reuse_port, backlog=2048)
     await site.start()

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import msgspec
-
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.metrics import SampleTiming
 from detok_proc.tokenizer import encode_chat
 from engine_core import protocol
-from engine_core.sampling_params import SamplingParams
+from engine_core.validation import ParamError, check_token_ids
 
 
 class RequestInvalid(Exception):
@@ -29,6 +27,10 @@ class RequestInvalid(Exception):
         return protocol.RequestError(request_id=request_id, status=self.status, message=str(self),
                                      param=self.param, code=self.code, error_type=self.error_type)
 
+    @classmethod
+    def of(cls, exc: ParamError) -> "RequestInvalid":
+        return cls(str(exc), exc.param)
+
 
 def prompt_token_ids(tokenizer, request, vocab_size: int) -> list[int]:
     """The prompt of a Generate/TokenizeRequest as token ids (chat template applied for messages)."""
@@ -38,14 +40,18 @@ def prompt_token_ids(tokenizer, request, vocab_size: int) -> list[int]:
             ids = encode_chat(tokenizer, request.messages, add_generation_prompt=chat.add_generation_prompt,
                               continue_final_message=chat.continue_final_message,
                               chat_template_kwargs=chat.chat_template_kwargs, tools=chat.tools)
+        except ParamError as exc:
+            raise RequestInvalid.of(exc) from None
         except Exception as exc:  # noqa: BLE001 - jinja raises many kinds; all are the client's input
             raise RequestInvalid(f"the chat template could not render these messages: {exc}", "messages") from exc
         param = "messages"
     elif getattr(request, "prompt_tokens", None) is not None:
         ids = protocol.unpack_tokens(request.prompt_tokens)
         param = "prompt"
-        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
-            raise RequestInvalid(f"prompt token ids must be in [0, {vocab_size})", param)
+        try:
+            check_token_ids(ids, vocab_size, param)
+        except ParamError as exc:
+            raise RequestInvalid.of(exc) from None
     elif request.prompt is not None:
         ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         param = "prompt"
@@ -56,6 +62,27 @@ def prompt_token_ids(tokenizer, request, vocab_size: int) -> list[int]:
     return ids
 
 
+def check_prompt_chars(num_chars: int, token_limit: int, max_token_chars: int, param: str) -> None:
+    """Refuse a prompt too long to fit in `token_limit` tokens, from its length alone (prompt_size.py)."""
+    most = token_limit * max_token_chars
+    if num_chars > most:
+        raise RequestInvalid(
+            f"The prompt has {num_chars} characters; no prompt longer than {most} characters fits in "
+            f"{token_limit} tokens with this model's tokenizer (its longest token has {max_token_chars} "
+            f"characters). Please reduce the length of the prompt.", param, "context_length_exceeded")
+
+
+def check_request_options(request: protocol.GenerateRequest, vocab_size: int) -> None:
+    """What a request asks for that cannot be honoured, refused before any work (OpenAI's 400)."""
+    if any(not stop for stop in request.stop):
+        raise RequestInvalid("Invalid 'stop': stop strings must not be empty.", "stop")
+    try:
+        check_token_ids(request.params.stop_token_ids, vocab_size, "stop_token_ids")
+        check_token_ids(request.params.logit_bias, vocab_size, "logit_bias")
+    except ParamError as exc:
+        raise RequestInvalid.of(exc) from None
+
+
 def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str) -> None:
     """OpenAI's context_length_exceeded, with both numbers in the message."""
     wanted = num_prompt_tokens + (max_tokens or 1)
@@ -64,14 +91,6 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{wanted} tokens ({num_prompt_tokens} in the prompt, {max_tokens or 1} for the completion). "
             f"Please reduce the length of the prompt or of max_tokens.", param, "context_length_exceeded")
-
-
-def sibling_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sample `index` of an n > 1 request: n=1, and a seeded request's i-th sample uses seed + i."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else (params.seed + index) % 2 ** 63
-    return msgspec.structs.replace(params, n=1, seed=seed)
 
 
 @dataclass

@@ -17,22 +17,32 @@ import os
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import msgspec
 import zmq
 
-from detok_proc.requests import RequestInvalid, SampleState, check_context, prompt_token_ids, sibling_params
+from detok_proc.background import BackgroundWork
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.limits import FrontendLimits
 from detok_proc.metrics import DetokMetrics
+from detok_proc.prompt_size import longest_token_chars, prompt_chars
+from detok_proc.requests import (RequestInvalid, SampleState, check_context, check_prompt_chars,
+                                 check_request_options, prompt_token_ids)
 from detok_proc.tokenizer import load_tokenizer
 from engine_core import protocol
+from engine_core.json_limits import depth_message
 from engine_core.lifecycle import ParentLink, init_child_process
+from engine_core.validation import ParamError, check_token_ids
 from engine_core.zmq_security import CurveConfig
 
 logger = logging.getLogger(__name__)
 _POLL_MS = 500
+# Prompts longer than this (characters; token ids for /detokenize) are tokenized on the background
+# thread: ~20 ms of tokenizer time, about what one engine step takes. Shorter ones run inline, where
+# a thread hop would cost more than the work.
+BACKGROUND_CHARS = 32_768
 
 
 class DetokProc:
@@ -41,6 +51,10 @@ class DetokProc:
                  limits: FrontendLimits | None = None, model_name: str | None = None):
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
+        self.max_token_chars = longest_token_chars(self.tokenizer)
+        self.background = BackgroundWork()
+        # (client, request id) -> (background job id, what to do with the result), while tokenizing
+        self.tokenizing: dict[tuple[bytes, str], tuple[int, Callable]] = {}
         self.stall_timeout = stall_timeout
         self.ctx = zmq.Context()
         self.auth = None
@@ -59,6 +73,7 @@ class DetokProc:
         for router in self.frontends:
             self.poller.register(router, zmq.POLLIN)
         self.poller.register(self.from_engine, zmq.POLLIN)
+        self.poller.register(self.background.fileno(), zmq.POLLIN)
 
         self.engine: protocol.EngineReady | None = None
         self.engine_dead: str | None = None
@@ -96,9 +111,13 @@ class DetokProc:
     def _handle_frontend(self, identity: bytes, frame: bytes) -> None:
         try:
             message = protocol.frontend_request_decoder.decode(frame)
+        except RecursionError:  # a hand-made frame nested deeper than any client of ours sends
+            self._reply(identity, RequestInvalid(depth_message("request")).to_message(_peek_request_id(frame)))
+            return
         except (msgspec.DecodeError, ValueError) as exc:  # includes invalid SamplingParams values
             request_id = _peek_request_id(frame)
-            self._reply(identity, RequestInvalid(f"invalid request: {exc}").to_message(request_id))
+            param = exc.param if isinstance(exc, ParamError) else None
+            self._reply(identity, RequestInvalid(f"invalid request: {exc}", param).to_message(request_id))
             return
         if isinstance(message, protocol.GenerateRequest):
             try:
@@ -132,11 +151,13 @@ class DetokProc:
         try:
             self._handle_frontend(client, frame)
         except Exception as exc:  # noqa: BLE001 - answered as a server error, the loop goes on
-            logger.exception("request from a client failed")
-            request_id = _peek_request_id(frame)
-            self._abort(client, [request_id])
-            self._reply(client, protocol.RequestError(request_id=request_id, status=500, error_type="server_error",
-                                                      message=f"{type(exc).__name__}: {exc}"))
+            self._failed(client, _peek_request_id(frame), exc)
+
+    def _failed(self, client: bytes, request_id: str, exc: Exception) -> None:
+        logger.exception("request from a client failed", exc_info=exc)
+        self._abort(client, [request_id])
+        self._reply(client, protocol.RequestError(request_id=request_id, status=500, error_type="server_error",
+                                                  message=f"{type(exc).__name__}: {exc}"))
 
     def _require_engine(self) -> protocol.EngineReady:
         if self.engine_dead is not None:
@@ -146,13 +167,60 @@ class DetokProc:
         return self.engine
 
     def _start(self, identity: bytes, request: protocol.GenerateRequest) -> None:
+        """Check what needs no tokens, then tokenize (inline, or in the background for a long prompt)
+        and admit the request (`_admit`)."""
         arrival = time.monotonic()
         engine = self._require_engine()
         key = (identity, request.request_id)
-        if key in self.by_client:
+        if key in self.by_client or key in self.tokenizing:
             raise RequestInvalid(f"request id {request.request_id!r} is already in use", "request_id")
+        check_request_options(request, engine.vocab_size)
+        self._tokenize_then(key, request, lambda ids: self._admit(key, request, ids, arrival))
+
+    def _tokenize_then(self, key: tuple[bytes, str], request, then) -> None:
+        """`then(prompt token ids)`, once the prompt is tokenized. A prompt too long to fit is refused
+        from its length first; a long one is tokenized on the background thread."""
+        engine = self._require_engine()
+        num_chars = prompt_chars(request)
+        param = "messages" if request.messages is not None else "prompt"
+        token_limit = min(engine.max_model_len, self.limits.max_prompt_tokens or engine.max_model_len)
+        check_prompt_chars(num_chars, token_limit, self.max_token_chars, param)
+        tokenize = lambda: prompt_token_ids(self.tokenizer, request, engine.vocab_size)  # noqa: E731
+        if num_chars <= BACKGROUND_CHARS:
+            then(tokenize())
+        else:
+            self._in_background(key, tokenize, then)
+
+    def _in_background(self, key: tuple[bytes, str], work: Callable, then: Callable) -> None:
+        job = next(self._ids)  # its own id: a client may reuse a request id once it has aborted it
+        self.tokenizing[key] = (job, then)
+        self.background.submit(job, work)
+
+    def _background_done(self) -> None:
+        """Continue the requests whose background tokenization has finished (unless aborted since)."""
+        jobs = {job: (key, then) for key, (job, then) in self.tokenizing.items()}
+        for job, ids, error in self.background.finished():
+            if job not in jobs:
+                continue
+            key, then = jobs[job]
+            del self.tokenizing[key]
+            identity, request_id = key
+            try:
+                if error is not None:
+                    raise error
+                then(ids)
+            except RequestInvalid as exc:
+                self._abort(identity, [request_id])
+                self._reply(identity, exc.to_message(request_id))
+            except Exception as exc:  # noqa: BLE001 - answered as a server error, the loop goes on
+                self._failed(identity, request_id, exc)
+
+    def _admit(self, key: tuple[bytes, str], request: protocol.GenerateRequest, ids: list[int],
+               arrival: float) -> None:
+        """Limits and context checks on the token count, then one engine request per sample."""
+        engine = self._require_engine()
+        identity = key[0]
         params = request.params
-        ids = prompt_token_ids(self.tokenizer, request, engine.vocab_size)
         prompt_param = "messages" if request.messages is not None else "prompt"
         self.limits.check(len(ids), params.n, len(self.samples), prompt_param)
         self.limits.cap_max_tokens(params, len(ids), engine.max_model_len)
@@ -171,7 +239,7 @@ class DetokProc:
             sample.timing.arrival = arrival
             self.samples[engine_id] = sample
             engine_ids.append(engine_id)
-            self._to_engine(protocol.AddRequest(engine_id, prompt_tokens, sibling_params(params, index),
+            self._to_engine(protocol.AddRequest(engine_id, prompt_tokens, params.for_sample(index),
                                                 request.cache_salt))
 
     def _abort(self, identity: bytes, request_ids: list[str], by_client: bool = False) -> None:
@@ -179,6 +247,8 @@ class DetokProc:
         they count as finished by "abort" in the metrics; errors end requests uncounted."""
         engine_ids = []
         for request_id in request_ids:
+            if (pending := self.tokenizing.pop((identity, request_id), None)) is not None:
+                self.background.cancel(pending[0])
             for engine_id in self.by_client.pop((identity, request_id), []):
                 sample = self.samples.pop(engine_id, None)
                 if sample is not None:
@@ -189,16 +259,20 @@ class DetokProc:
             self._to_engine(protocol.AbortRequests(engine_ids))
 
     def _abort_client(self, identity: bytes) -> None:
-        self._abort(identity, [rid for ident, rid in list(self.by_client) if ident == identity], by_client=True)
+        self._abort(identity, [rid for ident, rid in [*self.by_client, *self.tokenizing] if ident == identity],
+                    by_client=True)
 
     def _fail_all(self, message: str) -> None:
-        for (identity, request_id) in list(self.by_client):
+        for (identity, request_id) in [*self.by_client, *self.tokenizing]:
             self._reply(identity, protocol.RequestError(request_id=request_id, status=503, message=message,
                                                         error_type="server_error", code="engine_dead"))
         for identity, request_id in self._pending_resets.values():
             self._reply(identity, protocol.RequestError(request_id=request_id, status=503, message=message,
                                                         error_type="server_error", code="engine_dead"))
         self._pending_resets.clear()
+        for job, _ in self.tokenizing.values():
+            self.background.cancel(job)
+        self.tokenizing.clear()
         self.by_client.clear()
         self.samples.clear()
 
@@ -220,24 +294,34 @@ class DetokProc:
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage)
 
     def _tokenize(self, identity: bytes, request: protocol.TokenizeRequest) -> None:
+        key = (identity, request.request_id)
+
+        def answer(ids: list[int]) -> None:
+            self._reply(identity, protocol.TokenizeResult(request.request_id, protocol.pack_tokens(ids),
+                                                          self.tokenizer.convert_ids_to_tokens(ids),
+                                                          self.engine.max_model_len))
+
         try:
-            engine = self._require_engine()
-            ids = prompt_token_ids(self.tokenizer, request, engine.vocab_size)
+            self._tokenize_then(key, request, answer)
         except RequestInvalid as exc:
             self._reply(identity, exc.to_message(request.request_id))
-            return
-        self._reply(identity, protocol.TokenizeResult(request.request_id, protocol.pack_tokens(ids),
-                                                      self.tokenizer.convert_ids_to_tokens(ids),
-                                                      engine.max_model_len))
 
     def _detokenize(self, identity: bytes, request: protocol.DetokenizeRequest) -> None:
         ids = protocol.unpack_tokens(request.tokens)
-        vocab = len(self.tokenizer)
-        if any(t < 0 or t >= vocab for t in ids):
-            self._reply(identity, RequestInvalid(f"token ids must be in [0, {vocab})", "tokens")
-                        .to_message(request.request_id))
+        try:
+            check_token_ids(ids, len(self.tokenizer), "tokens")
+        except ParamError as exc:
+            self._reply(identity, RequestInvalid.of(exc).to_message(request.request_id))
             return
-        self._reply(identity, protocol.DetokenizeResult(request.request_id, self.tokenizer.decode(ids)))
+        key = (identity, request.request_id)
+
+        def answer(text: str) -> None:
+            self._reply(identity, protocol.DetokenizeResult(request.request_id, text))
+
+        if len(ids) <= BACKGROUND_CHARS:
+            answer(self.tokenizer.decode(ids))
+        else:
+            self._in_background(key, lambda: self.tokenizer.decode(ids), answer)
 
     # ---- outputs from the engine -----------------------------------------------------------------
     def _handle_engine(self, frame: bytes) -> None:
@@ -315,7 +399,9 @@ class DetokProc:
     def run(self) -> None:
         while not self.stop_requested:
             for socket, _ in self.poller.poll(_POLL_MS):
-                if socket is self.from_engine:
+                if socket == self.background.fileno():
+                    self._background_done()
+                elif socket is self.from_engine:
                     while True:
                         try:
                             frame = self.from_engine.recv(zmq.NOBLOCK)
@@ -332,6 +418,7 @@ class DetokProc:
                         self._handle_frontend_safely(prefix + identity, frame)
 
     def close(self) -> None:
+        self.background.close()
         if self.auth is not None:
             self.auth.stop()
         for socket in (*self.frontends, self.to_engine, self.from_engine):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+from functools import cache
 from pathlib import Path
 
 from detok_proc.tool_prompt import messages_with_tools, template_renders_tools
+from engine_core.validation import ParamError
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -21,6 +24,11 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     if tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use a plain completion prompt")
     kwargs = dict(chat_template_kwargs or {})
+    taken = sorted(_server_arguments(type(tokenizer)) & kwargs.keys())
+    if taken:
+        raise ParamError(f"Invalid 'chat_template_kwargs': {', '.join(map(repr, taken))} cannot be set there "
+                         "(the server sets it, or the request has a field of its own for it).",
+                         "chat_template_kwargs")
     if tools:
         if template_renders_tools(tokenizer):
             kwargs["tools"] = tools
@@ -30,6 +38,15 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         messages, tokenize=False,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
         continue_final_message=continue_final_message, **kwargs)
+
+
+@cache
+def _server_arguments(tokenizer_class: type) -> frozenset[str]:
+    """apply_chat_template's own parameters (tokenize, chat_template, tools, ...): the server sets
+    them, so a request's chat_template_kwargs may not; `documents` is a template variable."""
+    parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters
+    return frozenset(name for name, p in parameters.items()
+                     if p.kind is not p.VAR_KEYWORD and name not in ("self", "documents"))
 
 
 def encode_chat(tokenizer, messages: list[dict], **kwargs) -> list[int]:

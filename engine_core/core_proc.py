@@ -19,6 +19,7 @@ import zmq
 from engine_core import protocol
 from engine_core.config import EngineConfig
 from engine_core.lifecycle import ParentLink, init_child_process
+from engine_core.validation import param_of
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000
@@ -55,7 +56,7 @@ class EngineCoreProc:
                 self.engine.add_request(message.request_id, protocol.unpack_tokens(message.prompt_tokens),
                                         message.params, message.cache_salt)
             except ValueError as exc:
-                self._send(protocol.RequestRejected(message.request_id, str(exc)))
+                self._send(protocol.RequestRejected(message.request_id, str(exc), param_of(exc)))
         elif isinstance(message, protocol.AbortRequests):
             for request_id in message.request_ids:  # idempotent: unknown or finished ids are ignored
                 if self.engine.abort_request(request_id):

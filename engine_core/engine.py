@@ -21,6 +21,7 @@ from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.structured_output import StructuredOutputManager
+from engine_core.validation import ParamError, check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -65,20 +66,18 @@ class EngineCore:
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None) -> None:
-        """Queue a request; raises ValueError (nothing queued) if it cannot be served."""
+        """Queue a request; raises ValueError (nothing queued) if it cannot be served: a ParamError
+        naming the field when a request value is to blame."""
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
+            raise ParamError("the prompt is empty", "prompt")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
-                             f"{self.max_model_len} tokens, leaving no room to generate")
+            raise ParamError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, leaving no room to generate", "prompt")
         vocab = self.model_cfg.vocab_size
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        check_token_ids(prompt_token_ids, vocab, "prompt")
         params.validate()
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab})")
+        check_token_ids(params.stop_token_ids, vocab, "stop_token_ids")
+        check_token_ids(params.logit_bias, vocab, "logit_bias")
         if self.structured.has_pending(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
         request = Request(request_id, prompt_token_ids, params, self.model_cfg.eos_token_ids,

@@ -10,6 +10,8 @@ the keyword; tests/engine_core/test_structured_output.py keeps the probes) found
 - `allOf` with more than one subschema (the parts are not intersected);
 - `format` values it has no pattern for among the standard ones: idn-email, idn-hostname, iri,
   iri-reference, regex. (Formats outside the standard are annotations, as in every validator.)
+- `$ref` to anything but a place in the same schema (`#/...`): nothing fetches a remote schema, so a
+  `http://...` reference would constrain nothing.
 
 A schema using any of these is refused with a 400 naming the keyword and where it is, so an output
 that "follows the schema" always validates against it. `oneOf` is enforced as `anyOf` (valid
@@ -46,6 +48,9 @@ def unsupported_feature(schema: object, path: str = "$") -> str | None:
         return f"'allOf' with several subschemas at {path}"
     if schema.get("format") in _UNENFORCED_FORMATS:
         return f"format '{schema['format']}' at {path}"
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+        return f"'$ref' to {ref!r} at {path} (only references within the schema, '#/...', are resolved)"
     return _first_in_subschemas(schema, path)
 
 

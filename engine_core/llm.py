@@ -6,7 +6,6 @@ import itertools
 from dataclasses import fields
 from typing import Sequence, Union
 
-import msgspec
 from tqdm import tqdm
 
 from detok_proc.tokenizer import encode_chat, load_tokenizer
@@ -85,13 +84,11 @@ class LLM:
         raise TypeError("a prompt is a string or a dict with 'prompt_token_ids'")
 
     def _run(self, encoded, params_list, use_tqdm: bool, salts=None) -> list[RequestOutput]:
-        # n > 1 becomes n sibling requests; a seeded request's i-th sibling uses seed + i.
         slots: dict[str, tuple[int, int]] = {}
         try:
             for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list)):
                 for sample in range(params.n):
-                    child = params if params.n == 1 else msgspec.structs.replace(
-                        params, n=1, seed=None if params.seed is None else params.seed + sample)
+                    child = params.for_sample(sample)  # n > 1 becomes n sibling requests
                     request_id = f"{next(self._ids)}"
                     self.engine.add_request(request_id, token_ids, child, salts[index] if salts else None)
                     slots[request_id] = (index, sample)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from engine_core.structured_params import StructuredOutputsParams
+from engine_core.validation import TOKEN_ID_LIMIT, ParamError, check_token_ids
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -38,35 +39,42 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError with a message fit for an API error if a field is out of range."""
+        """Raise ParamError (a ValueError naming the field) if a field is out of range."""
         checks = [
-            (self.n >= 1, "n must be at least 1"),
-            (self.temperature >= 0.0, "temperature must be non-negative"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be -1 (disabled) or a positive integer"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty must be positive"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (self.min_tokens >= 0, "min_tokens must be non-negative"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             "min_tokens must not exceed max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
-            (self.seed is None or 0 <= self.seed < 2 ** 63, "seed must be in [0, 2**63)"),
-            (self.max_tokens is None or self.max_tokens < 2 ** 31, "max_tokens must be below 2**31"),
-            (0 <= self.top_k < 2 ** 31, "top_k must be below 2**31"),
-            (all(t < 2 ** 31 for t in self.stop_token_ids), "stop_token_ids must be token ids (below 2**31)"),
-            (all(t < 2 ** 31 for t in self.logit_bias), "logit_bias keys must be token ids (below 2**31)"),
-            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative"),
-            (all(t >= 0 for t in self.logit_bias), "logit_bias keys must be non-negative token ids"),
-            (all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
+            (self.n >= 1, "n", "must be at least 1"),
+            (self.temperature >= 0.0, "temperature", "must be non-negative"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (0 <= self.top_k < TOKEN_ID_LIMIT, "top_k", "must be -1 (disabled) or a positive integer below 2**31"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (self.max_tokens is None or 1 <= self.max_tokens < TOKEN_ID_LIMIT, "max_tokens",
+             "must be at least 1 and below 2**31"),
+            (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "must not exceed max_tokens"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.seed is None or 0 <= self.seed < 2 ** 63, "seed", "must be in [0, 2**63)"),
+            (all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
+             "values must be in [-100, 100]"),
         ]
-        for ok, message in checks:
+        for ok, field, rule in checks:
             if not ok:
-                raise ValueError(message)
+                raise ParamError(f"{field} {rule}", field)
+        check_token_ids(self.stop_token_ids, None, "stop_token_ids")
+        check_token_ids(self.logit_bias, None, "logit_bias")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters of sample `index` of an n > 1 request, which runs as its own engine request:
+        n=1, and a seeded request's i-th sample uses seed + i (wrapping within the seed range), so
+        the samples differ from each other and each is reproducible."""
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else (self.seed + index) % 2 ** 63
+        return msgspec.structs.replace(self, n=1, seed=seed)
 
     @property
     def greedy(self) -> bool:

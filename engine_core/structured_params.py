@@ -13,6 +13,9 @@ import json as jsonlib
 
 import msgspec
 
+from engine_core.json_limits import depth_message, text_exceeds_depth, value_exceeds_depth
+from engine_core.validation import ParamError
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -40,22 +43,22 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError with a message fit for an API error if the shape is wrong."""
+        """Raise ParamError (naming `source`) with a message fit for an API error if the shape is wrong."""
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"{self.source} must set exactly one of {', '.join(KINDS)}"
-                             + (f"; got {', '.join(given)}" if given else ""))
+            raise ParamError(f"{self.source} must set exactly one of {', '.join(KINDS)}"
+                             + (f"; got {', '.join(given)}" if given else ""), self.source)
         if self.json is not None:
             self.json = _canonical_schema(self.json, self.source)
         if self.regex is not None and not self.regex:
-            raise ValueError(f"{self.source}: the regex is empty")
+            raise ParamError(f"{self.source}: the regex is empty", self.source)
         if self.grammar is not None and not self.grammar.strip():
-            raise ValueError(f"{self.source}: the grammar is empty")
+            raise ParamError(f"{self.source}: the grammar is empty", self.source)
         if self.choice is not None:
             if not self.choice:
-                raise ValueError(f"{self.source}: choice must list at least one string")
+                raise ParamError(f"{self.source}: choice must list at least one string", self.source)
             if not all(isinstance(c, str) and c for c in self.choice):
-                raise ValueError(f"{self.source}: every choice must be a non-empty string")
+                raise ParamError(f"{self.source}: every choice must be a non-empty string", self.source)
 
     @property
     def kind(self) -> str:
@@ -72,15 +75,20 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
 
 
 def _canonical_schema(schema: str | dict, source: str) -> str:
-    """The schema as compact JSON text (key order kept), after checking it is a JSON object."""
+    """The schema as compact JSON text (key order kept), after checking it is a JSON object nested at
+    most MAX_JSON_DEPTH levels deep (checked before anything walks it recursively)."""
     if isinstance(schema, str):
+        if text_exceeds_depth(schema):
+            raise ParamError(depth_message(source), source)
         try:
             schema = jsonlib.loads(schema)
         except ValueError as exc:
-            raise ValueError(f"{source}: the JSON schema is not valid JSON: {exc}") from None
+            raise ParamError(f"{source}: the JSON schema is not valid JSON: {exc}", source) from None
+    elif value_exceeds_depth(schema):
+        raise ParamError(depth_message(source), source)
     if not isinstance(schema, dict):
-        raise ValueError(f"{source}: the JSON schema must be a JSON object")
+        raise ParamError(f"{source}: the JSON schema must be a JSON object", source)
     try:
         return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{source}: the JSON schema cannot be written as JSON: {exc}") from None
+        raise ParamError(f"{source}: the JSON schema cannot be written as JSON: {exc}", source) from None

@@ -74,7 +74,9 @@ def alive(pid: int) -> bool:
 
 class PagodaServer:
     def __init__(self, tmp_path: Path, *extra_args: str, ready_timeout: float = 120.0,
-                 remove_dir_on_stop: bool = False):
+                 remove_dir_on_stop: bool = False, source_dir: Path | None = None):
+        """`source_dir`: run the server from this checkout (e.g. an older commit's worktree) instead of
+        the installed code."""
         self.tmp_path = tmp_path
         self.remove_dir_on_stop = remove_dir_on_stop  # benchmarks own their directory; pytest owns tests'
         self.port = free_port()
@@ -84,11 +86,13 @@ class PagodaServer:
         self.runtime_root = tmp_path / "run"
         self.runtime_root.mkdir(exist_ok=True)
         env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_root)}
+        if source_dir is not None:
+            env["PYTHONPATH"] = str(source_dir)
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "engine_core.cli", "serve", "--port", str(self.port), "--kv-cache-memory",
              "256MiB", "--frontend", self.frontend, *extra_args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=source_dir)
         self.wait_healthy(ready_timeout)
 
     def wait_healthy(self, timeout: float) -> None:

@@ -1,0 +1,216 @@
+"""The HTTP connection layer's defences, below the routes: what aiohttp's own protocol handler leaves open.
+
+- Requests that are not valid HTTP (bad framing, over-long lines, unknown methods, TLS on the plain
+  port, too many headers) get OpenAI's JSON error envelope with a fixed message per kind of fault.
+  aiohttp would answer in plain text that quotes the offending bytes, an `Authorization` header's
+  included, and log a traceback for each; here nothing a client sent is ever echoed, and the log gets
+  one WARNING line per kind at most every `LOG_INTERVAL` seconds, with a count of the rest.
+- A header timeout: a connection must deliver a complete request head within `header_timeout`
+  seconds of opening, or of the first byte after a finished request; otherwise it gets a 408 and is
+  closed. (Bodies have their own idle timeout: api_proc/request_body.py.)
+- A cap on open connections per worker: past it, requests get a 503 and their connection is closed.
+
+`GuardedAppRunner` is aiohttp's AppRunner with its protocol handler replaced by `GuardedRequestHandler`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+from aiohttp import web, web_protocol
+from aiohttp.http_exceptions import (BadHttpMethod, ContentEncodingError, ContentLengthError, HttpProcessingError,
+                                     InvalidHeader, InvalidURLError, LineTooLong, TransferEncodingError)
+
+logger = logging.getLogger("pagoda.http")
+LOG_INTERVAL = 10.0  # seconds between two log lines about the same kind of bad request
+
+_FRAMING = "The request's body framing is not valid (Content-Length and Transfer-Encoding)."
+_KNOWN_MESSAGES = {  # aiohttp messages that quote nothing of the request, and what we answer for them
+    "Too many headers received": "The request has too many header fields.",
+    "Transfer-Encoding can't be present with Content-Length": _FRAMING,
+    "Received HTTPS traffic on an HTTP port": "This port speaks plain HTTP, not HTTPS.",
+}
+
+
+@dataclass
+class HttpGuard:
+    """One HTTP worker's connection limits, and the state they need (shared by its connections)."""
+
+    header_timeout: float | None = 30.0
+    max_connections: int | None = 1024
+    open_connections: int = 0
+    _last_logged: dict[str, float] = field(default_factory=dict)
+    _suppressed: dict[str, int] = field(default_factory=dict)
+
+    def warn(self, kind: str, message: str) -> None:
+        """One WARNING line per `kind` every LOG_INTERVAL seconds, counting the ones left out."""
+        now = time.monotonic()
+        if now - self._last_logged.get(kind, -LOG_INTERVAL) < LOG_INTERVAL:
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        self._last_logged[kind] = now
+        left_out = self._suppressed.pop(kind, 0)
+        logger.warning("%s%s", message, f" ({left_out} more like it in the last {LOG_INTERVAL:g} s)" if left_out else "")
+
+
+def parse_error_message(exc: BaseException | None) -> str:
+    """A fixed description of an HTTP parsing fault, chosen by its kind; never the client's bytes."""
+    if isinstance(exc, LineTooLong):
+        return "The request line or a header field is too long."
+    if isinstance(exc, HttpProcessingError):
+        known = _KNOWN_MESSAGES.get(str(exc.message).split(":")[0].strip())
+        if known:
+            return known
+    if isinstance(exc, BadHttpMethod):
+        return "The request method is not an HTTP method this server knows."
+    if isinstance(exc, InvalidURLError):
+        return "The request target is not a valid URL."
+    if isinstance(exc, InvalidHeader):
+        return "A request header is not valid HTTP."
+    if isinstance(exc, ContentEncodingError):
+        return "The request's Content-Encoding is not supported."
+    if isinstance(exc, (TransferEncodingError, ContentLengthError)):
+        return _FRAMING
+    return "The request is not valid HTTP/1.1."
+
+
+def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+    """A complete HTTP/1.1 error response (JSON, connection closing), for writing to a transport."""
+    body = msgspec.json.encode({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                          "code": code}})
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class GuardedRequestHandler(web_protocol.RequestHandler):
+    """aiohttp's per-connection protocol, with the guards above."""
+
+    def __init__(self, manager: web.Server, guard: HttpGuard, **kwargs):
+        super().__init__(manager, **kwargs)
+        self.guard = guard
+        self.over_capacity = False
+        self._header_timer = None
+        self._counted = False
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.guard.open_connections += 1
+        self._counted = True
+        cap = self.guard.max_connections
+        self.over_capacity = cap is not None and self.guard.open_connections > cap
+        self._start_header_timer()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._counted:
+            self.guard.open_connections -= 1
+            self._counted = False
+        self._stop_header_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        # Between requests (the loop waits for the next one): its first byte starts the header clock.
+        if self._waiter is not None and not self._waiter.done() and not self._messages:
+            self._start_header_timer()
+        super().data_received(data)
+        if self._messages:  # a request head is complete (or was refused): the clock stops
+            self._stop_header_timer()
+
+    def _start_header_timer(self) -> None:
+        timeout = self.guard.header_timeout
+        if timeout is not None and self._header_timer is None:
+            self._header_timer = self._loop.call_later(timeout, self._header_timed_out)
+
+    def _stop_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timed_out(self) -> None:
+        self._header_timer = None
+        if self.transport is None or self._messages or self._force_close:
+            return
+        if self._waiter is None:  # a request is being handled: its head did arrive in time
+            return
+        self.guard.warn("header_timeout", f"closed a connection that sent no complete request head within "
+                                          f"{self.guard.header_timeout:g} s")
+        self.transport.write(raw_error(408, "Request Timeout", "The request head did not arrive within "
+                                       f"{self.guard.header_timeout:g} s.", "request_timeout"))
+        self.force_close()
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        """A request aiohttp could not parse (400) or a failure outside every route (500): JSON, no
+        echo of the request, and at most one log line per kind and interval."""
+        if status == 400:
+            text = parse_error_message(exc)
+            self.guard.warn(f"bad_http:{type(exc).__name__}", f"refused a request that is not valid HTTP: {text}")
+            code, error_type = "invalid_http_request", "invalid_request_error"
+        else:
+            if status >= 500:
+                logger.error("request failed outside the API's handlers", exc_info=exc)
+            text, code, error_type = "The server could not complete this request.", None, "server_error"
+        if request.writer.output_size > 0:  # the response has begun; only closing is left
+            raise ConnectionError("the response has begun; closing the connection")
+        response = web.Response(body=msgspec.json.encode(
+            {"error": {"message": text, "type": error_type, "param": None, "code": code}}),
+            status=status, content_type="application/json")
+        response.force_close()
+        return response
+
+
+class ClosingResponse(web.Response):
+    """A response after which its connection closes at once: no keep-alive, and no lingering to read
+    the rest of a request body that is stalled or cannot be decoded."""
+
+    async def prepare(self, request: web.BaseRequest):
+        self.force_close()
+        self._closing = request
+        return await super().prepare(request)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await super().write_eof(data)
+        self._closing.protocol.force_close()  # the transport flushes what is written, then closes
+
+
+class GuardedServer(web.Server):
+    """An aiohttp Server whose connections get a GuardedRequestHandler."""
+
+    guard: HttpGuard
+
+    @classmethod
+    def wrapping(cls, server: web.Server, guard: HttpGuard) -> "GuardedServer":
+        guarded = cls.__new__(cls)
+        guarded.__dict__.update(server.__dict__)  # the app's handler, request factory and settings
+        guarded.guard = guard
+        return guarded
+
+    def __call__(self) -> GuardedRequestHandler:
+        return GuardedRequestHandler(self, self.guard, loop=self._loop, **self._kwargs)
+
+
+class GuardedAppRunner(web.AppRunner):
+    def __init__(self, app: web.Application, guard: HttpGuard, **kwargs):
+        super().__init__(app, **kwargs)
+        self.guard = guard
+
+    async def _make_server(self) -> web.Server:
+        return GuardedServer.wrapping(await super()._make_server(), self.guard)
+
+
+def over_capacity_middleware():
+    """Refuse requests on connections opened past the worker's connection cap (503, then close)."""
+    from api_proc.openai_schema import ApiError
+
+    @web.middleware
+    async def refuse_over_capacity(request: web.Request, handler):
+        if getattr(request.protocol, "over_capacity", False):
+            raise ApiError(503, "This server has too many open connections; retry shortly.",
+                           error_type="server_error", code="too_many_connections",
+                           headers={"Retry-After": "1"}, closes="after_body")
+        return await handler(request)
+
+    return refuse_over_capacity
