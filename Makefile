@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.pagoda-installed
 # an unpinned torch would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: install model serve generate test test-fast bench clean
+.PHONY: install model serve generate test test-fast lint bench clean
 
 install: $(STAMP) model
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[test]" "$(TORCH)"
+	$(PIP) install -q -e ".[test,lint]" "$(TORCH)"
 	touch $(STAMP)
 
 model: $(STAMP)
@@ -28,11 +28,22 @@ model: $(STAMP)
 serve: install
 	$(VENV)/bin/pagoda serve $(SERVE_ARGS)
 
+# Tests run in a random order (pytest-randomly): PYTEST_FLAGS="-p no:randomly" for file order,
+# "--randomly-seed=N" to repeat one (.ci/run pins one).
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(PYTEST_FLAGS) tests
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_FLAGS) tests
+
+# Style and structure: ruff (lint + format), the import layers (import-linter, pyproject.toml), types
+# of engine_core (mypy), and no test module importing another.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy engine_core
+	@! grep -rEn "^\s*(from|import) tests\.([a-z_]+\.)*test_" tests || (echo "tests must not import test modules"; false)
 
 bench: install
 	$(PY) benchmarks/throughput.py

@@ -17,9 +17,10 @@ exit), so response timing does not reveal how much of a key was right.
 from __future__ import annotations
 
 import hmac
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from engine_core.environment import keys_from_environment
 
 USER_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
                          "/version"})
@@ -30,7 +31,7 @@ PROBE_ROUTES = frozenset({"/health", "/metrics"})
 def read_keys(flag_values: list[str] | None, env_var: str, key_file: str | None) -> list[str]:
     """Every key from a repeatable flag, a comma-separated environment variable and a key file."""
     keys = list(flag_values or [])
-    keys += [k for k in os.environ.get(env_var, "").split(",")]
+    keys += keys_from_environment(env_var)
     if key_file:
         for line in Path(key_file).read_text().splitlines():
             if not line.lstrip().startswith("#"):  # whole-line comments only: a key may contain '#'

@@ -7,14 +7,18 @@
   one WARNING line per kind at most every `LOG_INTERVAL` seconds, with a count of the rest.
 - A header timeout: a connection must deliver a complete request head within `header_timeout`
   seconds of opening, or of the first byte after a finished request; otherwise it gets a 408 and is
-  closed. (Bodies have their own idle timeout: api_proc/request_body.py.)
-- A cap on open connections per worker: past it, requests get a 503 and their connection is closed.
+  closed (quietly, if it sent nothing at all). Idle keep-alive connections are closed after aiohttp's
+  `keepalive_timeout`. (Bodies have their own timeouts: api_proc/request_body.py.)
+- A cap on open connections per worker. At the cap, the connection that has waited longest for its next
+  request is closed to make room; when every connection is busy with a request, a new one gets a 503
+  and is closed at once (so it holds no file descriptor).
 
 `GuardedAppRunner` is aiohttp's AppRunner with its protocol handler replaced by `GuardedRequestHandler`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,6 +30,10 @@ from aiohttp.http_exceptions import (BadHttpMethod, ContentEncodingError, Conten
 
 logger = logging.getLogger("pagoda.http")
 LOG_INTERVAL = 10.0  # seconds between two log lines about the same kind of bad request
+# A refused connection gets its 503, then up to this long for the client to read it (closing at once,
+# with its request unread, would send a reset that can destroy the answer); at most this many at a time.
+REFUSED_LINGER_S = 1.0
+MAX_LINGERING = 64
 
 _FRAMING = "The request's body framing is not valid (Content-Length and Transfer-Encoding)."
 _KNOWN_MESSAGES = {  # aiohttp messages that quote nothing of the request, and what we answer for them
@@ -41,9 +49,24 @@ class HttpGuard:
 
     header_timeout: float | None = 30.0
     max_connections: int | None = 1024
-    open_connections: int = 0
+    connections: set = field(default_factory=set)  # the open connections this worker accepted
+    lingering: int = 0  # refused connections waiting for their client to read the 503
     _last_logged: dict[str, float] = field(default_factory=dict)
     _suppressed: dict[str, int] = field(default_factory=dict)
+
+    def admit(self, connection: "GuardedRequestHandler") -> bool:
+        """Room for a new connection. At the cap, the connection that has waited longest for its next
+        request (an idle keep-alive one, or one whose request head is still arriving) is closed to make
+        room, as nginx does; when every connection is busy with a request, the new one is refused."""
+        if self.max_connections is not None and len(self.connections) >= self.max_connections:
+            waiting = [c for c in self.connections if c.waiting_for_request()]
+            if not waiting:
+                return False
+            oldest = min(waiting, key=lambda c: c.last_activity)
+            self.connections.discard(oldest)
+            oldest.force_close()
+        self.connections.add(connection)
+        return True
 
     def warn(self, kind: str, message: str) -> None:
         """One WARNING line per `kind` every LOG_INTERVAL seconds, counting the ones left out."""
@@ -77,12 +100,12 @@ def parse_error_message(exc: BaseException | None) -> str:
     return "The request is not valid HTTP/1.1."
 
 
-def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+def raw_error(status: int, reason: str, message: str, code: str, error_type: str = "invalid_request_error",
+              extra_headers: str = "") -> bytes:
     """A complete HTTP/1.1 error response (JSON, connection closing), for writing to a transport."""
-    body = msgspec.json.encode({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                          "code": code}})
+    body = msgspec.json.encode({"error": {"message": message, "type": error_type, "param": None, "code": code}})
     head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n")
+            f"{extra_headers}Connection: close\r\n\r\n")
     return head.encode() + body
 
 
@@ -92,31 +115,57 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
     def __init__(self, manager: web.Server, guard: HttpGuard, **kwargs):
         super().__init__(manager, **kwargs)
         self.guard = guard
-        self.over_capacity = False
-        self._header_timer = None
-        self._counted = False
+        self.last_activity = 0.0  # loop time of the last byte received (or of opening)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._head_arriving = False  # bytes arrived since the last complete request head
+        self._refused = False
+        self._linger: asyncio.TimerHandle | None = None  # a refused connection's deadline to close
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self.guard.open_connections += 1
-        self._counted = True
-        cap = self.guard.max_connections
-        self.over_capacity = cap is not None and self.guard.open_connections > cap
-        self._start_header_timer()
+        self.last_activity = self._loop.time()
+        if self.guard.admit(self):
+            self._start_header_timer()
+        else:
+            self._refuse(transport)
+
+    def _refuse(self, transport) -> None:
+        """503 and close: at once when many are already lingering, else once the client has read it."""
+        self.guard.warn("too_many_connections", "refused a connection: every connection is busy with a request "
+                                                f"(--max-connections {self.guard.max_connections})")
+        self._refused = True
+        transport.write(raw_error(503, "Service Unavailable", "This server has too many open connections; "
+                                  "retry shortly.", "too_many_connections", "server_error", "Retry-After: 1\r\n"))
+        if self.guard.lingering >= MAX_LINGERING or not transport.can_write_eof():
+            self.force_close()
+            return
+        self.guard.lingering += 1
+        transport.write_eof()  # the answer, then FIN; what the client sends is read and dropped
+        self._linger = self._loop.call_later(REFUSED_LINGER_S, self.force_close)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if self._counted:
-            self.guard.open_connections -= 1
-            self._counted = False
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+            self.guard.lingering -= 1
+        self.guard.connections.discard(self)
         self._stop_header_timer()
         super().connection_lost(exc)
 
+    def waiting_for_request(self) -> bool:
+        """Between requests: the loop waits for the next request head (none queued)."""
+        return self._waiter is not None and not self._waiter.done() and not self._messages
+
     def data_received(self, data: bytes) -> None:
-        # Between requests (the loop waits for the next one): its first byte starts the header clock.
-        if self._waiter is not None and not self._waiter.done() and not self._messages:
+        if self._refused:
+            return  # read, so that closing sends no reset; never parsed
+        self.last_activity = self._loop.time()
+        self._head_arriving = True
+        if self.waiting_for_request():  # the first byte of a request starts the header clock
             self._start_header_timer()
         super().data_received(data)
         if self._messages:  # a request head is complete (or was refused): the clock stops
+            self._head_arriving = False
             self._stop_header_timer()
 
     def _start_header_timer(self) -> None:
@@ -131,15 +180,14 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
 
     def _header_timed_out(self) -> None:
         self._header_timer = None
-        if self.transport is None or self._messages or self._force_close:
-            return
-        if self._waiter is None:  # a request is being handled: its head did arrive in time
-            return
-        self.guard.warn("header_timeout", f"closed a connection that sent no complete request head within "
-                                          f"{self.guard.header_timeout:g} s")
-        self.transport.write(raw_error(408, "Request Timeout", "The request head did not arrive within "
-                                       f"{self.guard.header_timeout:g} s.", "request_timeout"))
-        self.force_close()
+        if self.transport is None or self._force_close or not self.waiting_for_request():
+            return  # closed already, or a request is being handled: its head did arrive in time
+        if self._head_arriving:  # part of a head: say why before closing
+            self.guard.warn("header_timeout", f"closed a connection that sent no complete request head within "
+                                              f"{self.guard.header_timeout:g} s")
+            self.transport.write(raw_error(408, "Request Timeout", "The request head did not arrive within "
+                                           f"{self.guard.header_timeout:g} s.", "request_timeout"))
+        self.force_close()  # nothing at all: close quietly (a pool's spare connection needs no answer)
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -199,18 +247,3 @@ class GuardedAppRunner(web.AppRunner):
 
     async def _make_server(self) -> web.Server:
         return GuardedServer.wrapping(await super()._make_server(), self.guard)
-
-
-def over_capacity_middleware():
-    """Refuse requests on connections opened past the worker's connection cap (503, then close)."""
-    from api_proc.openai_schema import ApiError
-
-    @web.middleware
-    async def refuse_over_capacity(request: web.Request, handler):
-        if getattr(request.protocol, "over_capacity", False):
-            raise ApiError(503, "This server has too many open connections; retry shortly.",
-                           error_type="server_error", code="too_many_connections",
-                           headers={"Retry-After": "1"}, closes="after_body")
-        return await handler(request)
-
-    return refuse_over_capacity

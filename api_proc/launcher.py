@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 
 from engine_core.lifecycle import ChildLink
+from engine_core.default_model import SERVED_NAME
 
 logger = logging.getLogger("pagoda.serve")
 _START_TIMEOUT_S = 600.0
@@ -181,7 +182,7 @@ def serve(args) -> int:
     from api_proc.serve_settings import api_settings, frontend_limits
     from api_proc.worker import run_api_worker
     from detok_proc.server import run_detok
-    from engine_core.cli import engine_config_from_args
+    from engine_core.config import engine_config_from_args
     from engine_core.core_proc import run_engine_core
     from engine_core.loader import resolve_model
     from engine_core.zmq_security import CurveConfig
@@ -205,7 +206,7 @@ def serve(args) -> int:
     engine_in, engine_out = f"ipc://{runtime_dir}/engine-in.sock", f"ipc://{runtime_dir}/engine-out.sock"
     frontend = f"ipc://{runtime_dir}/frontend.sock"
     frontends = [frontend] + ([args.frontend] if args.frontend and not args.frontend.startswith("tcp://") else [])
-    names = args.served_model_name or [args.model or "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    names = args.served_model_name or [args.model or SERVED_NAME]
     settings = api_settings(args, frontend, names)
 
     supervisor = Supervisor(runtime_dir)

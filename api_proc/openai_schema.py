@@ -16,7 +16,7 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.structured_params import StructuredOutputsParams
 from engine_core.validation import is_token_id, param_of
 
-MAX_N = 128
+MAX_N = 128  # --max-n's default
 MAX_LOGPROBS = 20
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's chat roles
 
@@ -80,9 +80,9 @@ class _Common(msgspec.Struct, kw_only=True):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
         """`constraint`: the request's one output constraint (api_proc/structured.py)."""
-        if not 1 <= self.n <= MAX_N:
-            raise ApiError(400, f"Invalid 'n': expected a value in [1, {MAX_N}], but got {self.n} instead.", "n",
-                           "integer_above_max_value" if self.n > MAX_N else "integer_below_min_value")
+        if self.n < 1:  # the upper bound is the server's --max-n (ApiServer._limited)
+            raise ApiError(400, f"Invalid 'n': expected a value of at least 1, but got {self.n} instead.", "n",
+                           "integer_below_min_value")
         if max_tokens is not None and max_tokens < 1:
             raise ApiError(400, f"Invalid 'max_tokens': expected a value >= 1, but got {max_tokens} instead.",
                            "max_tokens", "integer_below_min_value")
@@ -103,8 +103,8 @@ class _Common(msgspec.Struct, kw_only=True):
     def _logit_bias(self) -> dict[int, float]:
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ApiError(400, f"Invalid 'logit_bias': key {key!r} is not a token id.", "logit_bias")
+            if not _TOKEN_ID_KEY.fullmatch(key):  # ASCII digits only: int() would take "²" or 5,000 digits badly
+                raise ApiError(400, f"Invalid 'logit_bias': key {_shown(key)} is not a token id.", "logit_bias")
             bias[int(key)] = value
         return bias
 
@@ -188,12 +188,36 @@ class ChatCompletionRequest(_Common, kw_only=True):
         return out
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /tokenize: a text prompt, or chat messages rendered as /v1/chat/completions would."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True  # text prompts (a chat template carries its own)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+    def chat_request(self) -> ChatCompletionRequest | None:
+        if self.messages is None:
+            if self.prompt is None:
+                raise ApiError(400, "Missing required parameter: 'prompt' (a string) or 'messages'.", "prompt",
+                               "missing_required_parameter")
+            return None
+        return ChatCompletionRequest(messages=self.messages, tools=self.tools,
+                                     chat_template_kwargs=self.chat_template_kwargs)
+
+
 def _shown(value: object) -> str:
     """A client's value in an error message, cut short (never a whole 30 MB string)."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,10}")
 _PATH = re.compile(r"at `\$\.([A-Za-z_]+)")
 
 

@@ -1,9 +1,9 @@
 """Reading and decoding request bodies: the one way every route gets its JSON.
 
 - `read_body`: the body's bytes, decompressed per Content-Encoding, at most `max_bytes` after
-  decompression (so a gzip bomb is a 413 like any large body), with a timeout on every wait for more
-  bytes (a client that stops sending mid-body gets a 408 rather than holding the connection). A body
-  that does not decode as its Content-Encoding says is a 400.
+  decompression (so a gzip bomb is a 413 like any large body). A client that stops sending mid-body
+  for `idle_timeout` seconds, or drips it slower than MIN_BODY_RATE on average, gets a 408 rather
+  than holding the connection. A body that does not decode as its Content-Encoding says is a 400.
 - `decode_json`: nesting measured before parsing (engine_core/json_limits.py), then msgspec, with
   `null` meaning the same as an absent field: OpenAI allows `null` on its optional fields, and a
   client that sends `"max_tokens": null` means "the default", not "unbounded".
@@ -22,19 +22,31 @@ from api_proc.openai_schema import ApiError, validation_error
 from engine_core.json_limits import MAX_JSON_DEPTH, depth_message, too_deep_field
 
 T = TypeVar("T")
+# Bytes per second a body must average (after a first `idle_timeout` of grace): a byte every few
+# seconds would otherwise hold a connection for as long as the client likes.
+MIN_BODY_RATE = 1024
 
 
 async def read_body(request: web.Request, max_bytes: int, idle_timeout: float | None) -> bytes:
     if request.content_length is not None and request.content_length > max_bytes:
         raise _too_large(max_bytes)  # said up front: no need to read any of it
     body = bytearray()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     while True:
+        wait = None
+        if idle_timeout is not None:
+            deadline = started + idle_timeout + len(body) / MIN_BODY_RATE
+            wait = min(idle_timeout, deadline - loop.time())
         try:
-            async with asyncio.timeout(idle_timeout):
+            if wait is not None and wait <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(wait):
                 chunk = await request.content.readany()
         except TimeoutError:
-            raise ApiError(408, f"The request body stopped arriving: nothing for {idle_timeout:g} s.",
-                           code="request_timeout", closes="now") from None
+            raise ApiError(408, f"The request body arrived too slowly (a pause of {idle_timeout:g} s, or under "
+                                f"{MIN_BODY_RATE} bytes/s on average).", code="request_timeout",
+                           closes="now") from None
         except web.RequestPayloadError as exc:  # e.g. "Content-Encoding: gzip" on a body that is not
             raise ApiError(400, "The request body could not be read: it does not match its "
                                 f"Content-Encoding or Transfer-Encoding ({_cause(exc)}).",

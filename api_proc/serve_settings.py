@@ -1,15 +1,17 @@
-"""`pagoda serve` flags -> the settings each process gets (HTTP workers: ApiSettings; the tokenizer
-process: FrontendLimits). Kept apart from the launcher so the mapping is in one readable place."""
+"""`pagoda serve`: its flags, and how they become the settings each process gets (HTTP workers:
+ApiSettings; the tokenizer process: FrontendLimits; the engine: EngineConfig). Kept apart from the
+launcher so the mapping is in one readable place."""
 
 from __future__ import annotations
 
 import argparse
+import math
 
 from api_proc.auth import AuthPolicy, read_keys
 from api_proc.middleware import CorsSettings
 from api_proc.server import ApiSettings
 from detok_proc.limits import FrontendLimits
-from engine_core.config import parse_size
+from engine_core.config import add_engine_args, parse_size
 
 
 def auth_policy(args: argparse.Namespace) -> AuthPolicy:
@@ -28,7 +30,8 @@ def api_settings(args: argparse.Namespace, frontend_addr: str, served_model_name
                        port=args.port, reuse_port=args.api_workers > 1, shutdown_timeout=args.shutdown_timeout,
                        max_body_bytes=parse_size(args.max_body_size), auth=auth_policy(args), cors=cors,
                        max_n=args.max_n, request_timeout=args.request_timeout, body_timeout=args.body_timeout,
-                       header_timeout=args.header_timeout, max_connections=args.max_connections or None,
+                       header_timeout=args.header_timeout, keepalive_timeout=args.keepalive_timeout,
+                       max_connections=args.max_connections,
                        max_tokens_cap=args.max_tokens_cap, log_requests=args.log_requests)
 
 
@@ -38,10 +41,22 @@ def frontend_limits(args: argparse.Namespace) -> FrontendLimits:
 
 
 def _seconds_or_off(value: str) -> float | None:
-    seconds = float(value)
-    if seconds < 0:
-        raise argparse.ArgumentTypeError("must be 0 (off) or a positive number of seconds")
+    seconds = _seconds(value)
     return seconds or None
+
+
+def _seconds(value: str) -> float:
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds (0 or more), not {value!r}")
+    return seconds
+
+
+def _count_or_off(value: str) -> int | None:
+    count = int(value)
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 (no cap) or a positive number, not {value!r}")
+    return count or None
 
 
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +100,54 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a connection has to send a complete request head, from opening or from its "
                         "first byte after a finished request (else 408 and closed; 0 = off)")
     g.add_argument("--body-timeout", type=_seconds_or_off, default=30.0,
-                   help="seconds a request body may go without a byte arriving (else 408 and closed; 0 = off)")
-    g.add_argument("--max-connections", type=int, default=1024,
-                   help="open connections per API worker; requests on connections past it get 503 (0 = no cap)")
+                   help="seconds a request body may go without a byte arriving; after that first grace it must also "
+                        "average 1 KiB/s (else 408 and closed; 0 = off)")
+    g.add_argument("--keepalive-timeout", type=_seconds, default=75.0,
+                   help="seconds an idle keep-alive connection stays open (raise it above a load balancer's idle "
+                        "timeout, e.g. 620 behind Google Cloud's)")
+    g.add_argument("--max-connections", type=_count_or_off, default=1024,
+                   help="open connections per API worker; at the cap the longest-idle connection is closed for a "
+                        "new one, or the new one gets 503 when all are busy (0 = no cap)")
+
+
+def add_serve_parser(subcommands) -> None:
+    """`pagoda serve`: its flags (server, access, limits, logging, engine) and its handler."""
+    srv = subcommands.add_parser("serve", help="run the OpenAI-compatible HTTP server (and the direct-client socket)")
+    srv.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
+                     help="Hugging Face model directory or hub id (same as --model; default: SmolLM2-135M-Instruct)")
+    srv.add_argument("--config", metavar="FILE",
+                     help="YAML file of flags (`max-num-seqs: 64`, lists for repeatable flags); the command line wins")
+    add_serve_args(srv)
+    add_engine_args(srv)
+    srv.set_defaults(func=cmd_serve)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
+    g.add_argument("--port", type=int, default=8000, help="port the HTTP API listens on")
+    g.add_argument("--api-workers", type=int, default=1,
+                   help="HTTP worker processes sharing the port (SO_REUSEPORT)")
+    g.add_argument("--served-model-name", action="append", default=None,
+                   help="name(s) clients use in 'model' (repeatable; default: the model argument)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM/SIGINT waits for in-flight requests before ending them")
+    g.add_argument("--engine-stall-timeout", type=float, default=30.0,
+                   help="/health turns 503 when the engine loop has made no progress for this long")
+    g.add_argument("--frontend", default=None,
+                   help="extra address for direct clients: ipc:///path.sock, or tcp://host:port (needs --curve-keys)")
+    g.add_argument("--curve-keys", default=None, metavar="DIR",
+                   help="CURVE certificates for a tcp:// frontend, as written by `pagoda keys DIR`")
+    add_limit_args(parser)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from api_proc.launcher import serve  # the launcher starts processes: only `pagoda serve` needs it
+
+    if args.model_arg is not None:
+        if args.model is not None and args.model != args.model_arg:
+            raise ValueError("give the model once: as the MODEL argument or as --model")
+        args.model = args.model_arg
+    if args.api_workers < 1:
+        raise ValueError("--api-workers must be at least 1")
+    return serve(args)

@@ -22,8 +22,8 @@ from api_proc.metrics import install as install_metrics
 from api_proc.middleware import CorsSettings, auth_middleware, install_cors, preflight_middleware
 from api_proc.openai_format import (Choice, CompletionLogprobs, chat_logprobs, envelope, finish_reason, new_id,
                                     usage)
-from api_proc.http_guard import ClosingResponse, over_capacity_middleware
-from api_proc.openai_schema import MAX_N, ApiError, ChatCompletionRequest, CompletionRequest
+from api_proc.http_guard import ClosingResponse
+from api_proc.openai_schema import MAX_N, ApiError, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from api_proc.request_body import decode_json, read_body
 from api_proc.request_log import RequestRecord, logged, observed
 from api_proc.streams import merge
@@ -54,7 +54,8 @@ class ApiSettings:
     request_timeout: float | None = None  # seconds, end to end
     body_timeout: float | None = 30.0  # seconds a request body may go without a byte arriving
     header_timeout: float | None = 30.0  # seconds a connection has to deliver a request head
-    max_connections: int | None = 1024  # open connections per worker (503 past it)
+    keepalive_timeout: float = 75.0  # seconds an idle keep-alive connection stays open
+    max_connections: int | None = 1024  # open connections per worker (api_proc/http_guard.py)
     max_tokens_cap: int | None = None  # the server's largest max_tokens (enforced by the tokenizer process)
     log_requests: bool = False  # put prompts into the per-request log lines
 
@@ -121,7 +122,7 @@ class ApiServer:
         self.serving = False  # set once the parent says every process is ready
         self.draining = False
         self.active_requests = 0  # generation handlers running now
-        middlewares = [openai_errors, over_capacity_middleware(), auth_middleware(settings.auth)]
+        middlewares = [openai_errors, auth_middleware(settings.auth)]
         if settings.cors is not None:
             middlewares.insert(0, preflight_middleware(settings.cors))
         self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
@@ -159,26 +160,21 @@ class ApiServer:
         return json_response({"object": "list", "data": data})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = decode_json(await self._body(request))
-        self._check_model(body.get("model"))
-        add_special = body.get("add_special_tokens", True)
-        if "messages" in body:
-            messages = body["messages"]
-            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                raise ApiError(400, "Invalid type for 'messages': expected a list of message objects.",
-                               "messages", "invalid_type")
-            chat = ChatCompletionRequest(messages=messages)
-            options = protocol.ChatOptions(add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                                           continue_final_message=bool(body.get("continue_final_message", False)))
+        body = decode_json(await self._body(request), TokenizeRequest)
+        self._check_model(body.model)
+        chat = body.chat_request()
+        if chat is None:
+            result = await self.client.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:  # the prompt a chat completion would see: template variables and tools included
+            tools = plan_tools(chat.tools, None)
+            options = protocol.ChatOptions(add_generation_prompt=body.add_generation_prompt,
+                                           continue_final_message=body.continue_final_message,
+                                           chat_template_kwargs=chat.chat_template_kwargs or {},
+                                           tools=tools.template_tools if tools else None)
             result = await self.client.tokenize(messages=chat.template_messages(), chat=options)
-        elif isinstance(body.get("prompt"), str):
-            result = await self.client.tokenize(body["prompt"], add_special_tokens=bool(add_special))
-        else:
-            raise ApiError(400, "Missing required parameter: 'prompt' (a string) or 'messages'.", "prompt",
-                           "missing_required_parameter")
         tokens = protocol.unpack_tokens(result.tokens)
         return json_response({"count": len(tokens), "max_model_len": result.max_model_len, "tokens": tokens,
-                              "token_strs": result.token_strs if body.get("return_token_strs") else None})
+                              "token_strs": result.token_strs if body.return_token_strs else None})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = decode_json(await self._body(request))

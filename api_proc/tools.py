@@ -1,7 +1,7 @@
 """Tool calling on /v1/chat/completions: `tools` + `tool_choice` checked and turned into a plan.
 
 - `none` (or no tools): the tools are not shown to the model; plain chat.
-- `auto` (the default with tools): the tools are rendered into the prompt (detok_proc/tool_prompt.py)
+- `auto` (the default with tools): the tools are rendered into the prompt (engine_core/tool_prompt.py)
   and the output is free; if it is a tool call in the model's format, `<tool_call>[{"name": ...,
   "arguments": {...}}]</tool_call>`, it is returned as `tool_calls`, otherwise as content.
 - `required`: the output is constrained by a JSON schema to an array of calls, each

@@ -34,24 +34,30 @@ async def _drain(server: ApiServer, timeout: float) -> None:
         await asyncio.sleep(0.2)
 
 
-def _allow_open_files(connections: int | None) -> None:
-    """Raise the soft limit on open files so the connection cap, not EMFILE, is what refuses clients
-    (a refused accept() would be retried and logged by asyncio in a loop)."""
+_OTHER_FILES = 256  # sockets to the tokenizer process, libraries, logs: what a worker opens besides clients
+
+
+def _allow_open_files(connections: int | None) -> int | None:
+    """Raise the soft limit on open files so that the connection cap, not EMFILE, is what refuses
+    clients (a failing accept() is retried and logged by asyncio in a loop). Returns the cap to use:
+    `connections`, or less when the hard limit leaves less room."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = (connections or 0) + 256  # sockets to the tokenizer process, libraries, logs
+    if hard != resource.RLIM_INFINITY and (connections is None or connections + _OTHER_FILES > hard):
+        fitting = max(1, hard - _OTHER_FILES)
+        logger.warning("the open-file limit (%d) leaves room for %d connections: the cap is %d, not %s",
+                       hard, fitting, fitting, connections)
+        connections = fitting
+    wanted = connections + _OTHER_FILES
     if soft != resource.RLIM_INFINITY and soft < wanted:
-        new_soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (new_soft, hard))
-        if new_soft < wanted:
-            logger.warning("only %d open files allowed (hard limit): fewer than --max-connections %s needs",
-                           new_soft, connections)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return connections
 
 
 async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
     server = ApiServer(settings)
-    _allow_open_files(settings.max_connections)
-    guard = HttpGuard(header_timeout=settings.header_timeout, max_connections=settings.max_connections)
-    runner = GuardedAppRunner(server.app, guard, handler_cancellation=True, access_log=None)
+    guard = HttpGuard(header_timeout=settings.header_timeout, max_connections=_allow_open_files(settings.max_connections))
+    runner = GuardedAppRunner(server.app, guard, handler_cancellation=True, access_log=None,
+                              keepalive_timeout=settings.keepalive_timeout)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_port=settings.reuse_port, backlog=2048)
     await site.start()

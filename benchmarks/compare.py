@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from api_proc.bench.datasets import random_requests  # noqa: E402
-from api_proc.bench.metrics import summarize  # noqa: E402
-from api_proc.bench.runner import run_serve  # noqa: E402
-from tests.server import PagodaServer  # noqa: E402
+from api_proc.bench.datasets import random_requests
+from api_proc.bench.metrics import summarize
+from api_proc.bench.runner import run_serve
+from api_proc.bench.local_server import PagodaServer
 
 
 def measure_server(url: str, requests, concurrency: int, model: str | None) -> dict:

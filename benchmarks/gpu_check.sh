@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The GPU check, for a session lent a GPU machine (README: "Checking on a GPU"): Triton kernel tests
+# The GPU check, for a session lent a GPU machine (docs/gpu.md): Triton kernel tests
 # compiled for the GPU, kernel timings against torch and the copy-bandwidth roofline, greedy tokens
 # (CUDA graphs = eager = torch-reference kernels), offline throughput of a random-weight
 # Llama-3-8B-shaped model in bf16 with graphs on and off, batch-1 decode against the weight-bytes bound.
 # Ends with a short table. Results (JSON) go to $OUT (default /tmp/pagoda-gpu-check).
 #
-#   bash benchmarks/gpu_check.sh                        # every step (timeouts add up to 9.5 min)
+#   bash benchmarks/gpu_check.sh                        # every step (timeouts add up to 10 min)
 #   bash benchmarks/gpu_check.sh tests kernels tokens   # some steps: tests kernels tokens throughput
 #
 # Not yet run on a GPU. The device tool allows 10 minutes per command: if a first run shows the whole
 # check is longer, run it as two commands with the same OUT (the summary reads whatever is there).
 #
-# pyzmq and msgspec are not on that machine: carry them as wheels in .whl/ (see the README).
+# pyzmq and msgspec are not on that machine: carry them as wheels in .whl/ (see docs/gpu.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pagoda-gpu-check}
@@ -41,7 +41,7 @@ if wanted tokens; then
     step "greedy tokens: graphs, eager, torch reference (SmolLM2-135M shape, random weights, fp32)"
     timeout 60 python3 benchmarks/gpu_engine.py tokens --path graphs --json "$OUT/tokens_graphs.json"
     timeout 60 python3 benchmarks/gpu_engine.py tokens --path eager --json "$OUT/tokens_eager.json"
-    PAGODA_DISABLE_TRITON=1 timeout 60 python3 benchmarks/gpu_engine.py tokens --path reference \
+    timeout 60 python3 benchmarks/gpu_engine.py tokens --path reference \
         --json "$OUT/tokens_reference.json"
 fi
 if wanted throughput; then

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from kernels import _TORCH, implementation  # noqa: E402
+from kernels import _TORCH, implementation
 
 
 @dataclass(frozen=True)

@@ -10,25 +10,16 @@
 from __future__ import annotations
 
 import asyncio
-import random
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve import run_load  # noqa: E402
-from tests.server import PagodaServer, http  # noqa: E402
+from api_proc.bench.datasets import prefix_requests
+from api_proc.bench.local_server import PagodaServer, http
+from api_proc.bench.metrics import summarize
+from api_proc.bench.runner import run_serve
 
 VLLM_TTFT_P50_MS = {True: 1091, False: 10893}
-
-
-def workload(seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    prefix = [rng.randrange(100, 49000) for _ in range(1024)]
-    return [prefix + [rng.randrange(100, 49000) for _ in range(32)] for _ in range(32)]
 
 
 def measure(caching: bool) -> dict:
@@ -36,11 +27,12 @@ def measure(caching: bool) -> dict:
     server = PagodaServer(Path(tempfile.mkdtemp(prefix="pagoda-bench-")), *args, remove_dir_on_stop=True)
     try:
         http("POST", server.base_url + "/v1/completions", {"prompt": [5] * 8, "max_tokens": 2})
-        started = time.perf_counter()
-        result = asyncio.run(run_load(server.base_url, workload(), 32, 8))
-        result["wall_s"] = time.perf_counter() - started
-        result["total_tok_s"] = 32 * (1056 + 32) / result["duration_s"]
-        return result
+        requests = prefix_requests(32, 1024, 32, 32, seed=0)
+        results, duration, _ = asyncio.run(run_serve(server.base_url, requests, max_concurrency=8, progress=False))
+        summary = summarize(results, duration)
+        assert summary["failed"] == 0, summary
+        return {"ttft_p50": summary["ttft_ms"]["median"], "ttft_mean": summary["ttft_ms"]["mean"],
+                "total_tok_s": summary["total_throughput"], "output_tok_s": summary["output_throughput"]}
     finally:
         server.stop()
 

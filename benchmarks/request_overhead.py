@@ -19,16 +19,14 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from tests.server import MODEL_NAME, PagodaServer  # noqa: E402
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer
 
 KINDS = {
     "completion, short": ("/v1/completions", {"prompt": "The capital of France is"}),

@@ -25,10 +25,8 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve import process_names, rss_bytes  # noqa: E402
-from tests.server import MODEL_NAME, PagodaServer  # noqa: E402
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer, process_names, rss_bytes
 
 KEY = "soak-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

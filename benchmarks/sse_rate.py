@@ -8,17 +8,14 @@ Target: >= 20,000 chunks/s on the 2-core development machine.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from api_proc.bench.datasets import random_requests  # noqa: E402
-from api_proc.bench.metrics import summarize  # noqa: E402
-from api_proc.bench.runner import run_serve  # noqa: E402
-from tests.server import free_port  # noqa: E402
-from tests.sse_server import NullServer  # noqa: E402
+from api_proc.bench.datasets import random_requests
+from api_proc.bench.metrics import summarize
+from api_proc.bench.runner import run_serve
+from api_proc.bench.local_server import free_port
+from api_proc.bench.null_server import NullServer
 
 
 def main() -> None:

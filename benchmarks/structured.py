@@ -20,14 +20,11 @@ import argparse
 import itertools
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from detok_proc.tokenizer import encode_chat  # noqa: E402
-from engine_core import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from engine_core.tokenizer import encode_chat
+from engine_core import LLM, SamplingParams, StructuredOutputsParams
 
 ITEM = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
                                          "name": {"type": "string", "maxLength": 16},

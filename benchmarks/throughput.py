@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from engine_core.llm import LLM  # noqa: E402
-from engine_core.sampling_params import SamplingParams  # noqa: E402
+from engine_core.llm import LLM
+from engine_core.sampling_params import SamplingParams
 
 
 def workload_a(seed: int = 0):

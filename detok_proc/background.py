@@ -75,12 +75,21 @@ class BackgroundWork:
                 result, error = job(), None
             except Exception as exc:  # noqa: BLE001 - handed to the loop, which answers the client
                 result, error = None, exc
+            self._cancelled.discard(key)  # cancelled while it ran: nobody collects it, nothing to keep
             self._done.append((key, result, error))
             release_freed_memory()  # the tokenizer's temporary buffers of this job are freed by now
             os.write(self._wake_write, b"\0")
 
     def close(self) -> None:
+        """Drop the jobs not started and stop the thread; a job still running is not waited for long
+        (the process is exiting), and then the pipe stays open for it to write to."""
+        try:
+            while True:
+                self._jobs.get_nowait()
+        except queue.Empty:
+            pass
         self._jobs.put(None)
-        self._thread.join(timeout=5)
-        os.close(self._wake_read)
-        os.close(self._wake_write)
+        self._thread.join(timeout=0.2)
+        if not self._thread.is_alive():
+            os.close(self._wake_read)
+            os.close(self._wake_write)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.metrics import SampleTiming
-from detok_proc.tokenizer import encode_chat
+from engine_core.tokenizer import encode_chat
 from engine_core import protocol
 from engine_core.validation import ParamError, check_token_ids
 

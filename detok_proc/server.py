@@ -30,7 +30,7 @@ from detok_proc.metrics import DetokMetrics
 from detok_proc.prompt_size import longest_token_chars, prompt_chars
 from detok_proc.requests import (RequestInvalid, SampleState, check_context, check_prompt_chars,
                                  check_request_options, prompt_token_ids)
-from detok_proc.tokenizer import load_tokenizer
+from engine_core.tokenizer import load_tokenizer
 from engine_core import protocol
 from engine_core.json_limits import depth_message
 from engine_core.lifecycle import ParentLink, init_child_process

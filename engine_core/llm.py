@@ -8,7 +8,7 @@ from typing import Sequence, Union
 
 from tqdm import tqdm
 
-from detok_proc.tokenizer import encode_chat, load_tokenizer
+from engine_core.tokenizer import encode_chat, load_tokenizer
 from engine_core.config import EngineConfig, parse_size
 from engine_core.engine import EngineCore
 from engine_core.outputs import CompletionOutput, Logprob, RequestOutput

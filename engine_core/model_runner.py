@@ -23,6 +23,7 @@ from engine_core.protocol import TokenLogprobs
 from engine_core.request import Request
 from engine_core.sampler import SamplingBatch, sample
 from engine_core.scheduler import SchedulerOutput
+from engine_core.environment import configure_kernels
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024 ** 3
@@ -41,6 +42,7 @@ def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dty
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir, model_cfg: ModelConfig):
+        configure_kernels()  # which kernels this process may use (PAGODA_DISABLE_*), before any runs
         self.config = config
         self.model_cfg = model_cfg
         self.device = config.torch_device()

@@ -134,7 +134,7 @@ class ChatOptions(msgspec.Struct, omit_defaults=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict = {}
-    tools: list[dict] | None = None  # OpenAI-shaped tools for the prompt (detok_proc/tool_prompt.py)
+    tools: list[dict] | None = None  # OpenAI-shaped tools for the prompt (engine_core/tool_prompt.py)
 
 
 class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True, omit_defaults=True):

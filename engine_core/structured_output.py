@@ -61,7 +61,7 @@ class GrammarBackend:
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: frozenset[int]):
         import xgrammar as xgr
 
-        from detok_proc.tokenizer import load_tokenizer
+        from engine_core.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
         # The logits may be wider than the tokenizer's vocabulary (padded embeddings): the mask must
@@ -147,8 +147,9 @@ class StructuredOutputManager:
         self.num_compiles = 0  # grammars compiled (not served from the cache), for tests and stats
 
     def start(self) -> None:
-        """Begin loading the backend now (xgrammar, tokenizer: ~1.5 s on 2 cores) in the worker, so the
-        first constrained request does not wait for it. The server calls this at start-up."""
+        """Begin loading the backend now (xgrammar, tokenizer: 2.6-3 s on 2 busy cores, most of it the
+        tokenizer's first load) in the worker, so the first constrained request does not wait for it.
+        The server calls this at start-up."""
         self._backend_future()
 
     def backend(self) -> GrammarBackend:

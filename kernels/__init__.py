@@ -3,15 +3,16 @@
 Every op has a plain torch implementation (`kernels.torch_ref`), the reference in tests and the
 fallback everywhere. On the CPU, ops with a compiled C kernel (`kernels.cpu`) use it when it builds.
 On CUDA every op has a Triton kernel with the same signature (`kernels.triton`), imported the first
-time a CUDA tensor asks for one, so CPU processes never load Triton. `PAGODA_DISABLE_CPU_KERNELS=1`
-forces the torch path on the CPU, `PAGODA_DISABLE_TRITON=1` on CUDA (the reference the GPU check
-compares against).
+time a CUDA tensor asks for one, so CPU processes never load Triton. `configure` turns the compiled
+C kernels or Triton off (the torch path is then used: the reference the GPU check compares against)
+and says where C kernels are built; the engine calls it from its environment (engine_core/
+environment.py), since this package reads no environment of its own.
 """
 
 from __future__ import annotations
 
 import functools
-import os
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -29,9 +30,18 @@ _TORCH: dict[str, Callable] = {
     "rotary_embedding": _layers.rotary_embedding,
 }
 _CPU_COMPILED = {"paged_decode_attention", "rotary_embedding", "reshape_and_cache"}
-# Read once, at import.
-_CPU_KERNELS_DISABLED = os.environ.get("PAGODA_DISABLE_CPU_KERNELS") == "1"
-_TRITON_DISABLED = os.environ.get("PAGODA_DISABLE_TRITON") == "1"
+_enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
+
+
+def configure(cpu_kernels: bool = True, triton: bool = True, build_dir: Path | None = None) -> None:
+    """Which implementations to use from now on, and where C kernels are built (default: a
+    directory per user under the system's temporary directory)."""
+    from kernels import cpu
+
+    _enabled["cpu"], _enabled["cuda"] = cpu_kernels, triton
+    if build_dir is not None:
+        cpu.build_dir = Path(build_dir)
+    _resolve.cache_clear()
 
 
 def _triton(name: str) -> Callable:
@@ -42,9 +52,9 @@ def _triton(name: str) -> Callable:
 
 @functools.lru_cache(maxsize=None)
 def _resolve(name: str, device_type: str) -> Callable:
-    if device_type == "cuda" and not _TRITON_DISABLED:
+    if device_type == "cuda" and _enabled["cuda"]:
         return _triton(name)
-    if device_type == "cpu" and name in _CPU_COMPILED and not _CPU_KERNELS_DISABLED:
+    if device_type == "cpu" and name in _CPU_COMPILED and _enabled["cpu"]:
         from kernels import cpu
 
         if cpu.available():

@@ -7,10 +7,15 @@ import os
 import pytest
 import torch
 
+from engine_core.environment import configure_kernels
+
 # Without a GPU, Triton kernels run on the CPU through Triton's interpreter. `@triton.jit` picks the
 # interpreter when it decorates, so this must be set before any test module imports a kernel.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Kernels the tests call directly build where the engine's do (PAGODA_CACHE), not in a temporary directory.
+configure_kernels()
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +36,6 @@ def hf_model(default_model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
-    from detok_proc.tokenizer import load_tokenizer
+    from engine_core.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir)

@@ -8,6 +8,8 @@ import json
 import math
 from dataclasses import asdict
 
+from engine_core.config import add_engine_args
+
 
 def _add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) -> None:
     g = parser.add_argument_group("dataset")
@@ -42,7 +44,7 @@ def load_dataset(args, tokenizer=None):
 def _tokenizer(args):
     if not args.tokenizer:
         return None
-    from detok_proc.tokenizer import load_tokenizer
+    from engine_core.tokenizer import load_tokenizer
 
     return load_tokenizer(args.tokenizer)
 
@@ -79,7 +81,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def _offline_llm(args: argparse.Namespace):
-    from engine_core.cli import engine_config_from_args
+    from engine_core.config import engine_config_from_args
     from engine_core.llm import LLM
 
     return LLM(**asdict(engine_config_from_args(args)))
@@ -113,7 +115,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_parser(sub, add_engine_args) -> None:
+def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks: serve (any OpenAI-compatible server), throughput, latency")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 

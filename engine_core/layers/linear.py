@@ -13,11 +13,12 @@ to 2.7x at 16. The plain weight is then released, unless another module reads it
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine_core.environment import onednn_linear_disabled
 
 
 def _weight(in_features: int, out_features: int, dtype) -> torch.Tensor:
@@ -29,7 +30,7 @@ def _weight(in_features: int, out_features: int, dtype) -> torch.Tensor:
 
 def _onednn_usable() -> bool:
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and os.environ.get("PAGODA_DISABLE_ONEDNN_LINEAR") != "1")
+            and not onednn_linear_disabled())
 
 
 def onednn_rows(count: int) -> int:

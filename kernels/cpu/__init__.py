@@ -1,7 +1,7 @@
 """Compiled CPU kernels: C sources built once with the system C compiler and loaded with ctypes.
 
-Built on first use into `$PAGODA_CACHE/kernels/` (keyed by the source, compiler flags and machine), in
-about a second. Where no compiler works, `available()` is False and the torch reference is used.
+Built on first use into `build_dir` (the engine sets it to `$PAGODA_CACHE/kernels/`; keyed by the
+source, compiler flags and machine), in about a second. Where no compiler works, `available()` is False and the torch reference is used.
 """
 
 from __future__ import annotations
@@ -40,16 +40,15 @@ _SIGNATURES = {
 }
 _lib: dict[str, ctypes.CDLL] = {}
 _failed = False
+build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # kernels.configure sets it
 
 
 def _build(name: str) -> Path:
-    from engine_core.default_model import cache_root
-
     source_path = _DIR / f"{name}.c"
     flags = _COMMON_FLAGS + _LIBRARIES[name]
     key = hashlib.sha256(source_path.read_bytes() + " ".join(flags).encode() + platform.machine().encode()
                          + _cpu_signature()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"{name}-{key}.so"
+    target = build_dir / f"{name}-{key}.so"
     if not target.exists():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:

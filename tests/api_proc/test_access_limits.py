@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from tests.server import MODEL_NAME, PagodaServer, http
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http
 
 USER_KEY, ADMIN_KEY, ORIGIN = "user-key-0123456789", "admin-key-0123456789", "https://app.example"
 USER = {"Authorization": f"Bearer {USER_KEY}"}
@@ -223,12 +223,13 @@ def test_undecodable_authorization_header_is_a_401_not_a_500():
     assert policy.check("/v1/models", f"bearer {USER_KEY}") is None
 
 
-def test_key_files_take_whole_line_comments_only(tmp_path):
+def test_key_files_take_whole_line_comments_only(tmp_path, monkeypatch):
     from api_proc.auth import read_keys
 
+    monkeypatch.delenv("PAGODA_API_KEY", raising=False)
     keys = tmp_path / "keys"
     keys.write_text("# a comment\nkey-with-#-inside-123\n  \n")
-    assert read_keys(None, "PAGODA_TEST_UNSET_VARIABLE", str(keys)) == ["key-with-#-inside-123"]
+    assert read_keys(None, "PAGODA_API_KEY", str(keys)) == ["key-with-#-inside-123"]
 
 
 def test_max_tokens_cap_defaults_within_the_context():
@@ -270,3 +271,20 @@ def test_deadline_holds_even_when_deltas_are_already_queued():
         return seen
 
     assert asyncio.run(run()) < 100
+
+
+def test_n_above_128_is_for_max_n_to_decide():
+    import msgspec
+
+    from api_proc.openai_schema import ApiError, CompletionRequest
+    from api_proc.server import ApiServer, ApiSettings
+
+    params = msgspec.convert({"prompt": "x", "n": 200}, CompletionRequest).sampling_params(1, None)
+    generous = ApiServer(ApiSettings(frontend_addr="ipc:///nonexistent/a.sock", served_model_names=["m"], max_n=256))
+    assert generous._limited(params).n == 200
+    strict = ApiServer(ApiSettings(frontend_addr="ipc:///nonexistent/b.sock", served_model_names=["m"], max_n=100))
+    with pytest.raises(ApiError) as refused:
+        strict._limited(params)
+    assert refused.value.param == "n"
+    generous.client.close()
+    strict.client.close()

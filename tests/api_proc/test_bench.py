@@ -12,8 +12,8 @@ import pytest
 from api_proc.bench.datasets import prefix_requests, random_requests, synthetic_sharegpt
 from api_proc.bench.metrics import parse_goodput, summarize
 from api_proc.bench.runner import run_serve
-from tests.server import PagodaServer, free_port
-from tests.sse_server import NullServer
+from api_proc.bench.local_server import PagodaServer, free_port
+from api_proc.bench.null_server import NullServer
 
 
 def test_256_concurrent_streams_counted_exactly():
@@ -71,7 +71,7 @@ def test_server_errors_are_failures_not_crashes(server):
 
 def test_cli_saves_results_and_plots(server, tmp_path):
     out, png = tmp_path / "run.json", tmp_path / "run.png"
-    run = subprocess.run([sys.executable, "-m", "engine_core.cli", "bench", "serve", "--base-url", server.base_url,
+    run = subprocess.run([sys.executable, "-m", "api_proc.cli", "bench", "serve", "--base-url", server.base_url,
                           "--endpoint", "chat", "--dataset-name", "sharegpt", "--num-prompts", "4",
                           "--max-concurrency", "2", "--tokenizer", str(server.model_dir()), "--save-result", str(out),
                           "--plot", str(png), "--no-progress"], capture_output=True, text=True, timeout=600)
@@ -83,7 +83,7 @@ def test_cli_saves_results_and_plots(server, tmp_path):
 
 
 def test_offline_throughput_and_latency_commands(tmp_path, default_model_dir):
-    from engine_core.cli import main
+    from api_proc.cli import main
 
     out = tmp_path / "throughput.json"
     assert main(["bench", "throughput", "--model", str(default_model_dir), "--kv-cache-memory", "128MiB",

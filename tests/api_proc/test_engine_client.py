@@ -11,7 +11,7 @@ import pytest
 from api_proc.client import AsyncEngineClient, EngineClient, EngineError
 from engine_core import protocol
 from engine_core.sampling_params import SamplingParams
-from tests.server import MODEL_NAME, PagodaServer
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0)
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server import MODEL_NAME, PagodaServer, http, wait_until
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http, wait_until
 
 KEY = "hostile-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -253,13 +253,29 @@ def test_slow_headers_and_stalled_bodies_are_cut_off(server):
         assert answer.startswith(b"HTTP/1.1 408"), answer
         s.settimeout(30)
         _read_until_closed(s)  # and the server closes it
-    # A connection that sends nothing at all.
-    assert _raw(server, b"").startswith(b"HTTP/1.1 408")
+    # A connection that sends nothing at all is closed, quietly (a pool's spare connection needs no answer).
+    assert _raw(server, b"") == b""
     # A body shorter than its Content-Length, and a chunked body that never ends.
     start = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
     for head in (b"\r\nContent-Length: 100\r\n\r\n{\"prompt\":", b"\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n"):
         status, body = _json_of(_raw(server, start + head))
         assert status == 408 and body["error"]["code"] == "request_timeout"
+    # A body dripped a byte at a time, each within the idle timeout: far below the minimum rate.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(start + b"\r\nContent-Length: 1000\r\n\r\n")
+        answer = b""
+        for _ in range(40):  # 40 x 0.5 s would be 20 s; the server gives up after a few
+            try:
+                s.sendall(b" ")
+            except OSError:
+                break
+            s.settimeout(BODY_TIMEOUT / 4)  # the drip's pace: a byte per half the idle timeout
+            try:
+                if answer := s.recv(4096):
+                    break
+            except TimeoutError:
+                continue
+        assert answer.startswith(b"HTTP/1.1 408"), answer
 
 
 def test_a_long_quiet_stream_is_not_cut_off(server):
@@ -281,13 +297,36 @@ def test_a_long_quiet_stream_is_not_cut_off(server):
     assert stream.count(b"data: {") == TOKENS_CAP and b"data: [DONE]" in stream
 
 
-def test_connections_past_the_cap_get_503_until_some_close(server):
-    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(MAX_CONNECTIONS + 2)]
+def _keep_alive_request(server) -> socket.socket:
+    """A connection that has made one request and stays open, idle."""
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    return s
+
+
+def test_the_connection_cap_reclaims_idle_connections_and_refuses_when_all_are_busy(server):
+    # Idle keep-alive connections fill the cap: a new client still gets in, and the oldest idle one goes.
+    idle = [_keep_alive_request(server) for _ in range(MAX_CONNECTIONS)]
     try:
-        status, answer = http("GET", server.base_url + "/v1/models", headers=AUTH)
-        assert status == 503 and answer["error"]["code"] == "too_many_connections"
+        assert http("GET", server.base_url + "/v1/models", headers=AUTH)[0] == 200
+        idle[0].settimeout(10)
+        assert idle[0].recv(1) == b""  # closed by the server to make room
     finally:
         for s in idle:
+            s.close()
+    # Connections all busy with requests (each handler waits for the rest of its body): a new one gets a
+    # 503 at once and is closed, holding nothing.
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\n\r\n{\"prompt\":")
+    busy = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for s in busy:
+            s.sendall(head)
+        probe = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        assert wait_until(lambda: _raw(server, probe).startswith(b"HTTP/1.1 503"), BODY_TIMEOUT)
+    finally:
+        for s in busy:
             s.close()
     assert wait_until(lambda: http("GET", server.base_url + "/v1/models", headers=AUTH)[0] == 200, 30)
 
@@ -305,6 +344,11 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(server):
         ("/v1/completions", _completion(stop_token_ids=[999999]), "stop_token_ids"),
         ("/v1/chat/completions", _chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
         ("/v1/chat/completions", _chat(chat_template_kwargs={"chat_template": "{{ 1 }}"}), "chat_template_kwargs"),
+        ("/v1/chat/completions", _chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"tokenize": True}},
+         "chat_template_kwargs"),
+        ("/v1/completions", _completion(logit_bias={"\u00b2": 1}), "logit_bias"),
+        ("/v1/completions", _completion(logit_bias={"9" * 5000: 1}), "logit_bias"),
     ]
     for path, body, param in cases:
         error = _assert_openai_error(*_post(server, path, body), param)

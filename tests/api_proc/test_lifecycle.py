@@ -15,13 +15,13 @@ import pytest
 
 from api_proc.client import EngineClient
 from engine_core.sampling_params import SamplingParams
-from tests.server import MODEL_NAME, PagodaServer, alive, free_port, http, wait_until
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer, alive, free_port, http, wait_until
 
 
 def test_health_is_503_until_the_engine_is_ready(tmp_path):
     port = free_port()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-    process = subprocess.Popen([sys.executable, "-m", "engine_core.cli", "serve", "--port", str(port),
+    process = subprocess.Popen([sys.executable, "-m", "api_proc.cli", "serve", "--port", str(port),
                                 "--kv-cache-memory", "128MiB"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     statuses = []
@@ -128,7 +128,7 @@ def test_disconnects_free_the_request_and_curve_tcp_frontend(tmp_path):
     """Two API workers share the port; clients that vanish (streaming or not) have their requests
     aborted; a tcp:// frontend admits only CURVE-authenticated direct clients."""
     keys = tmp_path / "keys"
-    subprocess.run([sys.executable, "-m", "engine_core.cli", "keys", str(keys)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "api_proc.cli", "keys", str(keys)], check=True, capture_output=True)
     tcp_port = free_port()
     server = PagodaServer(tmp_path, "--api-workers", "2", "--frontend", f"tcp://127.0.0.1:{tcp_port}",
                           "--curve-keys", str(keys))
@@ -150,7 +150,7 @@ def test_disconnects_free_the_request_and_curve_tcp_frontend(tmp_path):
             assert wait_until(lambda: direct.health().kv_cache_usage == 0.0, 2.0, 0.1)
         direct.close()
         stranger_keys = tmp_path / "stranger"
-        subprocess.run([sys.executable, "-m", "engine_core.cli", "keys", str(stranger_keys)], check=True,
+        subprocess.run([sys.executable, "-m", "api_proc.cli", "keys", str(stranger_keys)], check=True,
                        capture_output=True)
         stranger = EngineClient(f"tcp://127.0.0.1:{tcp_port}",
                                 curve=(str(keys / "server.key"), str(stranger_keys / "client.key_secret")))

@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server import MODEL_NAME, PagodaServer
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer
 
 VLLM_METRICS = {  # name -> type, as vLLM exports them
     "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",

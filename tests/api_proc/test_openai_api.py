@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from engine_core.sampling_params import SamplingParams
-from tests.server import MODEL_NAME, PagodaServer, http
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -14,7 +14,7 @@ import pytest
 from api_proc.client import EngineClient, EngineError
 from engine_core.sampling_params import SamplingParams
 from engine_core.structured_params import StructuredOutputsParams
-from tests.server import MODEL_NAME, PagodaServer, http
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http
 
 POINT = {"type": "object",
          "properties": {"x": {"type": "integer", "minimum": -10, "maximum": 10},

@@ -89,7 +89,7 @@ def test_abort_frees_everything(llm):
 
 def test_cli_generate(default_model_dir):
     env = dict(os.environ)
-    result = subprocess.run([sys.executable, "-m", "engine_core.cli", "generate", "--chat",
+    result = subprocess.run([sys.executable, "-m", "api_proc.cli", "generate", "--chat",
                              "--model", str(default_model_dir), "What is the capital of France?"],
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
@@ -97,6 +97,6 @@ def test_cli_generate(default_model_dir):
 
 
 def test_cli_reports_bad_model_cleanly(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "engine_core.cli", "generate", "--model", str(tmp_path), "x"],
+    result = subprocess.run([sys.executable, "-m", "api_proc.cli", "generate", "--model", str(tmp_path), "x"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "config.json" in result.stderr

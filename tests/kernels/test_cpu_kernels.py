@@ -9,7 +9,7 @@ import torch
 from kernels import cpu
 from kernels.torch_ref import attention as ref_attention
 from kernels.torch_ref import layers as ref_layers
-from tests.kernels.test_torch_ref import SHAPES, scatter_to_cache
+from tests.kernels.paged_inputs import SHAPES, scatter_to_cache
 
 
 def test_cpu_kernels_build():

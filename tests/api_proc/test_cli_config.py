@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.cli import build_parser
-from engine_core.cli_config import _subparser, parse_args_with_config
+from api_proc.cli import build_parser
+from api_proc.cli_config import _subparser, parse_args_with_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,3 +68,11 @@ def test_bad_files_are_usage_errors_naming_the_key(tmp_path, capsys, text, messa
 def test_the_shipped_example_is_valid():
     args = parse_args_with_config(build_parser(), ["serve", "--config", str(REPO / "deploy" / "pagoda.yaml")])
     assert args.port == 8000 and args.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("flag,value", [("--max-connections", "-1"), ("--header-timeout", "nan"),
+                                        ("--body-timeout", "inf"), ("--keepalive-timeout", "-5")])
+def test_connection_limits_refuse_values_that_would_disable_or_break_them(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", flag, value])
+    assert flag in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""A real `pagoda serve` process for tests: started as a user would, on a free port, stopped cleanly."""
+"""A real `pagoda serve` on this machine, for tests and benchmarks: started as a user would, on a free
+port, stopped cleanly; and what they measure of its processes (children, CPU time, memory)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+from engine_core.default_model import SERVED_NAME
+
+MODEL_NAME = SERVED_NAME  # the name the default model is served as
+
 
 
 def free_port() -> int:
@@ -90,7 +94,7 @@ class PagodaServer:
             env["PYTHONPATH"] = str(source_dir)
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "engine_core.cli", "serve", "--port", str(self.port), "--kv-cache-memory",
+            [sys.executable, "-m", "api_proc.cli", "serve", "--port", str(self.port), "--kv-cache-memory",
              "256MiB", "--frontend", self.frontend, *extra_args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=source_dir)
         self.wait_healthy(ready_timeout)
@@ -145,3 +149,24 @@ class PagodaServer:
         if self.remove_dir_on_stop:
             shutil.rmtree(self.tmp_path, ignore_errors=True)
         return self.process.returncode
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def process_names(server: PagodaServer) -> dict[int, str]:
+    """pid -> name of the server's parent ("parent") and each of its children (pagoda-engine, ...)."""
+    names = {server.process.pid: "parent"}
+    for pid in server.children():
+        names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+    return names

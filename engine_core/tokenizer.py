@@ -1,4 +1,5 @@
-"""Loading a model's tokenizer and rendering its chat template (no torch needed)."""
+"""Loading a model's tokenizer and rendering its chat template (no torch needed): the tokenizer process,
+the engine's grammar backend and the offline API all use it, so it lives at the lowest of their layers."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import inspect
 from functools import cache
 from pathlib import Path
 
-from detok_proc.tool_prompt import messages_with_tools, template_renders_tools
+from engine_core.tool_prompt import messages_with_tools, template_renders_tools
 from engine_core.validation import ParamError
 
 
@@ -42,11 +43,12 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 
 @cache
 def _server_arguments(tokenizer_class: type) -> frozenset[str]:
-    """apply_chat_template's own parameters (tokenize, chat_template, tools, ...): the server sets
-    them, so a request's chat_template_kwargs may not; `documents` is a template variable."""
+    """apply_chat_template's own parameters (tokenize, chat_template, tools, ...) and the template's
+    `messages`: the server sets them, so a request's chat_template_kwargs may not; `documents` is a
+    template variable."""
     parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters
-    return frozenset(name for name, p in parameters.items()
-                     if p.kind is not p.VAR_KEYWORD and name not in ("self", "documents"))
+    own = {name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD and name not in ("self", "documents")}
+    return frozenset(own | {"messages"})  # what the template receives the conversation as
 
 
 def encode_chat(tokenizer, messages: list[dict], **kwargs) -> list[int]:

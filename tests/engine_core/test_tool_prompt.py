@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 
-from detok_proc.tokenizer import render_chat
-from detok_proc.tool_prompt import template_renders_tools
+from engine_core.tokenizer import render_chat
+from engine_core.tool_prompt import template_renders_tools
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_forecast", "description": "Weather forecast",

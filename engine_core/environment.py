@@ -1,0 +1,63 @@
+"""Every `PAGODA_*` environment variable, read here and nowhere else (docs/command-line.md lists them; a
+test keeps the two in step).
+
+Modules that need one of these settings ask this module; `kernels` reads no environment at all and
+is configured by the engine (`configure_kernels`), so it stays a library with no view of the process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+VARIABLES = {
+    "PAGODA_CACHE": "directory of the converted default model and the compiled CPU kernels "
+                    "(default ~/.cache/pagoda)",
+    "PAGODA_API_KEY": "API keys, comma-separated (added to --api-key)",
+    "PAGODA_ADMIN_KEY": "admin keys, comma-separated (added to --admin-key)",
+    "PAGODA_LOG_LEVEL": "log level of every process (set by --log-level; children inherit it)",
+    "PAGODA_LOG_FORMAT": "text or json (set by --log-format; children inherit it)",
+    "PAGODA_DISABLE_CPU_KERNELS": "1 = the plain torch kernels on the CPU instead of the compiled C ones",
+    "PAGODA_DISABLE_TRITON": "1 = the plain torch kernels on CUDA instead of Triton (the GPU check's reference)",
+    "PAGODA_DISABLE_ONEDNN_LINEAR": "1 = plain F.linear on the CPU instead of oneDNN's packed weights",
+}
+
+
+def _get(name: str, default: str = "") -> str:
+    assert name in VARIABLES, f"{name} is not a documented PAGODA_* variable"
+    return os.environ.get(name, default)
+
+
+def _flag(name: str) -> bool:
+    return _get(name) == "1"
+
+
+def cache_root() -> Path:
+    return Path(_get("PAGODA_CACHE") or Path.home() / ".cache" / "pagoda")
+
+
+def keys_from_environment(name: str) -> list[str]:
+    """PAGODA_API_KEY / PAGODA_ADMIN_KEY, split at commas."""
+    return [key for key in _get(name).split(",") if key.strip()]
+
+
+def log_settings() -> tuple[str, str]:
+    """(level, format) this process should log with, as its parent set them."""
+    return _get("PAGODA_LOG_LEVEL", "INFO"), _get("PAGODA_LOG_FORMAT", "text")
+
+
+def export_log_settings(level: str, log_format: str) -> None:
+    """Hand the log settings down to every child process started from now on."""
+    os.environ["PAGODA_LOG_LEVEL"], os.environ["PAGODA_LOG_FORMAT"] = level.upper(), log_format
+
+
+def onednn_linear_disabled() -> bool:
+    return _flag("PAGODA_DISABLE_ONEDNN_LINEAR")
+
+
+def configure_kernels() -> None:
+    """Tell `kernels` which implementations this process may use and where it builds C kernels."""
+    import kernels
+
+    kernels.configure(cpu_kernels=not _flag("PAGODA_DISABLE_CPU_KERNELS"), triton=not _flag("PAGODA_DISABLE_TRITON"),
+                      build_dir=cache_root() / "kernels")
