@@ -116,11 +116,11 @@ class SampleState:
         text = detok.add(delta.new_token_ids)
         finish_reason, stop_reason = delta.finish_reason, None
         if detok.stopped:
-            finish_reason, stop_reason = "stop", detok.stop_reason
+            finish_reason, stop_reason = protocol.FinishReason.STOP, detok.stop_reason
         elif finish_reason is not None:
             text += detok.flush()
             last = delta.new_token_ids[-1] if delta.new_token_ids else None
-            if finish_reason == "stop" and last in self.stop_token_ids:
+            if finish_reason is protocol.FinishReason.STOP and last in self.stop_token_ids:
                 stop_reason = last
         out = protocol.GenerateDelta(
             request_id=self.client_request_id, index=self.index, text=text,

@@ -244,7 +244,7 @@ class DetokProc:
 
     def _abort(self, identity: bytes, request_ids: list[str], by_client: bool = False) -> None:
         """Stop the engine work of these requests; `by_client`: the client asked (or vanished), so
-        they count as finished by "abort" in the metrics; errors end requests uncounted."""
+        they count as finished by ABORT in the metrics; errors end requests uncounted."""
         engine_ids = []
         for request_id in request_ids:
             if (pending := self.tokenizing.pop((identity, request_id), None)) is not None:
@@ -254,7 +254,7 @@ class DetokProc:
                 if sample is not None:
                     engine_ids.append(engine_id)
                     if by_client:
-                        self.metrics.finished(sample, "abort")
+                        self.metrics.finished(sample, protocol.FinishReason.ABORT)
         if engine_ids:
             self._to_engine(protocol.AbortRequests(engine_ids))
 

@@ -60,7 +60,7 @@ class EngineCoreProc:
         elif isinstance(message, protocol.AbortRequests):
             for request_id in message.request_ids:  # idempotent: unknown or finished ids are ignored
                 if self.engine.abort_request(request_id):
-                    self._pending.append(protocol.RequestDelta(request_id, [], "abort"))
+                    self._pending.append(protocol.RequestDelta(request_id, [], protocol.FinishReason.ABORT))
         elif isinstance(message, protocol.ResetPrefixCache):
             self._send(protocol.PrefixCacheReset(message.request_id, self.engine.reset_prefix_cache()))
         elif isinstance(message, protocol.Shutdown):

@@ -12,6 +12,7 @@ from detok_proc.tokenizer import encode_chat, load_tokenizer
 from engine_core.config import EngineConfig, parse_size
 from engine_core.engine import EngineCore
 from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
+from engine_core.protocol import FinishReason
 from engine_core.sampling_params import SamplingParams
 
 PromptType = Union[str, dict]
@@ -98,7 +99,7 @@ class LLM:
             raise ValueError(f"prompt {index}: {exc}") from exc
         tokens = {rid: [] for rid in slots}
         logprobs = {rid: [] for rid in slots}
-        reasons: dict[str, str] = {}
+        reasons: dict[str, FinishReason] = {}
         cached: dict[str, int] = {}
         bar = tqdm(total=len(slots), desc="Generating", disable=not use_tqdm or len(slots) < 8)
         try:
@@ -107,7 +108,7 @@ class LLM:
                     tokens[out.request_id].extend(out.new_token_ids)
                     cached[out.request_id] = out.num_cached_tokens
                     logprobs[out.request_id].extend(out.new_logprobs)
-                    if out.finished:
+                    if out.finish_reason is not None:
                         reasons[out.request_id] = out.finish_reason
                         bar.update(1)
                 for request_id, message, _ in self.engine.take_rejected():  # a structured-output spec

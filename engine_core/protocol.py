@@ -11,6 +11,7 @@ fast. msgpack only: nothing is ever pickled.
 
 from __future__ import annotations
 
+import enum
 from typing import Union
 
 import msgspec
@@ -53,6 +54,20 @@ EngineInput = Union[AddRequest, AbortRequests, ResetPrefixCache, Shutdown]
 
 # ---- out of the engine core --------------------------------------------------------------------
 
+
+class FinishReason(str, enum.Enum):
+    """Why a request (one sample of a client's request) ended. Crosses the wire as its value; the
+    `str` mixin makes a member equal to, and print as, that string, which is also OpenAI's word for it
+    (except "abort", which the HTTP API reports as "stop")."""
+
+    STOP = "stop"  # an EOS or stop token, a stop string, or a complete structured output
+    LENGTH = "length"  # max_tokens, or the model's context, reached
+    ABORT = "abort"  # aborted (AbortRequests, AbortRequest) before it ended by itself
+
+    def __str__(self) -> str:  # the value, as str() gives for StrEnum (3.11+), on every version
+        return self.value
+
+
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     """Logprobs of one generated token, packed: column 0 is the sampled token, then the top k (best
     first). Two buffers instead of 2 + 2k Python numbers, whatever k is."""
@@ -72,7 +87,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
 class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the request's last delta
+    finish_reason: FinishReason | None = None  # on the request's last delta only
     new_logprobs: list[TokenLogprobs] = []
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
     # On a request's first delta only: seconds from its arrival in the engine to its first scheduling.
@@ -218,7 +233,7 @@ class GenerateDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tru
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] | None = None
     prompt: str | None = None  # with return_prompt, on the first delta of index 0

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine_core.protocol import FinishReason
 from engine_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,9 +30,9 @@ class RequestStatus(enum.IntEnum):
 
 
 FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
 
@@ -80,7 +81,7 @@ class Request:
         return self.all_token_ids[self.num_prompt_tokens:]
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return FINISH_REASONS.get(self.status)
 
     def append_token(self, token_id: int) -> None:
