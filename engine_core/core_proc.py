@@ -85,10 +85,7 @@ class EngineCoreProc:
             deltas += self.engine.step()
             for request_id, message, param in self.engine.take_rejected():  # bad structured-output specs
                 self._send(protocol.RequestRejected(request_id, message, param))
-        s = self.engine.scheduler.stats()
-        stats = protocol.SchedulerStatsMessage(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions,
-                                               s.prefix_cache_queries, s.prefix_cache_hits)
-        self._send(protocol.StepOutputs(deltas, stats, time.time()))
+        self._send(protocol.StepOutputs(deltas, self.engine.scheduler.stats(), time.time()))
 
     def load(self, config: EngineConfig) -> None:
         from engine_core.engine import EngineCore  # torch is imported here, in the child only

@@ -99,6 +99,8 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True
 
 
 class SchedulerStatsMessage(msgspec.Struct, array_like=True, gc=False):
+    """`Scheduler.stats()`: made by the scheduler, sent as it is with every StepOutputs."""
+
     num_running: int
     num_waiting: int
     kv_cache_usage: float

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine_core.kv_cache import KVCacheManager
+from engine_core.protocol import SchedulerStatsMessage
 from engine_core.request import Request, RequestStatus
 
 
@@ -31,16 +32,6 @@ class SchedulerOutput:
 
     def __bool__(self) -> bool:
         return bool(self.requests)
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int  # cumulative, like the prefix-cache counters
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of which were found there
 
 
 class Scheduler:
@@ -89,9 +80,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.pool.usage(),
-                              self.num_preemptions_total, self.kv.prefix_cache_queries, self.kv.prefix_cache_hits)
+    def stats(self) -> SchedulerStatsMessage:
+        """Queue sizes, KV-cache usage and the cumulative counters now (sent with every StepOutputs)."""
+        return SchedulerStatsMessage(len(self.running), len(self.waiting), self.kv.pool.usage(),
+                                     self.num_preemptions_total, self.kv.prefix_cache_queries,
+                                     self.kv.prefix_cache_hits)
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
