@@ -130,10 +130,10 @@ class SampleState:
         if self.logprobs is not None:
             out.logprobs = []
             for packed in delta.new_logprobs:
-                (token, *top_ids), (sampled, *top_lps) = packed.unpack()
+                token = packed.sampled_and_top()
                 out.logprobs.append(protocol.TokenLogprob(
-                    token_text(token), token, sampled,
-                    [(token_text(tid), tid, lp) for tid, lp in zip(top_ids, top_lps)]))
+                    token_text(token.token_id), token.token_id, token.logprob,
+                    [(token_text(tid), tid, lp) for tid, lp in zip(token.top_ids, token.top_logprobs)]))
         if self.prompt is not None or self.prompt_tokens is not None:
             out.prompt, out.prompt_tokens = self.prompt, self.prompt_tokens
             self.prompt = self.prompt_tokens = None

@@ -12,7 +12,7 @@ from detok_proc.tokenizer import encode_chat, load_tokenizer
 from engine_core.config import EngineConfig, parse_size
 from engine_core.engine import EngineCore
 from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
-from engine_core.protocol import FinishReason
+from engine_core.protocol import FinishReason, TokenLogprobs
 from engine_core.sampling_params import SamplingParams
 
 PromptType = Union[str, dict]
@@ -126,20 +126,20 @@ class LLM:
             results[index].outputs[sample] = CompletionOutput(
                 index=sample, finish_reason=reasons[rid], token_ids=tokens[rid],
                 text=self.tokenizer.decode(tokens[rid], skip_special_tokens=params.skip_special_tokens),
-                **self._logprob_fields(tokens[rid], logprobs[rid], params))
+                **self._logprob_fields(logprobs[rid], params))
         return results
 
-    def _logprob_fields(self, token_ids: list[int], entries: list[tuple], params: SamplingParams) -> dict:
+    def _logprob_fields(self, entries: list[TokenLogprobs], params: SamplingParams) -> dict:
         if params.logprobs is None:
             return {}
         per_token = []
         cumulative = 0.0
         for packed in entries:
-            (token, *top_ids), (sampled_lp, *top_lps) = packed.unpack()
-            cumulative += sampled_lp
+            token = packed.sampled_and_top()
+            cumulative += token.logprob
             entry = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
-                     for rank, (tid, lp) in enumerate(zip(top_ids, top_lps))}
-            if token not in entry:
-                entry[token] = Logprob(sampled_lp, None, self.tokenizer.decode([token]))
+                     for rank, (tid, lp) in enumerate(zip(token.top_ids, token.top_logprobs))}
+            if token.token_id not in entry:
+                entry[token.token_id] = Logprob(token.logprob, None, self.tokenizer.decode([token.token_id]))
             per_token.append(entry)
         return {"logprobs": per_token, "cumulative_logprob": cumulative}

@@ -12,7 +12,7 @@ fast. msgpack only: nothing is ever pickled.
 from __future__ import annotations
 
 import enum
-from typing import Union
+from typing import NamedTuple, Union
 
 import msgspec
 import numpy as np
@@ -68,6 +68,15 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
+class SampledAndTop(NamedTuple):
+    """One generated token's logprobs as Python values (`TokenLogprobs.sampled_and_top()`)."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its logprob
+    top_ids: list[int]  # the k most likely tokens, best first (the sampled one may be among them)
+    top_logprobs: list[float]  # their logprobs
+
+
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     """Logprobs of one generated token, packed: column 0 is the sampled token, then the top k (best
     first). Two buffers instead of 2 + 2k Python numbers, whatever k is."""
@@ -80,8 +89,14 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
         return cls(np.asarray(token_ids, dtype=np.int32).tobytes(), np.asarray(logprobs, dtype=np.float32).tobytes())
 
     def unpack(self) -> tuple[list[int], list[float]]:
+        """The two columns as lists, as given to `pack`."""
         return (np.frombuffer(self.token_ids, dtype=np.int32).tolist(),
                 np.frombuffer(self.logprobs, dtype=np.float32).tolist())
+
+    def sampled_and_top(self) -> SampledAndTop:
+        """The sampled token and its logprob apart from the top k: what every reader wants."""
+        (token_id, *top_ids), (logprob, *top_logprobs) = self.unpack()
+        return SampledAndTop(token_id, logprob, top_ids, top_logprobs)
 
 
 class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
