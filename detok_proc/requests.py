@@ -32,8 +32,9 @@ class RequestInvalid(Exception):
         return cls(str(exc), exc.param)
 
 
-def prompt_token_ids(tokenizer, request, vocab_size: int) -> list[int]:
-    """The prompt of a Generate/TokenizeRequest as token ids (chat template applied for messages)."""
+def prompt_token_ids(tokenizer, request: protocol.PromptRequest, vocab_size: int) -> list[int]:
+    """The prompt of a Generate/TokenizeRequest as token ids (chat template applied for messages);
+    RequestInvalid, naming the field, when there is none or it cannot be encoded."""
     if request.messages is not None:
         chat = request.chat or protocol.ChatOptions()
         try:
@@ -45,7 +46,7 @@ def prompt_token_ids(tokenizer, request, vocab_size: int) -> list[int]:
         except Exception as exc:  # noqa: BLE001 - jinja raises many kinds; all are the client's input
             raise RequestInvalid(f"the chat template could not render these messages: {exc}", "messages") from exc
         param = "messages"
-    elif getattr(request, "prompt_tokens", None) is not None:
+    elif isinstance(request, protocol.GenerateRequest) and request.prompt_tokens is not None:
         ids = protocol.unpack_tokens(request.prompt_tokens)
         param = "prompt"
         try:

@@ -177,7 +177,8 @@ class DetokProc:
         check_request_options(request, engine.vocab_size)
         self._tokenize_then(key, request, lambda ids: self._admit(key, request, ids, arrival))
 
-    def _tokenize_then(self, key: tuple[bytes, str], request, then) -> None:
+    def _tokenize_then(self, key: tuple[bytes, str], request: protocol.PromptRequest,
+                       then: Callable[[list[int]], None]) -> None:
         """`then(prompt token ids)`, once the prompt is tokenized. A prompt too long to fit is refused
         from its length first; a long one is tokenized on the background thread."""
         engine = self._require_engine()

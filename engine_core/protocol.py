@@ -197,6 +197,11 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True, omit_default
     add_special_tokens: bool = True
 
 
+# The requests that carry a prompt to tokenize (detok_proc/requests.py prompt_token_ids): both have
+# `prompt`, `messages`, `chat` and `add_special_tokens`; only a GenerateRequest has `prompt_tokens`.
+PromptRequest = Union[GenerateRequest, TokenizeRequest]
+
+
 class DetokenizeRequest(msgspec.Struct, tag="detokenize"):
     request_id: str
     tokens: bytes  # pack_tokens
