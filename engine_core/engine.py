@@ -139,6 +139,15 @@ class EngineCore:
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        """One iteration: admit the requests whose grammar has compiled, schedule, run the model,
+        sample, append the tokens and finish the requests that stop.
+
+        Returns one delta per request that got a token this step (one token each; none for a prefill
+        chunk short of the prompt's end, so the list may be empty), with `finish_reason` set on a
+        request's last delta. Requests ended by `abort_request` get no delta here, and requests
+        refused after `add_request` are reported by `take_rejected`. Raises RuntimeError when the
+        request at the head of the queue cannot fit in the KV cache even alone.
+        """
         self._admit_compiled()
         sched = self.scheduler.schedule()
         if not sched:

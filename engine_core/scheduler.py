@@ -88,6 +88,20 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Plan the next step: which requests compute how many of their tokens.
+
+        Running requests are served first (oldest first), then waiting ones in order (preempted ones
+        are at the head), while the token budget (`max_num_batched_tokens`), `max_num_seqs` and the free
+        KV blocks allow; a waiting request also takes any prefix-cache hits for its first blocks. When a
+        running request cannot get a block, the newest running one is preempted (listed in `preempted`,
+        and not in `requests`); no request is admitted in a step that preempts.
+
+        On return every scheduled request holds KV slots for its tokens, has its `num_computed_tokens`
+        already advanced by its count (each at least 1, all together at most the budget), and has its
+        newly full blocks published to the prefix cache. The caller must run exactly this batch
+        (`ModelRunner.execute`), then pass the sampled tokens to `update_from_output`. An empty (falsy)
+        output means nothing can run now.
+        """
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
