@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -20,6 +21,9 @@ from engine_core import protocol
 from engine_core.config import EngineConfig
 from engine_core.lifecycle import ParentLink, init_child_process
 from engine_core.validation import param_of
+
+if TYPE_CHECKING:
+    from engine_core.engine import EngineCore  # (imports torch: only in load(), in the child)
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000
@@ -34,7 +38,7 @@ class EngineCoreProc:
         self.outputs.bind(output_addr)
         self.poller = zmq.Poller()
         self.poller.register(self.inputs, zmq.POLLIN)
-        self.engine = None
+        self.engine: EngineCore  # set by load(), before anything reads it
         self.stop_requested = False
         self._pending: list[protocol.RequestDelta] = []  # deltas to send with the next step (aborts)
 

@@ -103,8 +103,9 @@ class EngineCore:
         ready, refused = self.structured.collect()
         for request in ready:
             self.scheduler.add_request(request)
-        for request, message in refused:
-            self.rejected.append((request.request_id, message, request.params.structured_outputs.source))
+        for request, message in refused:  # the field to blame: where its structured output came from
+            spec = request.params.structured_outputs
+            self.rejected.append((request.request_id, message, spec.source if spec is not None else None))
 
     def abort_request(self, request_id: str) -> bool:
         return self.structured.abort(request_id) or self.scheduler.abort(request_id) is not None
@@ -167,7 +168,7 @@ class EngineCore:
                 finish_reason=request.finish_reason if request.request_id in finished else None,
                 new_logprobs=[logprobs] if logprobs is not None else [],
                 num_cached_tokens=request.num_cached_tokens,
-                queue_time=request.scheduled_time - request.arrival_time if request.num_output_tokens == 1 else None))
+                queue_time=request.queue_time if request.num_output_tokens == 1 else None))
         return outputs
 
     @property

@@ -15,6 +15,7 @@ property), so a schema may nest about 30 objects deep.
 from __future__ import annotations
 
 import re
+from typing import Iterable
 
 import numpy as np
 
@@ -89,6 +90,7 @@ def value_exceeds_depth(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable[object]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, (list, tuple)):

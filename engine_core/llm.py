@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import fields
-from typing import Sequence, Union
+from typing import Sequence, Union, cast
 
 from tqdm import tqdm
 
@@ -59,7 +59,8 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, through the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        # (cast: mypy cannot narrow a union of list types by the type of an element)
+        conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict) else messages)
         encoded = [(None, encode_chat(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
                                       chat_template_kwargs=chat_template_kwargs))
@@ -97,8 +98,8 @@ class LLM:
             for request_id in slots:
                 self.engine.abort_request(request_id)
             raise ValueError(f"prompt {index}: {exc}") from exc
-        tokens = {rid: [] for rid in slots}
-        logprobs = {rid: [] for rid in slots}
+        tokens: dict[str, list[int]] = {rid: [] for rid in slots}
+        logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in slots}
         reasons: dict[str, FinishReason] = {}
         cached: dict[str, int] = {}
         bar = tqdm(total=len(slots), desc="Generating", disable=not use_tqdm or len(slots) < 8)
@@ -117,16 +118,16 @@ class LLM:
             bar.close()
             for request_id in slots.keys() - reasons.keys():
                 self.engine.abort_request(request_id)
-        results = [RequestOutput(str(i), prompt, ids, [None] * params.n)
+        results = [RequestOutput(str(i), prompt, ids, [])
                    for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list))]
-        for rid, (index, sample) in slots.items():
+        for rid, (index, sample) in slots.items():  # in (prompt, sample) order, as they were added
             params = params_list[index]
             if sample == 0:
                 results[index].num_cached_tokens = cached.get(rid, 0)
-            results[index].outputs[sample] = CompletionOutput(
+            results[index].outputs.append(CompletionOutput(
                 index=sample, finish_reason=reasons[rid], token_ids=tokens[rid],
                 text=self.tokenizer.decode(tokens[rid], skip_special_tokens=params.skip_special_tokens),
-                **self._logprob_fields(logprobs[rid], params))
+                **self._logprob_fields(logprobs[rid], params)))
         return results
 
     def _logprob_fields(self, entries: list[TokenLogprobs], params: SamplingParams) -> dict:

@@ -77,6 +77,11 @@ class Request:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to first scheduling; None until then."""
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
 
