@@ -211,7 +211,8 @@ class EngineClient:
         except asyncio.TimeoutError:
             raise TimeoutError(f"no answer from the server within {timeout}s") from None
         except BaseException:
-            future.cancel()
+            if not future.done():  # interrupted while waiting, not an error of the coroutine's
+                future.cancel()
             raise
 
     def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
@@ -222,14 +223,20 @@ class EngineClient:
         and the request is aborted)."""
         deltas = self._client.generate(prompt, params, messages=messages, prompt_token_ids=prompt_token_ids,
                                        stop=stop, request_id=request_id, **options)
+        waiting = False  # for the next delta; still True after a wait that did not return one
         try:
             while True:
+                waiting = True
                 delta = self._run(_next_delta(deltas, timeout), timeout)
+                waiting = False
                 if delta is None:
                     return
                 yield delta
-        finally:  # however the loop is left: the async generator's own exit aborts an unfinished request
-            if not self._loop.is_closed():
+        finally:
+            # Left between deltas (break, close): closing `deltas` aborts the request if unfinished. A
+            # wait that failed has ended `deltas` already, or (interrupted) is cancelling it, which
+            # aborts; closing it then would fail, as it is still running.
+            if not waiting and not self._loop.is_closed():
                 self._run(_close_deltas(deltas))
 
     def health(self, timeout: float = 5.0) -> protocol.HealthReport:
@@ -268,6 +275,4 @@ async def _next_delta(deltas: AsyncGenerator[protocol.GenerateDelta, None],
 
 
 async def _close_deltas(deltas: AsyncGenerator[protocol.GenerateDelta, None]) -> None:
-    if deltas.ag_running:  # a cancelled wait for the next delta is in the generator's exit already
-        return
     await deltas.aclose()
