@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import threading
 import uuid
-from typing import AsyncIterator, Iterator
+from typing import AsyncGenerator, Iterator
 
 import zmq
 import zmq.asyncio
@@ -111,7 +112,7 @@ class AsyncEngineClient:
     async def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                        messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
                        stop: str | list[str] | None = None, request_id: str | None = None,
-                       **options) -> AsyncIterator[protocol.GenerateDelta]:
+                       **options) -> AsyncGenerator[protocol.GenerateDelta, None]:
         """Deltas of every sample until all `params.n` have finished. Leaving the loop early (break,
         cancellation, a client disconnect upstream) aborts the request in the engine."""
         request_id = request_id or self.new_request_id()
@@ -173,76 +174,105 @@ class AsyncEngineClient:
         self.socket.close(linger=0)
         self.ctx.term()
 
+    async def aclose(self) -> None:
+        """`close()`, then wait for the reader task to end (so a loop about to stop leaves none pending)."""
+        reader = self._reader
+        self.close()
+        if reader is not None:
+            await asyncio.gather(reader, return_exceptions=True)
+
 
 class EngineClient:
-    """Blocking client for scripts and threads that do not run asyncio (one thread at a time)."""
+    """Blocking client for scripts and threads that do not run asyncio (one thread at a time).
+
+    A thin wrapper: an `AsyncEngineClient` runs on a private event loop in a daemon thread, and each
+    call waits for its coroutine there, so both clients build and send requests the same way."""
 
     def __init__(self, address: str, curve: tuple[str, str] | None = None):
-        self.ctx = zmq.Context()
-        self.socket = _socket(self.ctx, address, curve)
-        self._prefix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}-"
-        self._ids = itertools.count()
-        self._stash: dict[str, list] = {}  # messages for requests other than the one being read
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="engine-client", daemon=True)
+        self._thread.start()
+        try:
+            self._client = self._run(_connect(address, curve))  # its sockets belong to that loop
+        except BaseException:
+            self._stop_loop()
+            raise
 
     def new_request_id(self) -> str:
-        return self._prefix + str(next(self._ids))
+        return self._client.new_request_id()
 
-    def _recv_for(self, request_id: str, timeout: float | None):
-        """The next message for `request_id`; messages for this client's other requests are stashed."""
-        stash = self._stash[request_id]
-        while not stash:
-            if not self.socket.poll(None if timeout is None else int(timeout * 1000)):
-                raise TimeoutError(f"no answer for request {request_id} within {timeout}s")
-            message = protocol.frontend_response_decoder.decode(self.socket.recv())
-            items = message.deltas if isinstance(message, protocol.GenerateOutputs) else [message]
-            for item in items:
-                if item.request_id in self._stash:
-                    self._stash[item.request_id].append(item)
-        return stash.pop(0)
+    def _run(self, coroutine, timeout: float | None = None):
+        """Run `coroutine` on the client's loop and wait for its result. An asyncio.TimeoutError (its
+        `timeout` ran out) is raised as the builtin TimeoutError, which it is not yet on Python 3.10; an
+        interrupted wait (Ctrl-C) cancels the coroutine."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer from the server within {timeout}s") from None
+        except BaseException:
+            if not future.done():  # interrupted while waiting, not an error of the coroutine's
+                future.cancel()
+            raise
 
     def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
                  messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
                  stop: str | list[str] | None = None, request_id: str | None = None,
                  timeout: float | None = None, **options) -> Iterator[protocol.GenerateDelta]:
-        """Like `AsyncEngineClient.generate`; `timeout` bounds the wait for each delta."""
-        request_id = request_id or self.new_request_id()
-        request = build_request(request_id, prompt, messages, prompt_token_ids, params, stop, **options)
-        remaining = request.params.n
-        self._stash[request_id] = []
+        """Like `AsyncEngineClient.generate`; `timeout` bounds the wait for each delta (TimeoutError,
+        and the request is aborted)."""
+        deltas = self._client.generate(prompt, params, messages=messages, prompt_token_ids=prompt_token_ids,
+                                       stop=stop, request_id=request_id, **options)
+        waiting = False  # for the next delta; still True after a wait that did not return one
         try:
-            self.socket.send(protocol.encoder.encode(request))
-            while remaining:
-                item = self._recv_for(request_id, timeout)
-                if isinstance(item, protocol.RequestError):
-                    remaining = 0
-                    raise EngineError(item)
-                if item.finish_reason is not None:
-                    remaining -= 1
-                yield item
+            while True:
+                waiting = True
+                delta = self._run(_next_delta(deltas, timeout), timeout)
+                waiting = False
+                if delta is None:
+                    return
+                yield delta
         finally:
-            self._stash.pop(request_id, None)
-            if remaining:
-                self.socket.send(protocol.encoder.encode(protocol.AbortRequest([request_id])))
+            # Left between deltas (break, close): closing `deltas` aborts the request if unfinished. A
+            # wait that failed has ended `deltas` already, or (interrupted) is cancelling it, which
+            # aborts; closing it then would fail, as it is still running.
+            if not waiting and not self._loop.is_closed():
+                self._run(_close_deltas(deltas))
 
     def health(self, timeout: float = 5.0) -> protocol.HealthReport:
-        return self._call(protocol.HealthQuery(self.new_request_id()), timeout)
+        return self._run(self._client.health(timeout), timeout)
 
     def metrics(self, timeout: float = 5.0) -> bytes:
         """Every process's metrics in Prometheus' text format."""
-        return self._call(protocol.MetricsQuery(self.new_request_id()), timeout).text
-
-    def _call(self, message, timeout: float | None):
-        """Send a one-answer request and wait for its answer."""
-        self._stash[message.request_id] = []
-        try:
-            self.socket.send(protocol.encoder.encode(message))
-            answer = self._recv_for(message.request_id, timeout)
-        finally:
-            self._stash.pop(message.request_id, None)
-        if isinstance(answer, protocol.RequestError):
-            raise EngineError(answer)
-        return answer
+        return self._run(self._client.metrics(timeout), timeout)
 
     def close(self) -> None:
-        self.socket.close(linger=0)
-        self.ctx.term()
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._client.aclose())
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+async def _connect(address: str, curve: tuple[str, str] | None) -> AsyncEngineClient:
+    return AsyncEngineClient(address, curve)
+
+
+async def _next_delta(deltas: AsyncGenerator[protocol.GenerateDelta, None],
+                      timeout: float | None) -> protocol.GenerateDelta | None:
+    """The next delta, None at the end, asyncio.TimeoutError after `timeout` seconds without one (the
+    wait is cancelled, which ends `deltas` and so aborts the request)."""
+    try:
+        return await asyncio.wait_for(deltas.__anext__(), timeout)
+    except StopAsyncIteration:
+        return None
+
+
+async def _close_deltas(deltas: AsyncGenerator[protocol.GenerateDelta, None]) -> None:
+    await deltas.aclose()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from engine_core.protocol import GenerateDelta, TokenLogprob
+from engine_core.protocol import FinishReason, GenerateDelta, TokenLogprob
 
 
 def new_id(prefix: str) -> str:
@@ -51,7 +51,7 @@ class Choice:
 
     def __init__(self):
         self.text = ""
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None  # OpenAI's word for it (_openai_finish_reason)
         self.stop_reason = None
         self.logprob_entries: list[TokenLogprob] = []
         self.num_output_tokens = 0
@@ -70,11 +70,14 @@ class Choice:
             self.stop_reason = delta.stop_reason
 
 
-def _openai_finish_reason(reason: str) -> str:
-    return "stop" if reason == "abort" else reason
+def _openai_finish_reason(reason: FinishReason) -> str:
+    """OpenAI's finish_reason for ours, a plain string: OpenAI has no "abort", so an aborted sample
+    reports "stop". (With tools, "stop" may become "tool_calls" later: tool_parsing.py.)"""
+    return FinishReason.STOP.value if reason is FinishReason.ABORT else reason.value
 
 
 def finish_reason(delta: GenerateDelta) -> str | None:
+    """The OpenAI finish_reason of a delta: None on all but a sample's last."""
     return None if delta.finish_reason is None else _openai_finish_reason(delta.finish_reason)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from api_proc.client import EngineError
 from api_proc.metrics import count_aborted
 from api_proc.openai_schema import ApiError
+from engine_core.protocol import FinishReason, GenerateDelta
 
 logger = logging.getLogger("pagoda.requests")
 CLIENT_CLOSED = 499
@@ -35,9 +36,9 @@ class RequestRecord:
     prompt_tokens: dict[int, int] = field(default_factory=dict)  # per prompt
     cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt (its first sample)
     output_tokens: dict[tuple[int, int], int] = field(default_factory=dict)  # per (prompt, sample)
-    finish_reasons: Counter = field(default_factory=Counter)
+    finish_reasons: Counter[FinishReason] = field(default_factory=Counter)
 
-    def observe(self, prompt_index: int, delta) -> None:
+    def observe(self, prompt_index: int, delta: GenerateDelta) -> None:
         if self.first_token is None and delta.num_output_tokens:
             self.first_token = time.monotonic()
         self.prompt_tokens[prompt_index] = delta.num_prompt_tokens
@@ -55,7 +56,7 @@ class RequestRecord:
                   "cached_tokens": sum(self.cached_tokens.values()),
                   "ttft_ms": None if self.first_token is None else round((self.first_token - self.started) * 1e3, 1),
                   "latency_ms": round((now - self.started) * 1e3, 1),
-                  "finish_reason": ",".join(sorted(self.finish_reasons)) or None}
+                  "finish_reason": ",".join(sorted(reason.value for reason in self.finish_reasons)) or None}
         if self.prompt is not None:
             fields["prompt"] = self.prompt
         return fields

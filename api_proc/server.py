@@ -31,11 +31,11 @@ from api_proc.structured import structured_outputs_of
 from api_proc.tool_parsing import ToolCallStream, tool_response
 from api_proc.tools import plan_tools
 from engine_core import protocol
+from engine_core.identity import PAGODA_VERSION
 from engine_core.validation import ParamError, check_token_ids
 
 logger = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
-PAGODA_VERSION = "0.1.0"
 
 
 @dataclass

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 disable_created_metrics()  # no *_created series (as vLLM): they double the output and no dashboard reads them
 
 LABELS = ["model_name", "engine"]
-FINISH_REASONS = ("stop", "length", "abort")
 REJECTED_STATUSES = (413, 429)  # exported from the start, at 0, so rate() works before the first one
 # vLLM's buckets, so its dashboards' quantiles mean the same here.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -87,7 +86,7 @@ class DetokMetrics:
                                          LABELS, registry=r).labels(*lab)
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           LABELS + ["finished_reason"], registry=r)
-        self.request_success = {reason: success.labels(*lab, reason) for reason in FINISH_REASONS}
+        self.request_success = {reason: success.labels(*lab, reason.value) for reason in protocol.FinishReason}
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               LABELS, registry=r, buckets=TTFT_BUCKETS).labels(*lab)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -132,8 +131,8 @@ class DetokMetrics:
         timing.last_token = now
         self.generation_tokens.inc(len(delta.new_token_ids))
 
-    def finished(self, sample: SampleState, finish_reason: str) -> None:
-        """`sample` ended: "stop" or "length", or "abort" when its client aborted it. Samples ended by an
+    def finished(self, sample: SampleState, finish_reason: protocol.FinishReason) -> None:
+        """`sample` ended: STOP or LENGTH, or ABORT when its client aborted it. Samples ended by an
         error are not counted (as in vLLM, request_success counts requests that ran to an end)."""
         self.request_success[finish_reason].inc()
         timing = sample.timing

@@ -21,7 +21,7 @@ def longest_token_chars(tokenizer) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
 
 
-def prompt_chars(request: protocol.GenerateRequest | protocol.TokenizeRequest) -> int:
+def prompt_chars(request: protocol.PromptRequest) -> int:
     """Characters of text the tokenizer would see: the prompt, or every string in the messages,
     tools and template variables (the template adds a little of its own; that only helps)."""
     if request.prompt is not None:

@@ -32,8 +32,9 @@ class RequestInvalid(Exception):
         return cls(str(exc), exc.param)
 
 
-def prompt_token_ids(tokenizer, request, vocab_size: int) -> list[int]:
-    """The prompt of a Generate/TokenizeRequest as token ids (chat template applied for messages)."""
+def prompt_token_ids(tokenizer, request: protocol.PromptRequest, vocab_size: int) -> list[int]:
+    """The prompt of a Generate/TokenizeRequest as token ids (chat template applied for messages);
+    RequestInvalid, naming the field, when there is none or it cannot be encoded."""
     if request.messages is not None:
         chat = request.chat or protocol.ChatOptions()
         try:
@@ -45,7 +46,7 @@ def prompt_token_ids(tokenizer, request, vocab_size: int) -> list[int]:
         except Exception as exc:  # noqa: BLE001 - jinja raises many kinds; all are the client's input
             raise RequestInvalid(f"the chat template could not render these messages: {exc}", "messages") from exc
         param = "messages"
-    elif getattr(request, "prompt_tokens", None) is not None:
+    elif isinstance(request, protocol.GenerateRequest) and request.prompt_tokens is not None:
         ids = protocol.unpack_tokens(request.prompt_tokens)
         param = "prompt"
         try:
@@ -116,11 +117,11 @@ class SampleState:
         text = detok.add(delta.new_token_ids)
         finish_reason, stop_reason = delta.finish_reason, None
         if detok.stopped:
-            finish_reason, stop_reason = "stop", detok.stop_reason
+            finish_reason, stop_reason = protocol.FinishReason.STOP, detok.stop_reason
         elif finish_reason is not None:
             text += detok.flush()
             last = delta.new_token_ids[-1] if delta.new_token_ids else None
-            if finish_reason == "stop" and last in self.stop_token_ids:
+            if finish_reason is protocol.FinishReason.STOP and last in self.stop_token_ids:
                 stop_reason = last
         out = protocol.GenerateDelta(
             request_id=self.client_request_id, index=self.index, text=text,
@@ -130,10 +131,10 @@ class SampleState:
         if self.logprobs is not None:
             out.logprobs = []
             for packed in delta.new_logprobs:
-                (token, *top_ids), (sampled, *top_lps) = packed.unpack()
+                token = packed.sampled_and_top()
                 out.logprobs.append(protocol.TokenLogprob(
-                    token_text(token), token, sampled,
-                    [(token_text(tid), tid, lp) for tid, lp in zip(top_ids, top_lps)]))
+                    token_text(token.token_id), token.token_id, token.logprob,
+                    [(token_text(tid), tid, lp) for tid, lp in zip(token.top_ids, token.top_logprobs)]))
         if self.prompt is not None or self.prompt_tokens is not None:
             out.prompt, out.prompt_tokens = self.prompt, self.prompt_tokens
             self.prompt = self.prompt_tokens = None

@@ -177,7 +177,8 @@ class DetokProc:
         check_request_options(request, engine.vocab_size)
         self._tokenize_then(key, request, lambda ids: self._admit(key, request, ids, arrival))
 
-    def _tokenize_then(self, key: tuple[bytes, str], request, then) -> None:
+    def _tokenize_then(self, key: tuple[bytes, str], request: protocol.PromptRequest,
+                       then: Callable[[list[int]], None]) -> None:
         """`then(prompt token ids)`, once the prompt is tokenized. A prompt too long to fit is refused
         from its length first; a long one is tokenized on the background thread."""
         engine = self._require_engine()
@@ -244,7 +245,7 @@ class DetokProc:
 
     def _abort(self, identity: bytes, request_ids: list[str], by_client: bool = False) -> None:
         """Stop the engine work of these requests; `by_client`: the client asked (or vanished), so
-        they count as finished by "abort" in the metrics; errors end requests uncounted."""
+        they count as finished by ABORT in the metrics; errors end requests uncounted."""
         engine_ids = []
         for request_id in request_ids:
             if (pending := self.tokenizing.pop((identity, request_id), None)) is not None:
@@ -254,7 +255,7 @@ class DetokProc:
                 if sample is not None:
                     engine_ids.append(engine_id)
                     if by_client:
-                        self.metrics.finished(sample, "abort")
+                        self.metrics.finished(sample, protocol.FinishReason.ABORT)
         if engine_ids:
             self._to_engine(protocol.AbortRequests(engine_ids))
 

@@ -7,6 +7,8 @@ whose.
 
 from __future__ import annotations
 
+from typing import Iterable, Iterator
+
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
@@ -37,6 +39,7 @@ class FreeBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
+        assert last is not None  # the tail sentinel always has a predecessor (the head at least)
         last.next_free = block
         block.prev_free = last
         block.next_free = self._tail
@@ -44,21 +47,25 @@ class FreeBlockQueue:
         self.num_free += 1
 
     def remove(self, block: KVCacheBlock) -> None:
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
+        before, after = block.prev_free, block.next_free
+        assert before is not None and after is not None, f"block {block.block_id} is not in the free queue"
+        before.next_free = after
+        after.prev_free = before
         block.prev_free = block.next_free = None
         self.num_free -= 1
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free
+        assert block is not None  # the head sentinel always has a successor (the tail at least)
         if block is self._tail:
             raise IndexError("no free KV blocks")
         self.remove(block)
         return block
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
         block = self._head.next_free
         while block is not self._tail:
+            assert block is not None  # every block between the sentinels is linked both ways
             yield block
             block = block.next_free
 
@@ -100,7 +107,7 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
-    def touch(self, blocks: list[KVCacheBlock]) -> None:
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference to cached blocks (a prefix-cache hit); free ones leave the queue."""
         for block in blocks:
             if block.ref_cnt == 0:

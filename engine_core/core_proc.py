@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -20,6 +21,9 @@ from engine_core import protocol
 from engine_core.config import EngineConfig
 from engine_core.lifecycle import ParentLink, init_child_process
 from engine_core.validation import param_of
+
+if TYPE_CHECKING:
+    from engine_core.engine import EngineCore  # (imports torch: only in load(), in the child)
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000
@@ -34,7 +38,7 @@ class EngineCoreProc:
         self.outputs.bind(output_addr)
         self.poller = zmq.Poller()
         self.poller.register(self.inputs, zmq.POLLIN)
-        self.engine = None
+        self.engine: EngineCore  # set by load(), before anything reads it
         self.stop_requested = False
         self._pending: list[protocol.RequestDelta] = []  # deltas to send with the next step (aborts)
 
@@ -60,7 +64,7 @@ class EngineCoreProc:
         elif isinstance(message, protocol.AbortRequests):
             for request_id in message.request_ids:  # idempotent: unknown or finished ids are ignored
                 if self.engine.abort_request(request_id):
-                    self._pending.append(protocol.RequestDelta(request_id, [], "abort"))
+                    self._pending.append(protocol.RequestDelta(request_id, [], protocol.FinishReason.ABORT))
         elif isinstance(message, protocol.ResetPrefixCache):
             self._send(protocol.PrefixCacheReset(message.request_id, self.engine.reset_prefix_cache()))
         elif isinstance(message, protocol.Shutdown):
@@ -85,10 +89,7 @@ class EngineCoreProc:
             deltas += self.engine.step()
             for request_id, message, param in self.engine.take_rejected():  # bad structured-output specs
                 self._send(protocol.RequestRejected(request_id, message, param))
-        s = self.engine.scheduler.stats()
-        stats = protocol.SchedulerStatsMessage(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_preemptions,
-                                               s.prefix_cache_queries, s.prefix_cache_hits)
-        self._send(protocol.StepOutputs(deltas, stats, time.time()))
+        self._send(protocol.StepOutputs(deltas, self.engine.scheduler.stats(), time.time()))
 
     def load(self, config: EngineConfig) -> None:
         from engine_core.engine import EngineCore  # torch is imported here, in the child only

@@ -45,15 +45,15 @@ class DecodeGraphs:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.capture = capture
         n = self.sizes[-1]
-        as_long = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **as_long)
-        self.positions = torch.zeros(n, **as_long)
-        self.slot_mapping = torch.zeros(n, **as_long)  # pad rows write slot 0: the null block
-        self.seq_lens = torch.ones(n, **as_long)  # pad rows: one token (the null block's first slot)
-        self.block_tables = torch.zeros(n, self.max_blocks_per_seq, **as_long)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)  # pad rows write slot 0: the null block
+        # Pad rows: one token, in the null block's first slot.
+        self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # captured size -> the graph's output hidden states
-        self.pool = None
+        self.pool: tuple[int, int] | None = None  # the graphs' memory pool, from capture_all
 
     def padded_size(self, batch: int) -> int | None:
         """The captured size a decode batch of `batch` runs as; None if it is too large for graphs."""
@@ -94,6 +94,8 @@ class DecodeGraphs:
         """Hidden states `[B, hidden]` for a decode batch of B <= max size (one token per sequence)."""
         batch = len(input_ids)
         size = self.padded_size(batch)
+        if size is None:
+            raise ValueError(f"a decode batch of {batch} exceeds the largest graph size, {self.sizes[-1]}")
         self.input_ids[:batch].copy_(torch.from_numpy(input_ids))
         self.positions[:batch].copy_(torch.from_numpy(positions))
         self.slot_mapping[:batch].copy_(torch.from_numpy(slot_mapping))

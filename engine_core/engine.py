@@ -103,8 +103,9 @@ class EngineCore:
         ready, refused = self.structured.collect()
         for request in ready:
             self.scheduler.add_request(request)
-        for request, message in refused:
-            self.rejected.append((request.request_id, message, request.params.structured_outputs.source))
+        for request, message in refused:  # the field to blame: where its structured output came from
+            spec = request.params.structured_outputs
+            self.rejected.append((request.request_id, message, spec.source if spec is not None else None))
 
     def abort_request(self, request_id: str) -> bool:
         return self.structured.abort(request_id) or self.scheduler.abort(request_id) is not None
@@ -139,6 +140,15 @@ class EngineCore:
 
     # ---- one iteration ------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        """One iteration: admit the requests whose grammar has compiled, schedule, run the model,
+        sample, append the tokens and finish the requests that stop.
+
+        Returns one delta per request that got a token this step (one token each; none for a prefill
+        chunk short of the prompt's end, so the list may be empty), with `finish_reason` set on a
+        request's last delta. Requests ended by `abort_request` get no delta here, and requests
+        refused after `add_request` are reported by `take_rejected`. Raises RuntimeError when the
+        request at the head of the queue cannot fit in the KV cache even alone.
+        """
         self._admit_compiled()
         sched = self.scheduler.schedule()
         if not sched:
@@ -158,7 +168,7 @@ class EngineCore:
                 finish_reason=request.finish_reason if request.request_id in finished else None,
                 new_logprobs=[logprobs] if logprobs is not None else [],
                 num_cached_tokens=request.num_cached_tokens,
-                queue_time=request.scheduled_time - request.arrival_time if request.num_output_tokens == 1 else None))
+                queue_time=request.queue_time if request.num_output_tokens == 1 else None))
         return outputs
 
     @property

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Iterable
 
 import numpy as np
 
@@ -95,6 +96,7 @@ def value_exceeds_depth(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable[object]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, (list, tuple)):

@@ -8,6 +8,8 @@ the last prompt token is always computed, because its logits are needed.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from engine_core.block_hash import extend_block_hashes
 from engine_core.block_pool import BlockPool, KVCacheBlock
 from engine_core.request import Request
@@ -62,7 +64,7 @@ class KVCacheManager:
         return max(0, -(-total_tokens // self.block_size) - have)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, admitting: bool = False,
-                       hit_blocks: list[KVCacheBlock] = ()) -> bool:
+                       hit_blocks: Sequence[KVCacheBlock] = ()) -> bool:
         """Make room for `num_new_tokens` more tokens of `request` (after taking `hit_blocks`, cached
         blocks that hold its next tokens); False, with nothing taken, if they don't fit."""
         needed = self.num_blocks_needed(request, num_new_tokens, len(hit_blocks))

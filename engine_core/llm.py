@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import fields
-from typing import Sequence, Union
+from typing import Sequence, Union, cast
 
 from tqdm import tqdm
 
@@ -12,6 +12,7 @@ from engine_core.tokenizer import encode_chat, load_tokenizer
 from engine_core.config import EngineConfig, parse_size
 from engine_core.engine import EngineCore
 from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
+from engine_core.protocol import FinishReason, TokenLogprobs
 from engine_core.sampling_params import SamplingParams
 
 PromptType = Union[str, dict]
@@ -58,7 +59,8 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, through the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        # (cast: mypy cannot narrow a union of list types by the type of an element)
+        conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict) else messages)
         encoded = [(None, encode_chat(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
                                       continue_final_message=continue_final_message,
                                       chat_template_kwargs=chat_template_kwargs))
@@ -96,9 +98,9 @@ class LLM:
             for request_id in slots:
                 self.engine.abort_request(request_id)
             raise ValueError(f"prompt {index}: {exc}") from exc
-        tokens = {rid: [] for rid in slots}
-        logprobs = {rid: [] for rid in slots}
-        reasons: dict[str, str] = {}
+        tokens: dict[str, list[int]] = {rid: [] for rid in slots}
+        logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in slots}
+        reasons: dict[str, FinishReason] = {}
         cached: dict[str, int] = {}
         bar = tqdm(total=len(slots), desc="Generating", disable=not use_tqdm or len(slots) < 8)
         try:
@@ -107,7 +109,7 @@ class LLM:
                     tokens[out.request_id].extend(out.new_token_ids)
                     cached[out.request_id] = out.num_cached_tokens
                     logprobs[out.request_id].extend(out.new_logprobs)
-                    if out.finished:
+                    if out.finish_reason is not None:
                         reasons[out.request_id] = out.finish_reason
                         bar.update(1)
                 for request_id, message, _ in self.engine.take_rejected():  # a structured-output spec
@@ -116,29 +118,29 @@ class LLM:
             bar.close()
             for request_id in slots.keys() - reasons.keys():
                 self.engine.abort_request(request_id)
-        results = [RequestOutput(str(i), prompt, ids, [None] * params.n)
+        results = [RequestOutput(str(i), prompt, ids, [])
                    for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list))]
-        for rid, (index, sample) in slots.items():
+        for rid, (index, sample) in slots.items():  # in (prompt, sample) order, as they were added
             params = params_list[index]
             if sample == 0:
                 results[index].num_cached_tokens = cached.get(rid, 0)
-            results[index].outputs[sample] = CompletionOutput(
+            results[index].outputs.append(CompletionOutput(
                 index=sample, finish_reason=reasons[rid], token_ids=tokens[rid],
                 text=self.tokenizer.decode(tokens[rid], skip_special_tokens=params.skip_special_tokens),
-                **self._logprob_fields(tokens[rid], logprobs[rid], params))
+                **self._logprob_fields(logprobs[rid], params)))
         return results
 
-    def _logprob_fields(self, token_ids: list[int], entries: list[tuple], params: SamplingParams) -> dict:
+    def _logprob_fields(self, entries: list[TokenLogprobs], params: SamplingParams) -> dict:
         if params.logprobs is None:
             return {}
         per_token = []
         cumulative = 0.0
         for packed in entries:
-            (token, *top_ids), (sampled_lp, *top_lps) = packed.unpack()
-            cumulative += sampled_lp
+            token = packed.sampled_and_top()
+            cumulative += token.logprob
             entry = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
-                     for rank, (tid, lp) in enumerate(zip(top_ids, top_lps))}
-            if token not in entry:
-                entry[token] = Logprob(sampled_lp, None, self.tokenizer.decode([token]))
+                     for rank, (tid, lp) in enumerate(zip(token.top_ids, token.top_logprobs))}
+            if token.token_id not in entry:
+                entry[token.token_id] = Logprob(token.logprob, None, self.tokenizer.decode([token.token_id]))
             per_token.append(entry)
         return {"logprobs": per_token, "cumulative_logprob": cumulative}

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported lazily: resolving a model directory must not load torch
     import torch
 
+    from engine_core.models.llama import LlamaForCausalLM
+
 logger = logging.getLogger(__name__)
 
 
@@ -57,7 +59,7 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, "torch.Tensor"]]:
 
 
 def load_model(model_dir: Path, model_cfg, dtype: "torch.dtype", device: "torch.device",
-               load_format: str = "auto") -> "torch.nn.Module":
+               load_format: str = "auto") -> "LlamaForCausalLM":
     import torch
 
     from engine_core.models import model_class

@@ -105,6 +105,16 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        """Run the model on one scheduled batch and sample.
+
+        In: `Scheduler.schedule()`'s output, whose requests hold KV slots for their scheduled tokens and
+        whose `num_computed_tokens` already counts them. The K/V of every scheduled token is written to
+        the cache (decodes are laid out first; a pure-decode batch replays a CUDA graph when enabled).
+        Out: one sampled token, and packed logprobs if it asked for them, per request whose tokens are
+        now all computed; a prefill chunk that stops short of the prompt's end samples nothing. Tokens
+        are not appended here (that is `Scheduler.update_from_output`); the requests change only in
+        their random generators, which sampling advances.
+        """
         order = sorted(range(len(sched.requests)), key=lambda i: sched.num_scheduled_tokens[i] != 1)
         requests = [sched.requests[i] for i in order]
         counts = [sched.num_scheduled_tokens[i] for i in order]

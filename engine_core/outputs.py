@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_core.protocol import FinishReason
+
 
 @dataclass
 class Logprob:
@@ -17,7 +19,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None  # a str: compares equal to vLLM's "stop" / "length" / "abort"
     # Per generated token: {token_id: Logprob} holding the sampled token and the top-N (vLLM's shape).
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None

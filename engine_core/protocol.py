@@ -11,7 +11,8 @@ fast. msgpack only: nothing is ever pickled.
 
 from __future__ import annotations
 
-from typing import Union
+import enum
+from typing import NamedTuple, Union
 
 import msgspec
 import numpy as np
@@ -53,6 +54,29 @@ EngineInput = Union[AddRequest, AbortRequests, ResetPrefixCache, Shutdown]
 
 # ---- out of the engine core --------------------------------------------------------------------
 
+
+class FinishReason(str, enum.Enum):
+    """Why a request (one sample of a client's request) ended. Crosses the wire as its value; the
+    `str` mixin makes a member equal to, and print as, that string, which is also OpenAI's word for it
+    (except "abort", which the HTTP API reports as "stop")."""
+
+    STOP = "stop"  # an EOS or stop token, a stop string, or a complete structured output
+    LENGTH = "length"  # max_tokens, or the model's context, reached
+    ABORT = "abort"  # aborted (AbortRequests, AbortRequest) before it ended by itself
+
+    def __str__(self) -> str:  # the value, as str() gives for StrEnum (3.11+), on every version
+        return self.value
+
+
+class SampledAndTop(NamedTuple):
+    """One generated token's logprobs as Python values (`TokenLogprobs.sampled_and_top()`)."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its logprob
+    top_ids: list[int]  # the k most likely tokens, best first (the sampled one may be among them)
+    top_logprobs: list[float]  # their logprobs
+
+
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     """Logprobs of one generated token, packed: column 0 is the sampled token, then the top k (best
     first). Two buffers instead of 2 + 2k Python numbers, whatever k is."""
@@ -65,14 +89,20 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
         return cls(np.asarray(token_ids, dtype=np.int32).tobytes(), np.asarray(logprobs, dtype=np.float32).tobytes())
 
     def unpack(self) -> tuple[list[int], list[float]]:
+        """The two columns as lists, as given to `pack`."""
         return (np.frombuffer(self.token_ids, dtype=np.int32).tolist(),
                 np.frombuffer(self.logprobs, dtype=np.float32).tolist())
+
+    def sampled_and_top(self) -> SampledAndTop:
+        """The sampled token and its logprob apart from the top k: what every reader wants."""
+        (token_id, *top_ids), (logprob, *top_logprobs) = self.unpack()
+        return SampledAndTop(token_id, logprob, top_ids, top_logprobs)
 
 
 class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the request's last delta
+    finish_reason: FinishReason | None = None  # on the request's last delta only
     new_logprobs: list[TokenLogprobs] = []
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
     # On a request's first delta only: seconds from its arrival in the engine to its first scheduling.
@@ -84,6 +114,8 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True
 
 
 class SchedulerStatsMessage(msgspec.Struct, array_like=True, gc=False):
+    """`Scheduler.stats()`: made by the scheduler, sent as it is with every StepOutputs."""
+
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -165,6 +197,11 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True, omit_default
     add_special_tokens: bool = True
 
 
+# The requests that carry a prompt to tokenize (detok_proc/requests.py prompt_token_ids): both have
+# `prompt`, `messages`, `chat` and `add_special_tokens`; only a GenerateRequest has `prompt_tokens`.
+PromptRequest = Union[GenerateRequest, TokenizeRequest]
+
+
 class DetokenizeRequest(msgspec.Struct, tag="detokenize"):
     request_id: str
     tokens: bytes  # pack_tokens
@@ -218,7 +255,7 @@ class GenerateDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tru
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs: list[TokenLogprob] | None = None
     prompt: str | None = None  # with return_prompt, on the first delta of index 0

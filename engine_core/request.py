@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine_core.protocol import FinishReason
 from engine_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,9 +30,9 @@ class RequestStatus(enum.IntEnum):
 
 
 FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
 
 
@@ -76,11 +77,16 @@ class Request:
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
+    def queue_time(self) -> float | None:
+        """Seconds from arrival to first scheduling; None until then."""
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
 
     @property
-    def finish_reason(self) -> str | None:
+    def finish_reason(self) -> FinishReason | None:
         return FINISH_REASONS.get(self.status)
 
     def append_token(self, token_id: int) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from engine_core.protocol import TokenLogprobs
 from engine_core.request import Request
-from engine_core.structured_output import apply_grammar_bitmask
+from engine_core.structured_output import RequestGrammar, apply_grammar_bitmask
 
 _NEG_INF = float("-inf")
 
@@ -31,7 +31,7 @@ class SamplingBatch:
     penalized: bool
     biased: bool  # some request has a logit_bias
     max_logprobs: int  # largest `logprobs` asked for, -1 if none
-    grammar_rows: list[int]  # rows of requests with structured output (a grammar to mask by)
+    grammars: dict[int, RequestGrammar]  # row -> the grammar to mask it by (structured output)
 
     @classmethod
     def from_requests(cls, requests: list[Request], vocab_size: int) -> "SamplingBatch":
@@ -51,7 +51,7 @@ class SamplingBatch:
                    penalized=any(p.uses_penalties for p in params),
                    biased=any(p.logit_bias for p in params),
                    max_logprobs=max(logprobs) if logprobs else -1,
-                   grammar_rows=[row for row, r in enumerate(requests) if r.grammar is not None])
+                   grammars={row: r.grammar for row, r in enumerate(requests) if r.grammar is not None})
 
 
 @dataclass
@@ -102,7 +102,8 @@ def apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
 def mask_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Forbid EOS and stop tokens while a request has produced fewer than min_tokens (not for
     structured output: its grammar decides when the output may end)."""
-    rows, cols = [], []
+    rows: list[int] = []
+    cols: list[int] = []
     for row, request in enumerate(requests):
         if request.num_output_tokens < request.params.min_tokens and request.grammar is None:
             banned = set(request.stop_token_ids)
@@ -163,10 +164,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.biased:
         logits = apply_logit_bias(logits, batch.requests)
     logits = mask_min_tokens(logits, batch.requests)
-    if batch.grammar_rows:  # last of the logit processors, so nothing can revive a masked token
+    if batch.grammars:  # last of the logit processors, so nothing can revive a masked token
         if logits is raw_logits and batch.max_logprobs >= 0:
             logits = logits.clone()  # the mask works in place; logprobs come from the raw logits
-        apply_grammar_bitmask(logits, batch.requests, batch.grammar_rows)
+        apply_grammar_bitmask(logits, batch.grammars)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         tokens = greedy_tokens

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine_core.kv_cache import KVCacheManager
+from engine_core.protocol import SchedulerStatsMessage
 from engine_core.request import Request, RequestStatus
 
 
@@ -31,16 +32,6 @@ class SchedulerOutput:
 
     def __bool__(self) -> bool:
         return bool(self.requests)
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int  # cumulative, like the prefix-cache counters
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of which were found there
 
 
 class Scheduler:
@@ -89,12 +80,28 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.pool.usage(),
-                              self.num_preemptions_total, self.kv.prefix_cache_queries, self.kv.prefix_cache_hits)
+    def stats(self) -> SchedulerStatsMessage:
+        """Queue sizes, KV-cache usage and the cumulative counters now (sent with every StepOutputs)."""
+        return SchedulerStatsMessage(len(self.running), len(self.waiting), self.kv.pool.usage(),
+                                     self.num_preemptions_total, self.kv.prefix_cache_queries,
+                                     self.kv.prefix_cache_hits)
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Plan the next step: which requests compute how many of their tokens.
+
+        Running requests are served first (oldest first), then waiting ones in order (preempted ones
+        are at the head), while the token budget (`max_num_batched_tokens`), `max_num_seqs` and the free
+        KV blocks allow; a waiting request also takes any prefix-cache hits for its first blocks. When a
+        running request cannot get a block, the newest running one is preempted (listed in `preempted`,
+        and not in `requests`); no request is admitted in a step that preempts.
+
+        On return every scheduled request holds KV slots for its tokens, has its `num_computed_tokens`
+        already advanced by its count (each at least 1, all together at most the budget), and has its
+        newly full blocks published to the prefix cache. The caller must run exactly this batch
+        (`ModelRunner.execute`), then pass the sampled tokens to `update_from_output`. An empty (falsy)
+        output means nothing can run now.
+        """
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:

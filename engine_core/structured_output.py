@@ -91,7 +91,7 @@ class GrammarBackend:
             if kind == "regex":
                 return self.compiler.compile_regex(spec)
             if kind == "choice":
-                return self.compiler.compile_grammar(choice_grammar(params.choice))
+                return self.compiler.compile_grammar(choice_grammar(json.loads(spec)))
             return self.compiler.compile_grammar(spec)
         except Exception as exc:  # noqa: BLE001 - xgrammar reports every bad spec as some exception
             message = _XGRAMMAR_LOCATION.sub("", str(exc)).strip()
@@ -138,7 +138,8 @@ class StructuredOutputManager:
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: frozenset[int],
                  cache_size: int = 256):
         self._backend_args = (model_dir, vocab_size, eos_token_ids)
-        self._executor: ThreadPoolExecutor | None = None
+        # Its one thread starts with the first job (the backend load: `start` or the first submit).
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-grammar")
         self._backend: Future | None = None
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # done futures, LRU order
         self._cache_size = cache_size
@@ -158,7 +159,6 @@ class StructuredOutputManager:
 
     def _backend_future(self) -> Future:
         if self._backend is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-grammar")
             self._backend = self._executor.submit(GrammarBackend, *self._backend_args)
         return self._backend
 
@@ -170,8 +170,11 @@ class StructuredOutputManager:
         return request_id in self._pending
 
     def submit(self, request: Request) -> None:
-        """Park `request` until its grammar is compiled; `collect` hands it back."""
+        """Park `request`, which has structured output, until its grammar is compiled; `collect` hands
+        it back."""
         params = request.params.structured_outputs
+        if params is None:
+            raise ValueError(f"request {request.request_id!r} has no structured output to compile")
         key = params.cache_key()
         future = self._cache.get(key)
         if future is not None:
@@ -212,7 +215,7 @@ class StructuredOutputManager:
             del self._pending[request_id]
             error = future.exception()
             if error is None:
-                request.grammar = RequestGrammar(self._backend.result(), future.result())
+                request.grammar = RequestGrammar(self.backend(), future.result())  # (loaded by now)
                 ready.append(request)
             elif isinstance(error, GrammarError):
                 refused.append((request, str(error)))
@@ -222,15 +225,17 @@ class StructuredOutputManager:
         return ready, refused
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, requests: list[Request], rows: list[int]) -> None:
-    """Mask, in place, every token that would break the grammar of `requests[i]` for i in `rows`:
-    one batched fill of the bitmask (xgrammar's C++ threads) and one vectorized apply."""
+def apply_grammar_bitmask(logits: torch.Tensor, grammars: dict[int, RequestGrammar]) -> None:
+    """Mask, in place, every token that would break the grammar of row `i` of the logits, for each
+    `i: grammar` in `grammars`: one batched fill of the bitmask (xgrammar's C++ threads) and one
+    vectorized apply."""
     import torch
 
-    grammars = [requests[i].grammar for i in rows]
-    backend = grammars[0].backend
+    rows = list(grammars)
+    backend = grammars[rows[0]].backend
     width = (backend.vocab_size + 31) // 32
     bitmask = torch.empty((logits.shape[0], width), dtype=torch.int32)  # rows outside `rows` unused
-    backend.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, indices=rows)
+    backend.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars.values()], bitmask,
+                                                        indices=rows)
     backend.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                             vocab_size=logits.shape[-1], indices=rows)

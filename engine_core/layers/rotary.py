@@ -35,7 +35,8 @@ class RotaryEmbedding(nn.Module):
                  is_neox_style: bool = True):
         super().__init__()
         inv_freq = _inv_freq(head_dim, theta)
-        rope_type = (scaling or {}).get("rope_type", "default")
+        scaling = scaling or {}
+        rope_type = scaling.get("rope_type", "default")
         positions = torch.arange(max_position, dtype=torch.int64).float()
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)

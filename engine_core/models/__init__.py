@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 
-MODEL_REGISTRY = {
+# Every architecture is LlamaForCausalLM or a subclass; its methods (forward, compute_logits,
+# attention_layers, load_weights) are what the model runner relies on.
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -12,7 +14,7 @@ MODEL_REGISTRY = {
 }
 
 
-def model_class(architecture: str):
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:

@@ -5,7 +5,7 @@ They differ only in switches read from the config: QKV bias, per-head q/k RMSNor
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, cast
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ class LlamaAttention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # (both or neither)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, meta)
@@ -94,8 +94,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype),
-                                         requires_grad=False)
+        self.embed_tokens: nn.Parameter | None = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, self.qk_norm, rotary)
                                     for _ in range(cfg.num_layers))
@@ -108,7 +108,8 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = None
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
+        # (cast: nn.ModuleList is not generic, its items are typed as any Module)
+        return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.layers]
 
     def embedding_table(self) -> torch.Tensor:
         return self.lm_head.weight if self.embed_tokens is None else self.embed_tokens
@@ -127,8 +128,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consume (checkpoint name, tensor) pairs; every parameter must be filled."""
-        pending = set()  # (parameter, merged shard or None) still to fill
-        for name, param in self.named_parameters():
+        pending: set[tuple[str, int | None]] = set()  # (parameter, merged shard or None) still to fill
+        for name, _ in self.named_parameters():
             module = self.get_submodule(name.rpartition(".")[0]) if "." in name else None
             shards = range(len(module.out_sizes)) if isinstance(module, MergedLinear) else [None]
             pending.update((name, shard) for shard in shards)
@@ -138,11 +139,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             param_name, shard = target
             try:
-                param = self.get_parameter(param_name)
+                param: torch.Tensor = self.get_parameter(param_name)  # or a merged shard of it, below
             except AttributeError:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
             if shard is not None:
-                param = self.get_submodule(param_name.rpartition(".")[0]).shard(shard, param)
+                merged = cast(MergedLinear, self.get_submodule(param_name.rpartition(".")[0]))  # (see _target)
+                param = merged.shard(shard, param)
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
             param.copy_(tensor)

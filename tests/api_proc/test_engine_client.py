@@ -7,6 +7,7 @@ import time
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from api_proc.client import AsyncEngineClient, EngineClient, EngineError
 from engine_core import protocol
@@ -108,10 +109,38 @@ def test_async_client_runs_requests_concurrently(server, client):
     assert asyncio.run(run()) == expected
 
 
-def test_a_malformed_frame_fails_one_request_not_the_server(client):
-    client.socket.send(protocol.encoder.encode(protocol.DetokenizeRequest("broken", b"abc")))  # not int32s
-    client._stash["broken"] = []
-    answer = client._recv_for("broken", 10)
-    assert isinstance(answer, protocol.RequestError) and answer.status == 500
+def _aborted(client: EngineClient) -> float:
+    """vllm:request_success{finished_reason="abort"}: samples ended by their client's abort."""
+    text = client.metrics().decode()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == "abort")
+
+
+def test_leaving_early_or_a_timeout_aborts_the_request(client):
+    # The abort leaves on the client's socket before the metrics query, and the tokenizer process
+    # handles one client's messages in order: no waiting needed.
+    before = _aborted(client)
+    stream = client.generate("Once upon a time", SamplingParams(max_tokens=1000, ignore_eos=True), timeout=30)
+    next(stream)
+    stream.close()
+    assert _aborted(client) == before + 1
+    with pytest.raises(TimeoutError):  # no first delta comes within a millisecond: the prefill alone takes longer
+        next(client.generate("Once upon a time", SamplingParams(max_tokens=1000, ignore_eos=True), timeout=0.001))
+    assert _aborted(client) == before + 2
+    assert _collect(client.generate("still serving", SamplingParams(max_tokens=2), timeout=30))[2][-1].finish_reason
+
+
+def test_a_malformed_frame_fails_one_request_not_the_server(server, client):
+    async def send_malformed() -> EngineError | None:
+        aclient = AsyncEngineClient(server.frontend)
+        try:
+            await aclient._call(protocol.DetokenizeRequest("broken", b"abc"), 10)  # not int32s
+        except EngineError as exc:
+            return exc
+        finally:
+            await aclient.aclose()
+
+    error = asyncio.run(send_malformed())
+    assert isinstance(error, EngineError) and error.status == 500
     assert client.health().healthy
     assert _collect(client.generate("still serving", SamplingParams(max_tokens=2), timeout=30))[2][-1].finish_reason
