@@ -134,7 +134,7 @@ def _scalar(action: argparse.Action, value: Any, fail) -> Any:
         fail(f"quote the value of --{_key(action.option_strings[-1])}: YAML read it as the number {value!r}")
     text = str(value)  # YAML's 8 or 0.9 becomes what the command line would have given
     try:
-        converted = action.type(text) if action.type is not None else text
+        converted = action.type(text) if callable(action.type) else text
     except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
         fail(f"invalid value {value!r} ({exc})")
     if action.choices is not None and converted not in action.choices:

@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
-from engine_core.lifecycle import ChildLink
-from engine_core.default_model import SERVED_NAME
+from engine_core.lifecycle import ChildLink, Command, Report, Role
+from engine_core.identity import DEFAULT_SERVED_MODEL_NAME
 
 logger = logging.getLogger("pagoda.serve")
 _START_TIMEOUT_S = 600.0
@@ -37,7 +37,8 @@ _STOP_GRACE_S = 5.0
 
 @dataclass
 class Child:
-    name: str
+    role: Role
+    name: str  # the role, and the worker's index for API workers ("api_0")
     process: multiprocessing.Process
     link: ChildLink
     ready: bool = False
@@ -50,13 +51,14 @@ class Supervisor:
         self.children: list[Child] = []
         self.stop_signal: int | None = None
 
-    def start(self, name: str, target, *args, **kwargs) -> Child:
+    def start(self, role: Role, target, *args, index: int | None = None, **kwargs) -> Child:
+        name = role.value if index is None else f"{role.value}_{index}"
         parent_end, child_end = self.mp.Pipe()
         process = self.mp.Process(target=target, args=args, name=name, daemon=False,
                                   kwargs={**kwargs, "parent_conn": child_end, "runtime_dir": self.runtime_dir})
         process.start()
         child_end.close()
-        child = Child(name, process, ChildLink(name, parent_end))
+        child = Child(role, name, process, ChildLink(name, parent_end))
         self.children.append(child)
         return child
 
@@ -88,7 +90,7 @@ class Supervisor:
                     kind, info = child.link.recv()
                 except (EOFError, OSError):
                     return child
-                if kind == "ready":
+                if kind is Report.READY:
                     child.ready = True
                     details = ", ".join(f"{k}={v}" for k, v in info.items())
                     logger.info("%s ready after %.1fs%s", child.name, time.monotonic() - started,
@@ -98,7 +100,7 @@ class Supervisor:
     def wait_serving(self, timeout: float = 10.0) -> bool:
         """After "serve": wait until every API worker confirms that its /health answers 200 now; False
         if one died (`watch` then reports it), a stop signal came or the time ran out."""
-        waiting = {c.link.conn: c for c in self.children if c.name.startswith("api")}
+        waiting = {c.link.conn: c for c in self.children if c.role is Role.API}
         deadline = time.monotonic() + timeout
         while waiting and self.stop_signal is None and time.monotonic() < deadline:
             for conn in wait(list(waiting), timeout=0.2):
@@ -106,7 +108,7 @@ class Supervisor:
                     kind, _ = waiting[conn].link.recv()
                 except (EOFError, OSError):
                     return False
-                if kind == "serving":
+                if kind is Report.SERVING:
                     del waiting[conn]
         if waiting and self.stop_signal is None and all(c.process.is_alive() for c in waiting.values()):
             logger.warning("%s did not confirm serving within %.0fs", ", ".join(c.name for c in waiting.values()),
@@ -121,15 +123,15 @@ class Supervisor:
                 return sentinels[obj]
         return None
 
-    def tell(self, names: tuple[str, ...], command: str) -> None:
+    def tell(self, roles: tuple[Role, ...], command: Command) -> None:
         for child in self.children:
-            if child.name.startswith(names):
+            if child.role in roles:
                 child.link.send(command)
 
-    def join(self, names: tuple[str, ...], timeout: float) -> None:
+    def join(self, roles: tuple[Role, ...], timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for child in self.children:
-            if child.name.startswith(names):
+            if child.role in roles:
                 child.process.join(max(0.0, deadline - time.monotonic()))
 
     def kill_remaining(self) -> None:
@@ -142,17 +144,17 @@ class Supervisor:
 
     def drain(self, shutdown_timeout: float) -> None:
         logger.info("draining: no new requests; waiting up to %.0fs for in-flight ones", shutdown_timeout)
-        self.tell(("api",), "drain")
-        self.join(("api",), shutdown_timeout + _STOP_GRACE_S)
-        self.tell(("detok", "engine"), "stop")
-        self.join(("detok", "engine"), _STOP_GRACE_S)
+        self.tell((Role.API,), Command.DRAIN)
+        self.join((Role.API,), shutdown_timeout + _STOP_GRACE_S)
+        self.tell((Role.DETOK, Role.ENGINE), Command.STOP)
+        self.join((Role.DETOK, Role.ENGINE), _STOP_GRACE_S)
         self.kill_remaining()
 
     def fail(self) -> None:
-        self.tell(("api",), "fail")
-        self.join(("api",), 1.0)
-        self.tell(("detok", "engine"), "stop")
-        self.join(("detok", "engine"), 0.5)
+        self.tell((Role.API,), Command.FAIL)
+        self.join((Role.API,), 1.0)
+        self.tell((Role.DETOK, Role.ENGINE), Command.STOP)
+        self.join((Role.DETOK, Role.ENGINE), 0.5)
         self.kill_remaining()
 
 
@@ -206,7 +208,7 @@ def serve(args) -> int:
     engine_in, engine_out = f"ipc://{runtime_dir}/engine-in.sock", f"ipc://{runtime_dir}/engine-out.sock"
     frontend = f"ipc://{runtime_dir}/frontend.sock"
     frontends = [frontend] + ([args.frontend] if args.frontend and not args.frontend.startswith("tcp://") else [])
-    names = args.served_model_name or [args.model or SERVED_NAME]
+    names = args.served_model_name or [args.model or DEFAULT_SERVED_MODEL_NAME]
     settings = api_settings(args, frontend, names)
 
     supervisor = Supervisor(runtime_dir)
@@ -214,19 +216,19 @@ def serve(args) -> int:
     status = 1
     systemd.status(f"starting: loading {model_dir}")
     try:
-        supervisor.start("engine_core", run_engine_core, config, engine_in, engine_out)
-        supervisor.start("detok", run_detok, model_dir, frontends, engine_in, engine_out,
+        supervisor.start(Role.ENGINE, run_engine_core, config, engine_in, engine_out)
+        supervisor.start(Role.DETOK, run_detok, model_dir, frontends, engine_in, engine_out,
                          args.engine_stall_timeout, curve and args.frontend, curve, limits=frontend_limits(args),
                          model_name=names[0])
         for i in range(args.api_workers):
-            supervisor.start(f"api_{i}", run_api_worker, settings)
+            supervisor.start(Role.API, run_api_worker, settings, index=i)
         dead = supervisor.wait_ready(started)
         if dead is not None or supervisor.stop_signal is not None:
             if dead is not None:
                 logger.error("%s failed during start-up (exit code %s)", dead.name, dead.process.exitcode)
             supervisor.fail()
             return 1 if dead is not None or supervisor.stop_signal is None else 0
-        supervisor.tell(("api",), "serve")
+        supervisor.tell((Role.API,), Command.SERVE)
         supervisor.wait_serving()  # a worker that died instead is caught by watch() right below
         if supervisor.stop_signal is None:
             systemd.ready(f"serving http://{args.host}:{args.port}", frontend)

@@ -40,10 +40,9 @@ async def read_body(request: web.Request, max_bytes: int, idle_timeout: float | 
             wait = min(idle_timeout, deadline - loop.time())
         try:
             if wait is not None and wait <= 0:
-                raise TimeoutError
-            async with asyncio.timeout(wait):
-                chunk = await request.content.readany()
-        except TimeoutError:
+                raise asyncio.TimeoutError
+            chunk = await asyncio.wait_for(request.content.readany(), wait)  # wait None: no limit
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
             raise ApiError(408, f"The request body arrived too slowly (a pause of {idle_timeout:g} s, or under "
                                 f"{MIN_BODY_RATE} bytes/s on average).", code="request_timeout",
                            closes="now") from None

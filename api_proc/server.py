@@ -227,13 +227,15 @@ class ApiServer:
             loop = asyncio.get_running_loop()
             while True:
                 try:
-                    if deadline is not None and loop.time() >= deadline:
-                        raise TimeoutError  # deltas already queued never suspend, so timeout_at alone misses this
-                    async with asyncio.timeout_at(deadline):  # None: no deadline
+                    if deadline is None:
                         item = await iterator.__anext__()
+                    elif loop.time() >= deadline:  # queued deltas never suspend: a wait alone would miss this
+                        raise asyncio.TimeoutError
+                    else:
+                        item = await asyncio.wait_for(iterator.__anext__(), deadline - loop.time())
                 except StopAsyncIteration:
                     return
-                except TimeoutError:
+                except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
                     count_timed_out()
                     raise ApiError(504, f"The request did not finish within this server's limit of {timeout:g} s.",
                                    error_type="server_error", code="request_timeout") from None

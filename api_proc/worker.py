@@ -18,7 +18,7 @@ from aiohttp import web
 
 from api_proc.http_guard import GuardedAppRunner, HttpGuard
 from api_proc.server import ApiServer, ApiSettings
-from engine_core.lifecycle import ParentLink, init_child_process
+from engine_core.lifecycle import Command, ParentLink, Report, Role, init_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -76,23 +76,23 @@ async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
         if not done.done():
             done.set_result(1)
 
-    def on_command(command: str) -> None:
-        if command == "serve":
+    def on_command(command: Command) -> None:
+        if command is Command.SERVE:
             server.serving = True
             if link is not None:  # /health can answer 200 from now on; the parent's READY=1 waits for this
-                link.send("serving")
-        elif command == "drain":
+                link.send(Report.SERVING)
+        elif command is Command.DRAIN:
             loop.create_task(drain_then_exit())
-        elif command == "fail":
+        elif command is Command.FAIL:
             loop.create_task(fail_then_exit())
 
     if link is not None:
         link.watch(lambda command: loop.call_soon_threadsafe(on_command, command))
-        link.send("ready")
+        link.send(Report.READY)
     else:  # run alone (tests, debugging): serve at once; signals drain
         server.serving = True
-        loop.add_signal_handler(signal.SIGTERM, on_command, "drain")
-        loop.add_signal_handler(signal.SIGINT, on_command, "drain")
+        loop.add_signal_handler(signal.SIGTERM, on_command, Command.DRAIN)
+        loop.add_signal_handler(signal.SIGINT, on_command, Command.DRAIN)
     status = await done
     await runner.cleanup()
     server.client.close()
@@ -101,7 +101,7 @@ async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
 
 def run_api_worker(settings: ApiSettings, parent_conn: Connection | None = None,
                    runtime_dir: str | None = None) -> None:
-    init_child_process("pagoda-api")
+    init_child_process(Role.API.process_name())
     link = None
     if parent_conn is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which decides

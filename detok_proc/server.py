@@ -33,7 +33,7 @@ from detok_proc.requests import (RequestInvalid, SampleState, check_context, che
 from engine_core.tokenizer import load_tokenizer
 from engine_core import protocol
 from engine_core.json_limits import depth_message
-from engine_core.lifecycle import ParentLink, init_child_process
+from engine_core.lifecycle import ParentLink, Report, Role, init_child_process
 from engine_core.validation import ParamError, check_token_ids
 from engine_core.zmq_security import CurveConfig
 
@@ -444,7 +444,7 @@ def run_detok(model_dir: str, frontend_addrs: list[str], engine_input_addr: str,
               parent_conn: Connection | None = None, runtime_dir: str | None = None,
               limits: FrontendLimits | None = None, model_name: str | None = None) -> None:
     """Process entry point; exits 0 on SIGTERM/SIGINT or the parent's "stop"."""
-    init_child_process("pagoda-detok")
+    init_child_process(Role.DETOK.process_name())
     started = time.monotonic()
     proc = DetokProc(model_dir, frontend_addrs, engine_input_addr, engine_output_addr, stall_timeout,
                      tcp_addr, curve, limits, model_name)
@@ -458,7 +458,7 @@ def run_detok(model_dir: str, frontend_addrs: list[str], engine_input_addr: str,
     signal.signal(signal.SIGINT, handler)
     if link is not None:
         link.watch(lambda command: request_stop())
-        proc.on_ready = lambda: link.send("ready", seconds=round(time.monotonic() - started, 2))
+        proc.on_ready = lambda: link.send(Report.READY, seconds=round(time.monotonic() - started, 2))
     logger.info("tokenizer process %d serving %s", os.getpid(), ", ".join(frontend_addrs + ([tcp_addr] if tcp_addr else [])))
     try:
         proc.run()

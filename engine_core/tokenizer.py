@@ -4,6 +4,7 @@ the engine's grammar backend and the offline API all use it, so it lives at the 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     if tokenizer.chat_template is None:
         raise ValueError("this model has no chat template; use a plain completion prompt")
     kwargs = dict(chat_template_kwargs or {})
-    taken = sorted(_server_arguments(type(tokenizer)) & kwargs.keys())
+    taken = sorted(_server_arguments(type(tokenizer).apply_chat_template) & kwargs.keys())
     if taken:
         raise ParamError(f"Invalid 'chat_template_kwargs': {', '.join(map(repr, taken))} cannot be set there "
                          "(the server sets it, or the request has a field of its own for it).",
@@ -42,11 +43,11 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 
 
 @cache
-def _server_arguments(tokenizer_class: type) -> frozenset[str]:
+def _server_arguments(apply_chat_template: Callable) -> frozenset[str]:
     """apply_chat_template's own parameters (tokenize, chat_template, tools, ...) and the template's
     `messages`: the server sets them, so a request's chat_template_kwargs may not; `documents` is a
     template variable."""
-    parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters
+    parameters = inspect.signature(apply_chat_template).parameters
     own = {name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD and name not in ("self", "documents")}
     return frozenset(own | {"messages"})  # what the template receives the conversation as
 

@@ -15,9 +15,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from engine_core.default_model import SERVED_NAME
+from engine_core.identity import DEFAULT_SERVED_MODEL_NAME
 
-MODEL_NAME = SERVED_NAME  # the name the default model is served as
+MODEL_NAME = DEFAULT_SERVED_MODEL_NAME  # the name the default model is served as
 
 
 

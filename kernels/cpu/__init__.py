@@ -14,6 +14,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,7 +39,7 @@ _SIGNATURES = {
     "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
     "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
 }
-_lib: dict[str, ctypes.CDLL] = {}
+_lib: dict[str, Callable[..., None]] = {}  # C function name -> the ctypes function
 _failed = False
 build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # kernels.configure sets it
 
@@ -70,7 +71,7 @@ def _cpu_signature() -> bytes:
         return b""
 
 
-def _load() -> dict[str, ctypes.CDLL] | None:
+def _load() -> dict[str, Callable[..., None]] | None:
     """Every C function by name, or None (after one warning) if the libraries cannot be built."""
     global _failed
     if not _lib and not _failed:
