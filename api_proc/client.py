@@ -98,13 +98,19 @@ class AsyncEngineClient:
                     queue.put_nowait(message)
 
     async def _call(self, message, timeout: float | None):
-        """Send a one-answer request and wait for its answer."""
+        """Send a one-answer request and wait for its answer. A caller that stops waiting (timeout,
+        cancellation: its HTTP client went away) has the request dropped from the server's work too
+        (a long /tokenize prompt is then not tokenized for nobody)."""
         queue = self._queues[message.request_id] = asyncio.Queue()
+        answered = False
         try:
             await self._send(message)
             answer = await asyncio.wait_for(queue.get(), timeout)
+            answered = True
         finally:
             self._queues.pop(message.request_id, None)
+            if not answered:
+                self.post(protocol.AbortRequest([message.request_id]))
         if isinstance(answer, protocol.RequestError):
             raise EngineError(answer)
         return answer
@@ -158,10 +164,10 @@ class AsyncEngineClient:
 
     async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                        add_special_tokens: bool = True, chat: protocol.ChatOptions | None = None,
-                       timeout: float = 30.0) -> protocol.TokenizeResult:
+                       return_token_strs: bool = False, timeout: float = 30.0) -> protocol.TokenizeResult:
         return await self._call(protocol.TokenizeRequest(
             request_id=self.new_request_id(), prompt=prompt, messages=messages, chat=chat,
-            add_special_tokens=add_special_tokens), timeout)
+            add_special_tokens=add_special_tokens, return_token_strs=return_token_strs), timeout)
 
     async def detokenize(self, token_ids: list[int], timeout: float = 30.0) -> str:
         result = await self._call(protocol.DetokenizeRequest(self.new_request_id(),

@@ -164,17 +164,19 @@ class ApiServer:
         self._check_model(body.model)
         chat = body.chat_request()
         if chat is None:
-            result = await self.client.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+            result = await self.client.tokenize(body.prompt, add_special_tokens=body.add_special_tokens,
+                                                return_token_strs=body.return_token_strs)
         else:  # the prompt a chat completion would see: template variables and tools included
             tools = plan_tools(chat.tools, None)
             options = protocol.ChatOptions(add_generation_prompt=body.add_generation_prompt,
                                            continue_final_message=body.continue_final_message,
                                            chat_template_kwargs=chat.chat_template_kwargs or {},
                                            tools=tools.template_tools if tools else None)
-            result = await self.client.tokenize(messages=chat.template_messages(), chat=options)
+            result = await self.client.tokenize(messages=chat.template_messages(), chat=options,
+                                                return_token_strs=body.return_token_strs)
         tokens = protocol.unpack_tokens(result.tokens)
         return json_response({"count": len(tokens), "max_model_len": result.max_model_len, "tokens": tokens,
-                              "token_strs": result.token_strs if body.return_token_strs else None})
+                              "token_strs": result.token_strs})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = decode_json(await self._body(request))

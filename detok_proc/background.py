@@ -54,7 +54,8 @@ class BackgroundWork:
         self._cancelled.add(key)
 
     def finished(self) -> list[tuple[Hashable, object, BaseException | None]]:
-        """(key, result, error) of every job finished since the last call; never blocks."""
+        """(key, result, error) of every job finished since the last call, cancelled ones left out;
+        never blocks."""
         try:
             while os.read(self._wake_read, 4096):
                 pass
@@ -62,7 +63,11 @@ class BackgroundWork:
             pass
         out = []
         while self._done:
-            out.append(self._done.popleft())
+            key, result, error = self._done.popleft()
+            if key in self._cancelled:  # cancelled while it ran
+                self._cancelled.discard(key)
+            else:
+                out.append((key, result, error))
         return out
 
     def _run(self) -> None:
@@ -75,7 +80,6 @@ class BackgroundWork:
                 result, error = job(), None
             except Exception as exc:  # noqa: BLE001 - handed to the loop, which answers the client
                 result, error = None, exc
-            self._cancelled.discard(key)  # cancelled while it ran: nobody collects it, nothing to keep
             self._done.append((key, result, error))
             release_freed_memory()  # the tokenizer's temporary buffers of this job are freed by now
             os.write(self._wake_write, b"\0")

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.metrics import SampleTiming
-from engine_core.tokenizer import encode_chat
+from detok_proc.prompt_size import PromptTooLong, encode_within
+from engine_core.tokenizer import render_chat
 from engine_core import protocol
 from engine_core.validation import ParamError, check_token_ids
 
@@ -32,51 +33,51 @@ class RequestInvalid(Exception):
         return cls(str(exc), exc.param)
 
 
-def prompt_token_ids(tokenizer, request: protocol.PromptRequest, vocab_size: int) -> list[int]:
+def prompt_token_ids(tokenizer, request: protocol.PromptRequest, vocab_size: int, token_limit: int) -> list[int]:
     """The prompt of a Generate/TokenizeRequest as token ids (chat template applied for messages);
-    RequestInvalid, naming the field, when there is none or it cannot be encoded."""
-    if request.messages is not None:
-        chat = request.chat or protocol.ChatOptions()
-        try:
-            ids = encode_chat(tokenizer, request.messages, add_generation_prompt=chat.add_generation_prompt,
-                              continue_final_message=chat.continue_final_message,
-                              chat_template_kwargs=chat.chat_template_kwargs, tools=chat.tools)
-        except ParamError as exc:
-            raise RequestInvalid.of(exc) from None
-        except Exception as exc:  # noqa: BLE001 - jinja raises many kinds; all are the client's input
-            raise RequestInvalid(f"the chat template could not render these messages: {exc}", "messages") from exc
-        param = "messages"
-    elif isinstance(request, protocol.GenerateRequest) and request.prompt_tokens is not None:
-        ids = protocol.unpack_tokens(request.prompt_tokens)
-        param = "prompt"
-        try:
+    RequestInvalid, naming the field, when there is none, it cannot be encoded, or it cannot fit in
+    `token_limit` tokens (found without tokenizing all of a long text: prompt_size.py)."""
+    param = "messages" if request.messages is not None else "prompt"
+    try:
+        if request.messages is not None:
+            chat = request.chat or protocol.ChatOptions()
+            try:
+                text = render_chat(tokenizer, request.messages, add_generation_prompt=chat.add_generation_prompt,
+                                   continue_final_message=chat.continue_final_message,
+                                   chat_template_kwargs=chat.chat_template_kwargs, tools=chat.tools)
+            except ParamError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - jinja raises many kinds; all are the client's input
+                raise RequestInvalid(f"the chat template could not render these messages: {exc}", param) from exc
+            # The template already holds any BOS/special tokens: do not add them again.
+            ids = encode_within(tokenizer, text, token_limit, add_special_tokens=False)
+        elif isinstance(request, protocol.GenerateRequest) and request.prompt_tokens is not None:
+            ids = protocol.unpack_tokens(request.prompt_tokens)
             check_token_ids(ids, vocab_size, param)
-        except ParamError as exc:
-            raise RequestInvalid.of(exc) from None
-    elif request.prompt is not None:
-        ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
-        param = "prompt"
-    else:
-        raise RequestInvalid("one of prompt, prompt token ids or messages is required", "prompt")
+        elif request.prompt is not None:
+            ids = encode_within(tokenizer, request.prompt, token_limit, request.add_special_tokens)
+        else:
+            raise RequestInvalid("one of prompt, prompt token ids or messages is required", param)
+    except ParamError as exc:
+        raise RequestInvalid.of(exc) from None
+    except PromptTooLong as exc:
+        raise RequestInvalid(str(exc), param, "context_length_exceeded") from None
     if not ids:
         raise RequestInvalid("the prompt is empty", param)
     return ids
 
 
-def check_prompt_chars(num_chars: int, token_limit: int, max_token_chars: int, param: str) -> None:
-    """Refuse a prompt too long to fit in `token_limit` tokens, from its length alone (prompt_size.py)."""
-    most = token_limit * max_token_chars
-    if num_chars > most:
-        raise RequestInvalid(
-            f"The prompt has {num_chars} characters; no prompt longer than {most} characters fits in "
-            f"{token_limit} tokens with this model's tokenizer (its longest token has {max_token_chars} "
-            f"characters). Please reduce the length of the prompt.", param, "context_length_exceeded")
+MAX_STOP_STRINGS = 64  # each is searched for in the text after every token: their number is the cost
+MAX_STOP_CHARS = 1024
 
 
 def check_request_options(request: protocol.GenerateRequest, vocab_size: int) -> None:
     """What a request asks for that cannot be honoured, refused before any work (OpenAI's 400)."""
     if any(not stop for stop in request.stop):
         raise RequestInvalid("Invalid 'stop': stop strings must not be empty.", "stop")
+    if len(request.stop) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARS for stop in request.stop):
+        raise RequestInvalid(f"Invalid 'stop': at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} "
+                             "characters each.", "stop")
     try:
         check_token_ids(request.params.stop_token_ids, vocab_size, "stop_token_ids")
         check_token_ids(request.params.logit_bias, vocab_size, "logit_bias")

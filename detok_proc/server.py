@@ -17,19 +17,16 @@ import os
 import signal
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 import msgspec
 import zmq
 
-from detok_proc.background import BackgroundWork
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.limits import FrontendLimits
 from detok_proc.metrics import DetokMetrics
-from detok_proc.prompt_size import longest_token_chars, prompt_chars
-from detok_proc.requests import (RequestInvalid, SampleState, check_context, check_prompt_chars,
-                                 check_request_options, prompt_token_ids)
+from detok_proc.requests import RequestInvalid, SampleState, check_context, check_request_options
+from detok_proc.tokenizing import PromptTokenizer
 from engine_core.tokenizer import load_tokenizer
 from engine_core import protocol
 from engine_core.json_limits import depth_message
@@ -39,10 +36,6 @@ from engine_core.zmq_security import CurveConfig
 
 logger = logging.getLogger(__name__)
 _POLL_MS = 500
-# Prompts longer than this (characters; token ids for /detokenize) are tokenized on the background
-# thread: ~20 ms of tokenizer time, about what one engine step takes. Shorter ones run inline, where
-# a thread hop would cost more than the work.
-BACKGROUND_CHARS = 32_768
 
 
 class DetokProc:
@@ -51,10 +44,7 @@ class DetokProc:
                  limits: FrontendLimits | None = None, model_name: str | None = None):
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
-        self.max_token_chars = longest_token_chars(self.tokenizer)
-        self.background = BackgroundWork()
-        # (client, request id) -> (background job id, what to do with the result), while tokenizing
-        self.tokenizing: dict[tuple[bytes, str], tuple[int, Callable]] = {}
+        self.prompts = PromptTokenizer(self.tokenizer)  # inline, or on its background thread
         self.stall_timeout = stall_timeout
         self.ctx = zmq.Context()
         self.auth = None
@@ -73,7 +63,7 @@ class DetokProc:
         for router in self.frontends:
             self.poller.register(router, zmq.POLLIN)
         self.poller.register(self.from_engine, zmq.POLLIN)
-        self.poller.register(self.background.fileno(), zmq.POLLIN)
+        self.poller.register(self.prompts.fileno(), zmq.POLLIN)
 
         self.engine: protocol.EngineReady | None = None
         self.engine_dead: str | None = None
@@ -172,44 +162,22 @@ class DetokProc:
         arrival = time.monotonic()
         engine = self._require_engine()
         key = (identity, request.request_id)
-        if key in self.by_client or key in self.tokenizing:
+        if key in self.by_client or self.prompts.is_pending(key):
             raise RequestInvalid(f"request id {request.request_id!r} is already in use", "request_id")
         check_request_options(request, engine.vocab_size)
-        self._tokenize_then(key, request, lambda ids: self._admit(key, request, ids, arrival))
+        self.prompts.tokenize(key, request, engine.vocab_size, self._token_limit(engine),
+                              lambda ids: self._admit(key, request, ids, arrival))
 
-    def _tokenize_then(self, key: tuple[bytes, str], request: protocol.PromptRequest,
-                       then: Callable[[list[int]], None]) -> None:
-        """`then(prompt token ids)`, once the prompt is tokenized. A prompt too long to fit is refused
-        from its length first; a long one is tokenized on the background thread."""
-        engine = self._require_engine()
-        num_chars = prompt_chars(request)
-        param = "messages" if request.messages is not None else "prompt"
-        token_limit = min(engine.max_model_len, self.limits.max_prompt_tokens or engine.max_model_len)
-        check_prompt_chars(num_chars, token_limit, self.max_token_chars, param)
-        tokenize = lambda: prompt_token_ids(self.tokenizer, request, engine.vocab_size)  # noqa: E731
-        if num_chars <= BACKGROUND_CHARS:
-            then(tokenize())
-        else:
-            self._in_background(key, tokenize, then)
-
-    def _in_background(self, key: tuple[bytes, str], work: Callable, then: Callable) -> None:
-        job = next(self._ids)  # its own id: a client may reuse a request id once it has aborted it
-        self.tokenizing[key] = (job, then)
-        self.background.submit(job, work)
+    def _token_limit(self, engine: protocol.EngineReady) -> int:
+        return min(engine.max_model_len, self.limits.max_prompt_tokens or engine.max_model_len)
 
     def _background_done(self) -> None:
         """Continue the requests whose background tokenization has finished (unless aborted since)."""
-        jobs = {job: (key, then) for key, (job, then) in self.tokenizing.items()}
-        for job, ids, error in self.background.finished():
-            if job not in jobs:
-                continue
-            key, then = jobs[job]
-            del self.tokenizing[key]
-            identity, request_id = key
+        for (identity, request_id), then, result, error in self.prompts.finished():
             try:
                 if error is not None:
                     raise error
-                then(ids)
+                then(result)
             except RequestInvalid as exc:
                 self._abort(identity, [request_id])
                 self._reply(identity, exc.to_message(request_id))
@@ -248,8 +216,7 @@ class DetokProc:
         they count as finished by ABORT in the metrics; errors end requests uncounted."""
         engine_ids = []
         for request_id in request_ids:
-            if (pending := self.tokenizing.pop((identity, request_id), None)) is not None:
-                self.background.cancel(pending[0])
+            self.prompts.cancel((identity, request_id))
             for engine_id in self.by_client.pop((identity, request_id), []):
                 sample = self.samples.pop(engine_id, None)
                 if sample is not None:
@@ -260,20 +227,19 @@ class DetokProc:
             self._to_engine(protocol.AbortRequests(engine_ids))
 
     def _abort_client(self, identity: bytes) -> None:
-        self._abort(identity, [rid for ident, rid in [*self.by_client, *self.tokenizing] if ident == identity],
-                    by_client=True)
+        self._abort(identity, [rid for ident, rid in [*self.by_client, *self.prompts.pending_keys()]
+                               if ident == identity], by_client=True)
 
     def _fail_all(self, message: str) -> None:
-        for (identity, request_id) in [*self.by_client, *self.tokenizing]:
+        for (identity, request_id) in [*self.by_client, *self.prompts.pending_keys()]:
             self._reply(identity, protocol.RequestError(request_id=request_id, status=503, message=message,
                                                         error_type="server_error", code="engine_dead"))
         for identity, request_id in self._pending_resets.values():
             self._reply(identity, protocol.RequestError(request_id=request_id, status=503, message=message,
                                                         error_type="server_error", code="engine_dead"))
         self._pending_resets.clear()
-        for job, _ in self.tokenizing.values():
-            self.background.cancel(job)
-        self.tokenizing.clear()
+        for key in self.prompts.pending_keys():
+            self.prompts.cancel(key)
         self.by_client.clear()
         self.samples.clear()
 
@@ -295,15 +261,19 @@ class DetokProc:
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage)
 
     def _tokenize(self, identity: bytes, request: protocol.TokenizeRequest) -> None:
-        key = (identity, request.request_id)
+        try:
+            engine = self._require_engine()
+        except RequestInvalid as exc:
+            self._reply(identity, exc.to_message(request.request_id))
+            return
 
-        def answer(ids: list[int]) -> None:
-            self._reply(identity, protocol.TokenizeResult(request.request_id, protocol.pack_tokens(ids),
-                                                          self.tokenizer.convert_ids_to_tokens(ids),
-                                                          self.engine.max_model_len))
+        def result(ids: list[int]) -> protocol.TokenizeResult:  # built where the tokenizing ran
+            strs = self.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+            return protocol.TokenizeResult(request.request_id, protocol.pack_tokens(ids), strs, engine.max_model_len)
 
         try:
-            self._tokenize_then(key, request, answer)
+            self.prompts.tokenize((identity, request.request_id), request, engine.vocab_size,
+                                  self._token_limit(engine), lambda answer: self._reply(identity, answer), result)
         except RequestInvalid as exc:
             self._reply(identity, exc.to_message(request.request_id))
 
@@ -311,18 +281,13 @@ class DetokProc:
         ids = protocol.unpack_tokens(request.tokens)
         try:
             check_token_ids(ids, len(self.tokenizer), "tokens")
+            self.prompts.run((identity, request.request_id), 4 * len(ids),  # ~4 bytes of text per token
+                             lambda: protocol.DetokenizeResult(request.request_id, self.tokenizer.decode(ids)),
+                             lambda answer: self._reply(identity, answer))
         except ParamError as exc:
             self._reply(identity, RequestInvalid.of(exc).to_message(request.request_id))
-            return
-        key = (identity, request.request_id)
-
-        def answer(text: str) -> None:
-            self._reply(identity, protocol.DetokenizeResult(request.request_id, text))
-
-        if len(ids) <= BACKGROUND_CHARS:
-            answer(self.tokenizer.decode(ids))
-        else:
-            self._in_background(key, lambda: self.tokenizer.decode(ids), answer)
+        except RequestInvalid as exc:
+            self._reply(identity, exc.to_message(request.request_id))
 
     # ---- outputs from the engine -----------------------------------------------------------------
     def _handle_engine(self, frame: bytes) -> None:
@@ -400,7 +365,7 @@ class DetokProc:
     def run(self) -> None:
         while not self.stop_requested:
             for socket, _ in self.poller.poll(_POLL_MS):
-                if socket == self.background.fileno():
+                if socket == self.prompts.fileno():
                     self._background_done()
                 elif socket is self.from_engine:
                     while True:
@@ -419,7 +384,7 @@ class DetokProc:
                         self._handle_frontend_safely(prefix + identity, frame)
 
     def close(self) -> None:
-        self.background.close()
+        self.prompts.close()
         if self.auth is not None:
             self.auth.stop()
         for socket in (*self.frontends, self.to_engine, self.from_engine):

@@ -195,6 +195,7 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True, omit_default
     messages: list[dict] | None = None
     chat: ChatOptions | None = None
     add_special_tokens: bool = True
+    return_token_strs: bool = False  # the tokens' vocabulary strings too (TokenizeResult.token_strs)
 
 
 # The requests that carry a prompt to tokenize (detok_proc/requests.py prompt_token_ids): both have
@@ -280,7 +281,7 @@ class RequestError(msgspec.Struct, tag="error", kw_only=True):
 class TokenizeResult(msgspec.Struct, tag="tokenized"):
     request_id: str
     tokens: bytes
-    token_strs: list[str]
+    token_strs: list[str] | None  # when asked for (TokenizeRequest.return_token_strs)
     max_model_len: int
 
 

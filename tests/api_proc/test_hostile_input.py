@@ -120,7 +120,8 @@ def _rss_mb(pid: int) -> float:
 
 def test_a_huge_prompt_is_refused_before_tokenizing_and_others_keep_flowing(server, tokenizer):
     from api_proc.client import AsyncEngineClient, EngineError
-    from detok_proc.prompt_size import longest_token_chars
+    from detok_proc.prompt_size import longest_token_bytes
+    from detok_proc.tokenizing import QUEUE_BYTES
     from engine_core.sampling_params import SamplingParams
 
     detok = server.child_named("pagoda-detok")
@@ -131,34 +132,63 @@ def test_a_huge_prompt_is_refused_before_tokenizing_and_others_keep_flowing(serv
     status, answer = _post(server, "/v1/completions", huge, {"Content-Encoding": "gzip"})
     assert _assert_openai_error(status, answer, "prompt")["code"] == "context_length_exceeded"
 
-    # Prompts just under that bound are tokenized, on the tokenizer process's background thread: a small
-    # request sent after four of them is answered before they all are (inline, it would wait for them).
+    # Prompts just under that bound, of long tokens (80 '#' are one token), pass every check that needs
+    # no tokenizing and are tokenized on the tokenizer process's background thread, within a budget:
+    # past it they get a 429. A small request sent after them is answered before they all are (inline,
+    # it would have waited for every one).
     max_model_len = http("GET", server.base_url + "/v1/models", headers=AUTH)[1]["data"][0]["max_model_len"]
-    big = "a " * ((max_model_len * longest_token_chars(tokenizer) - 100) // 2)
+    big = ("#" * 80 + " ") * ((max_model_len * longest_token_bytes(tokenizer) - 100) // 81)
+    count = QUEUE_BYTES // len(big) + 3
 
-    async def race() -> list[str]:
+    async def race() -> list[tuple[str, str]]:
         client = AsyncEngineClient(server.frontend)
-        answered: list[str] = []
+        answered: list[tuple[str, str]] = []
 
         async def run(name: str, prompt: str) -> None:
             try:
                 async for _ in client.generate(prompt, SamplingParams(max_tokens=1, temperature=0)):
                     pass
-                answered.append(name)
+                answered.append((name, "ok"))
             except EngineError as exc:
-                assert exc.code == "context_length_exceeded"
-                answered.append(name)
+                answered.append((name, exc.code))
 
         try:  # tasks start in order, and one socket keeps the order of what they send
-            await asyncio.gather(*[run(f"big{i}", big) for i in range(4)], run("small", "Hello"))
+            await asyncio.gather(*[run(f"big{i}", big) for i in range(count)], run("small", "Hello"))
         finally:
             client.close()
         return answered
 
     answered = asyncio.run(race())
-    assert answered.index("small") < 4, answered
+    codes = dict(answered)
+    assert codes["small"] == "ok" and answered.index(("small", "ok")) < len(answered) - 1, answered
+    assert {codes[f"big{i}"] for i in range(count)} == {"context_length_exceeded", "too_many_requests"}
     # The memory of these prompts is given back.
     assert _rss_mb(detok) - rss_before < 150, (rss_before, _rss_mb(detok))
+
+
+def test_a_tokenize_request_left_by_its_client_is_dropped(server, tokenizer):
+    """A client that stops waiting takes its long /tokenize work off the queue with it."""
+    from api_proc.client import AsyncEngineClient, EngineError
+    from detok_proc.tokenizing import QUEUE_BYTES
+
+    big = "#" * 200_000  # 200 KB (3,125 tokens, so it fits): the background thread's
+    count = QUEUE_BYTES // len(big) + 2  # more than the queue holds at once
+
+    async def leave_then_ask() -> str:
+        client = AsyncEngineClient(server.frontend)
+        try:
+            for _ in range(count):
+                with pytest.raises(asyncio.TimeoutError):
+                    await client.tokenize(big, timeout=0.0001)  # gone before the answer: aborted
+            try:
+                await client.tokenize(big)
+                return "ok"
+            except EngineError as exc:
+                return exc.code
+        finally:
+            client.close()
+
+    assert asyncio.run(leave_then_ask()) == "ok"  # not a 429: the abandoned work left the queue
 
 
 def test_long_inputs_on_the_background_thread_get_exact_answers(server, tokenizer):
@@ -340,6 +370,8 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(server):
         ("/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role"),
         ("/v1/completions", _completion(stop=""), "stop"),
         ("/v1/completions", _completion(stop=["end", ""]), "stop"),
+        ("/v1/completions", _completion(stop=[f"s{i}" for i in range(65)]), "stop"),
+        ("/v1/completions", _completion(stop="x" * 1025), "stop"),
         ("/v1/completions", _completion(logit_bias={"999999": 1}), "logit_bias"),
         ("/v1/completions", _completion(stop_token_ids=[999999]), "stop_token_ids"),
         ("/v1/chat/completions", _chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
