@@ -16,6 +16,7 @@ import itertools
 import os
 import threading
 import uuid
+import weakref
 from typing import AsyncGenerator, Iterator
 
 import zmq
@@ -60,12 +61,20 @@ def _socket(ctx: zmq.Context, address: str, curve: tuple[str, str] | None) -> zm
     return socket
 
 
+def _close_socket_and_context(socket: zmq.Socket, ctx: zmq.Context) -> None:
+    socket.close(linger=0)
+    ctx.term()
+
+
 class AsyncEngineClient:
     """One DEALER socket shared by any number of concurrent requests of this event loop."""
 
     def __init__(self, address: str, curve: tuple[str, str] | None = None):
         self.ctx = zmq.asyncio.Context()
         self.socket = _socket(self.ctx, address, curve)
+        # A client dropped without close(): socket first, then context. Left to the garbage collector,
+        # the context may be finalized while its socket is still open, and its term() then waits forever.
+        self._finalizer = weakref.finalize(self, _close_socket_and_context, self.socket, self.ctx)
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self._prefix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}-"
@@ -177,8 +186,7 @@ class AsyncEngineClient:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        self.socket.close(linger=0)
-        self.ctx.term()
+        self._finalizer()  # closes the socket, then terms the context (once)
 
     async def aclose(self) -> None:
         """`close()`, then wait for the reader task to end (so a loop about to stop leaves none pending)."""

@@ -19,6 +19,7 @@ import msgspec
 from aiohttp import web
 
 from api_proc.openai_schema import ApiError, validation_error
+from api_proc.request_log import CLIENT_CLOSED
 from engine_core.json_limits import MAX_JSON_DEPTH, depth_message, too_deep_field
 
 T = TypeVar("T")
@@ -46,6 +47,9 @@ async def read_body(request: web.Request, max_bytes: int, idle_timeout: float | 
             raise ApiError(408, f"The request body arrived too slowly (a pause of {idle_timeout:g} s, or under "
                                 f"{MIN_BODY_RATE} bytes/s on average).", code="request_timeout",
                            closes="now") from None
+        except ConnectionError:  # the client went away mid-body: nobody reads an answer, nothing to log
+            raise ApiError(CLIENT_CLOSED, "The client closed the connection before sending the whole body.",
+                           code="client_closed", closes="now") from None
         except web.RequestPayloadError as exc:  # e.g. "Content-Encoding: gzip" on a body that is not
             raise ApiError(400, "The request body could not be read: it does not match its "
                                 f"Content-Encoding or Transfer-Encoding ({_cause(exc)}).",

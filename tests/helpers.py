@@ -28,12 +28,10 @@ def run_engine(engine, prompts: list[list[int]], params: SamplingParams | list[S
 
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
-    """HF transformers `generate`, greedy, fp32, one prompt, no repetition penalty."""
+    """HF transformers `generate`, greedy, fp32, one prompt, no repetition penalty. The model is left as it
+    was (the session's `hf_model` is shared): not stopping at EOS is an argument of this call only."""
     input_ids = torch.tensor([prompt])
-    kwargs = {}
-    if not stop_at_eos:
-        kwargs = {"eos_token_id": None, "pad_token_id": None}
-        model.generation_config.eos_token_id = None
+    kwargs = {} if stop_at_eos else {"eos_token_id": None, "pad_token_id": None}  # these override the model's
     out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                          do_sample=False, repetition_penalty=1.0, **kwargs)
     return out[0, len(prompt):].tolist()

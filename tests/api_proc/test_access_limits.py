@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
-
 from http.client import HTTPConnection
-import json
+
 import openai
 import pytest
 
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http, wait_until
 
 USER_KEY, ADMIN_KEY, ORIGIN = "user-key-0123456789", "admin-key-0123456789", "https://app.example"
 USER = {"Authorization": f"Bearer {USER_KEY}"}
@@ -19,16 +19,13 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("access")
-    key_file = tmp / "keys.txt"
+def server(start_server, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("access-keys") / "keys.txt"
     key_file.write_text("# second user key\nfile-key-0123456789\n")
-    srv = PagodaServer(tmp, "--api-key", USER_KEY, "--api-key-file", str(key_file), "--admin-key", ADMIN_KEY,
-                       "--max-tokens-cap", "12", "--max-n", "2", "--max-prompt-tokens", "60",
-                       "--max-pending-requests", "3", "--max-body-size", "64KiB",
-                       "--allowed-origin", ORIGIN, "--log-format", "json", "--log-requests")
-    yield srv
-    srv.stop()
+    return start_server("--api-key", USER_KEY, "--api-key-file", str(key_file), "--admin-key", ADMIN_KEY,
+                        "--max-tokens-cap", "12", "--max-n", "2", "--max-prompt-tokens", "60",
+                        "--max-pending-requests", "3", "--max-body-size", "64KiB",
+                        "--allowed-origin", ORIGIN, "--log-format", "json", "--log-requests")
 
 
 def _open(server, method: str, path: str, body: dict | None = None, headers: dict | None = None):
@@ -116,13 +113,18 @@ def test_queue_full_gets_429_with_retry_after_then_recovers(server):
     connection.close()
     for connection, _ in streams:
         connection.close()  # disconnect: their slots free up
-    deadline = time.monotonic() + 30
-    while (status := http("POST", server.base_url + "/v1/completions", _completion(), headers=USER)[0]) == 429:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    assert status == 200
-    assert _counter(server, "pagoda:request_rejected_total", status_code="429") >= rejected + 1
-    assert _counter(server, "pagoda:request_aborted_total") >= aborted + 3  # the three streams that were cut
+    statuses = []  # of the requests sent until one is taken again
+
+    def taken() -> bool:
+        statuses.append(http("POST", server.base_url + "/v1/completions", _completion(), headers=USER)[0])
+        return statuses[-1] != 429
+
+    assert wait_until(taken, 30.0, 0.2) and set(statuses) <= {429, 200}, statuses
+    assert statuses[-1] == 200
+    # every 429 counted: the one above and those of the retries
+    assert _counter(server, "pagoda:request_rejected_total", status_code="429") == rejected + 1 + statuses.count(429)
+    assert wait_until(lambda: _counter(server, "pagoda:request_aborted_total") == aborted + 3, 10.0), \
+        _counter(server, "pagoda:request_aborted_total") - aborted  # the three streams that were cut, no more
 
 
 def test_request_timeout_gives_504_and_frees_the_engine(tmp_path):
@@ -144,9 +146,13 @@ def _check_timeout(server):
         assert _counter(server, "pagoda:request_timeout_total") == 1
     finally:
         os.kill(engine, signal.SIGCONT)
-    deadline = time.monotonic() + 60  # the resumed engine serves again (retried: this box may be busy)
-    while (status := http("POST", server.base_url + "/v1/completions", _completion(max_tokens=1))[0]) != 200:
-        assert status == 504 and time.monotonic() < deadline
+    statuses = []  # the resumed engine serves again (retried: this box may be busy)
+
+    def serves() -> bool:
+        statuses.append(http("POST", server.base_url + "/v1/completions", _completion(max_tokens=1))[0])
+        return statuses[-1] == 200
+
+    assert wait_until(serves, 60.0) and set(statuses) <= {504, 200}, statuses
 
 
 def test_cors_preflight_and_headers(server):
@@ -192,10 +198,9 @@ def test_one_json_log_line_per_request(server):
                                   "max_tokens": 12, "stream": True, "ignore_eos": True}, USER)
     response.readline()
     connection.close()  # the client goes away mid-stream
-    deadline = time.monotonic() + 30
-    while len(lines := _request_lines(server)) < before + 2:
-        assert time.monotonic() < deadline, server.log()[-2000:]
-        time.sleep(0.2)
+    assert wait_until(lambda: len(_request_lines(server)) >= before + 2, 30.0, 0.2), server.log()[-2000:]
+    lines = _request_lines(server)
+    assert len(lines) == before + 2  # one line each, no more
     done = next(e for e in lines[before:] if e["request_id"] == body["id"])
     assert (done["status"], done["endpoint"], done["finish_reason"]) == (200, "completions", "length")
     assert done["prompt_tokens"] == body["usage"]["prompt_tokens"]

@@ -10,10 +10,10 @@ import sys
 import pytest
 
 from api_proc.bench.datasets import prefix_requests, random_requests, synthetic_sharegpt
+from api_proc.bench.local_server import free_port
 from api_proc.bench.metrics import parse_goodput, summarize
-from api_proc.bench.runner import run_serve
-from api_proc.bench.local_server import PagodaServer, free_port
 from api_proc.bench.null_server import NullServer
+from api_proc.bench.runner import run_serve
 
 
 def test_256_concurrent_streams_counted_exactly():
@@ -40,13 +40,6 @@ def test_datasets_are_deterministic_and_exact():
     assert 100 < lengths[100] < 300 and lengths[-1] > 2 * lengths[100]  # a long tail, like ShareGPT's
     with pytest.raises(ValueError):
         parse_goodput(["latency:5"])
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = PagodaServer(tmp_path_factory.mktemp("bench"))
-    yield server
-    assert server.stop() == 0
 
 
 def test_against_live_pagoda_counts_are_consistent(server):

@@ -42,11 +42,10 @@ def test_flags_added_by_other_modules_work_too(tmp_path):
     --api-key that api_proc/serve_settings.py adds)."""
     serve = _subparser(build_parser(), "serve")
     flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--")} - {"--help", "--config"}
-    assert {"--max-num-seqs", "--served-model-name", "--no-prefix-caching"} <= flags
+    assert {"--max-num-seqs", "--served-model-name", "--no-prefix-caching", "--api-key"} <= flags
     for flag in sorted(flags):
         _parse(tmp_path, f"{flag[2:]}: null\n")  # accepted; null keeps the flag's default
-    if "--api-key" in flags:
-        assert _parse(tmp_path, "api-key: [k1, k2]\n").api_key == ["k1", "k2"]
+    assert _parse(tmp_path, "api-key: [k1, k2]\n").api_key == ["k1", "k2"]
 
 
 @pytest.mark.parametrize("text, message", [

@@ -3,32 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from api_proc.bench.local_server import MODEL_NAME, wait_until
 from api_proc.client import AsyncEngineClient, EngineClient, EngineError
 from engine_core import protocol
 from engine_core.sampling_params import SamplingParams
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = PagodaServer(tmp_path_factory.mktemp("direct"))
-    yield server
-    assert server.stop() == 0
-
-
 @pytest.fixture()
-def client(server):
-    client = EngineClient(server.frontend)
-    yield client
-    client.close()
+def direct(server):
+    """An EngineClient on the module's server (`client`, from conftest.py, is the OpenAI SDK on it)."""
+    direct = EngineClient(server.frontend)
+    yield direct
+    direct.close()
 
 
 def _collect(deltas) -> tuple[str, list[int], list[protocol.GenerateDelta]]:
@@ -37,59 +29,62 @@ def _collect(deltas) -> tuple[str, list[int], list[protocol.GenerateDelta]]:
     return "".join(d.text for d in deltas), tokens, deltas
 
 
-def test_token_ids_equal_the_offline_engine(client, default_model_dir):
+def _still_serves(direct: EngineClient) -> None:
+    """A request after the one under test gets its two tokens, ended by max_tokens."""
+    _, tokens, deltas = _collect(direct.generate("still serving", SamplingParams(max_tokens=2, ignore_eos=True),
+                                                 timeout=30))
+    assert len(tokens) == 2 and deltas[-1].finish_reason == "length"
+
+
+def test_token_ids_equal_the_offline_engine(direct, default_model_dir):
     from engine_core.llm import LLM
 
     prompts = ["The capital of Italy is", "def fibonacci(n):"]
     offline = LLM(str(default_model_dir), kv_cache_memory="128MiB").generate(prompts, GREEDY, use_tqdm=False)
     for prompt, expected in zip(prompts, offline):
-        text, tokens, deltas = _collect(client.generate(prompt, GREEDY, timeout=60))
+        text, tokens, deltas = _collect(direct.generate(prompt, GREEDY, timeout=60))
         assert tokens == expected.outputs[0].token_ids and text == expected.outputs[0].text
         assert deltas[-1].num_output_tokens == len(tokens)
         assert deltas[-1].num_prompt_tokens == len(expected.prompt_token_ids)
 
 
-def test_chat_and_token_prompts_match_http(client, server, tokenizer):
+def test_chat_and_token_prompts_match_http(direct, client, tokenizer):
     messages = [{"role": "user", "content": "Give me one word for happy."}]
-    http = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
-    expected = http.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0)
-    text, _, _ = _collect(client.generate(messages=messages, params=GREEDY, timeout=60))
+    expected = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0)
+    text, _, _ = _collect(direct.generate(messages=messages, params=GREEDY, timeout=60))
     assert text == expected.choices[0].message.content
     ids = tokenizer.encode("The capital of Italy is")
-    by_ids, _, _ = _collect(client.generate(prompt_token_ids=ids, params=GREEDY, timeout=60))
-    by_text, _, _ = _collect(client.generate("The capital of Italy is", GREEDY, timeout=60))
+    by_ids, _, _ = _collect(direct.generate(prompt_token_ids=ids, params=GREEDY, timeout=60))
+    by_text, _, _ = _collect(direct.generate("The capital of Italy is", GREEDY, timeout=60))
     assert by_ids == by_text
 
 
-def test_same_validation_as_http(client):
+def test_same_validation_as_http(direct):
     with pytest.raises(EngineError) as info:
-        list(client.generate("hello", SamplingParams(max_tokens=10 ** 6), timeout=30))
+        list(direct.generate("hello", SamplingParams(max_tokens=10 ** 6), timeout=30))
     assert info.value.status == 400 and info.value.code == "context_length_exceeded"
     with pytest.raises(EngineError) as info:
-        list(client.generate(prompt_token_ids=[1, 10 ** 8], params=GREEDY, timeout=30))
+        list(direct.generate(prompt_token_ids=[1, 10 ** 8], params=GREEDY, timeout=30))
     assert info.value.status == 400 and info.value.param == "prompt"
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="exactly one"):
-        list(client.generate("a", GREEDY, messages=[{"role": "user", "content": "b"}]))
-    assert _collect(client.generate("still fine", SamplingParams(max_tokens=2), timeout=30))[2][-1].finish_reason
+        list(direct.generate("a", GREEDY, messages=[{"role": "user", "content": "b"}]))
+    _still_serves(direct)
 
 
-def test_leaving_early_aborts_and_n2(client):
-    stream = client.generate("Once upon a time", SamplingParams(max_tokens=1000, ignore_eos=True), timeout=30)
+def test_leaving_early_aborts_and_n2(direct):
+    stream = direct.generate("Once upon a time", SamplingParams(max_tokens=1000, ignore_eos=True), timeout=30)
     next(stream)
     stream.close()  # leaves the generator: the request is aborted
-    deadline = time.monotonic() + 5
-    while client.health().num_running and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert client.health().num_running == 0
-    _, _, deltas = _collect(client.generate("Pick a color:", SamplingParams(n=2, max_tokens=5, seed=3), timeout=30))
+    assert wait_until(lambda: direct.health().num_running == 0, 5.0)
+    _, _, deltas = _collect(direct.generate("Pick a color:", SamplingParams(n=2, max_tokens=5, seed=3), timeout=30))
     assert sorted(d.index for d in deltas if d.finish_reason) == [0, 1]
 
 
-def test_async_client_runs_requests_concurrently(server, client):
+def test_async_client_runs_requests_concurrently(server, direct):
     prompts = [f"List {i} animals:" for i in range(8)]
-    expected = [_collect(client.generate(p, GREEDY, timeout=60))[1] for p in prompts]
+    expected = [_collect(direct.generate(p, GREEDY, timeout=60))[1] for p in prompts]
 
     async def run() -> list[list[int]]:
         aclient = AsyncEngineClient(server.frontend)
@@ -109,28 +104,28 @@ def test_async_client_runs_requests_concurrently(server, client):
     assert asyncio.run(run()) == expected
 
 
-def _aborted(client: EngineClient) -> float:
+def _aborted(direct: EngineClient) -> float:
     """vllm:request_success{finished_reason="abort"}: samples ended by their client's abort."""
-    text = client.metrics().decode()
+    text = direct.metrics().decode()
     return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
                 if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == "abort")
 
 
-def test_leaving_early_or_a_timeout_aborts_the_request(client):
+def test_leaving_early_or_a_timeout_aborts_the_request(direct):
     # The abort leaves on the client's socket before the metrics query, and the tokenizer process
     # handles one client's messages in order: no waiting needed.
-    before = _aborted(client)
-    stream = client.generate("Once upon a time", SamplingParams(max_tokens=1000, ignore_eos=True), timeout=30)
+    before = _aborted(direct)
+    stream = direct.generate("Once upon a time", SamplingParams(max_tokens=1000, ignore_eos=True), timeout=30)
     next(stream)
     stream.close()
-    assert _aborted(client) == before + 1
+    assert _aborted(direct) == before + 1
     with pytest.raises(TimeoutError):  # no first delta comes within a millisecond: the prefill alone takes longer
-        next(client.generate("Once upon a time", SamplingParams(max_tokens=1000, ignore_eos=True), timeout=0.001))
-    assert _aborted(client) == before + 2
-    assert _collect(client.generate("still serving", SamplingParams(max_tokens=2), timeout=30))[2][-1].finish_reason
+        next(direct.generate("Once upon a time", SamplingParams(max_tokens=1000, ignore_eos=True), timeout=0.001))
+    assert _aborted(direct) == before + 2
+    _still_serves(direct)
 
 
-def test_a_malformed_frame_fails_one_request_not_the_server(server, client):
+def test_a_malformed_frame_fails_one_request_not_the_server(server, direct):
     async def send_malformed() -> EngineError | None:
         aclient = AsyncEngineClient(server.frontend)
         try:
@@ -142,5 +137,5 @@ def test_a_malformed_frame_fails_one_request_not_the_server(server, client):
 
     error = asyncio.run(send_malformed())
     assert isinstance(error, EngineError) and error.status == 500
-    assert client.health().healthy
-    assert _collect(client.generate("still serving", SamplingParams(max_tokens=2), timeout=30))[2][-1].finish_reason
+    assert direct.health().healthy
+    _still_serves(direct)

@@ -13,9 +13,18 @@ import time
 import openai
 import pytest
 
+from api_proc.bench.local_server import (
+    MODEL_NAME,
+    PagodaServer,
+    alive,
+    free_port,
+    http,
+    process_names,
+    wait_until,
+)
 from api_proc.client import EngineClient
+from engine_core import protocol
 from engine_core.sampling_params import SamplingParams
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, alive, free_port, http, wait_until
 
 
 def test_health_is_503_until_the_engine_is_ready(tmp_path):
@@ -24,15 +33,17 @@ def test_health_is_503_until_the_engine_is_ready(tmp_path):
     process = subprocess.Popen([sys.executable, "-m", "api_proc.cli", "serve", "--port", str(port),
                                 "--kv-cache-memory", "128MiB"], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    statuses = []
+    statuses = []  # every answer of /health, from the first one the HTTP side gives
+
+    def healthy() -> bool:
+        try:
+            statuses.append(http("GET", f"http://127.0.0.1:{port}/health", timeout=5)[0])
+        except OSError:  # not listening yet
+            return False
+        return statuses[-1] == 200
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and 200 not in statuses:
-            try:
-                statuses.append(http("GET", f"http://127.0.0.1:{port}/health", timeout=5)[0])
-            except OSError:
-                pass
-            time.sleep(0.05)
+        assert wait_until(healthy, 120.0), statuses
         assert statuses[0] == 503 and statuses[-1] == 200  # the HTTP side is up before the model is
         status, body = http("POST", f"http://127.0.0.1:{port}/v1/completions", {"prompt": "Hi", "max_tokens": 2})
         assert status == 200 and body["usage"]["completion_tokens"] == 2
@@ -42,27 +53,46 @@ def test_health_is_503_until_the_engine_is_ready(tmp_path):
     assert list(tmp_path.iterdir()) == []  # runtime directory removed
 
 
+def _stream_in_thread(server: PagodaServer, max_tokens: int,
+                      outcome: dict) -> tuple[threading.Thread, threading.Event]:
+    """A streamed completion of exactly `max_tokens` tokens, read in a thread; the event is set once its
+    first chunk has come (the request is running). `outcome` gets "tokens" (the usage reported at the end)
+    or "error" (what the stream raised)."""
+    first_chunk = threading.Event()
+
+    def read() -> None:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
+        try:
+            for chunk in client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=max_tokens,
+                                                   temperature=0, stream=True, stream_options={"include_usage": True},
+                                                   extra_body={"ignore_eos": True}):
+                first_chunk.set()
+                if chunk.usage is not None:
+                    outcome["tokens"] = chunk.usage.completion_tokens
+        except Exception as exc:  # the test decides whether an error is what it wants
+            outcome["error"] = exc
+        finally:
+            first_chunk.set()  # (also when it failed before its first chunk: the test must not wait for nothing)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    return thread, first_chunk
+
+
 def test_sigterm_drains_in_flight_request_then_exits_0(tmp_path):
     server = PagodaServer(tmp_path)
-    result = {}
-
-    def long_request():
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
-        r = client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=80, temperature=0,
-                                      extra_body={"ignore_eos": True})
-        result["tokens"] = r.usage.completion_tokens
-
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    time.sleep(1.0)  # the request is running
+    outcome: dict = {}
+    thread, first_chunk = _stream_in_thread(server, 200, outcome)
+    assert first_chunk.wait(60) and not outcome  # the request is running
     children = server.children()
     server.process.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    assert http("GET", server.base_url + "/health")[0] == 503  # draining: not taking new work
+    # draining: not taking new work, while the request goes on
+    assert wait_until(lambda: http("GET", server.base_url + "/health")[0] == 503, 10.0)
     status, body = http("POST", server.base_url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert status == 503 and body["error"]["code"] == "server_shutting_down"
+    assert thread.is_alive()  # (the checks above happened while the request was in flight)
     thread.join(60)
-    assert result == {"tokens": 80}
+    assert outcome == {"tokens": 200}
     assert server.process.wait(30) == 0
     assert wait_until(lambda: not any(alive(pid) for pid in children), 2.0)
     assert server.runtime_dirs() == [] and not (tmp_path / "frontend.sock").exists()
@@ -72,7 +102,8 @@ def test_sigterm_drains_in_flight_request_then_exits_0(tmp_path):
 def test_kill_9_of_the_parent_leaves_nothing_behind(tmp_path):
     server = PagodaServer(tmp_path)
     children = server.children()
-    assert len(children) >= 3  # engine, detok, api (and multiprocessing's resource tracker)
+    # engine, detok, api (and multiprocessing's resource tracker)
+    assert {"pagoda-engine", "pagoda-detok", "pagoda-api"} <= set(process_names(server).values())
     server.process.kill()
     server.process.wait()
     assert wait_until(lambda: not any(alive(pid) for pid in children), 2.0), \
@@ -84,27 +115,16 @@ def test_kill_9_of_the_parent_leaves_nothing_behind(tmp_path):
 
 def test_engine_death_fails_requests_and_exits_nonzero_promptly(tmp_path):
     server = PagodaServer(tmp_path)
-    errors = []
-
-    def streaming_request():
-        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
-        try:
-            for _ in client.completions.create(model=MODEL_NAME, prompt="Once", max_tokens=2000, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True}):
-                pass
-        except Exception as exc:  # noqa: BLE001 - any error is what we want, a hang is not
-            errors.append(exc)
-
-    thread = threading.Thread(target=streaming_request)
-    thread.start()
-    time.sleep(1.0)
+    outcome: dict = {}
+    thread, first_chunk = _stream_in_thread(server, 2000, outcome)
+    assert first_chunk.wait(60) and not outcome  # the request is running
     children = server.children()
     os.kill(server.child_named("pagoda-engine"), signal.SIGKILL)
     killed = time.monotonic()
     assert server.process.wait(10) != 0
     assert time.monotonic() - killed < 2.5
     thread.join(10)
-    assert not thread.is_alive() and errors
+    assert not thread.is_alive() and "error" in outcome and "tokens" not in outcome  # any error, not a hang
     assert wait_until(lambda: not any(alive(pid) for pid in children), 2.0)
     assert server.runtime_dirs() == []
     server.stop()
@@ -136,8 +156,11 @@ def test_disconnects_free_the_request_and_curve_tcp_frontend(tmp_path):
         assert len([p for p in server.children() if open(f"/proc/{p}/comm").read().strip() == "pagoda-api"]) == 2
         direct = EngineClient(f"tcp://127.0.0.1:{tcp_port}",
                               curve=(str(keys / "server.key"), str(keys / "client.key_secret")))
-        ids = [d.text for d in direct.generate("Hi", SamplingParams(max_tokens=3, temperature=0), timeout=30)]
-        assert len(ids) >= 1
+        deltas = list(direct.generate("Hi", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), timeout=30))
+        assert len([t for d in deltas for t in protocol.unpack_tokens(d.tokens)]) == 3
+        _, over_http = http("POST", server.base_url + "/v1/completions",
+                            {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+        assert "".join(d.text for d in deltas) == over_http["choices"][0]["text"]
         for stream in (True, False):
             body = (b'{"prompt": "Tell me a story", "max_tokens": 1500, "ignore_eos": true, "stream": '
                     + (b"true" if stream else b"false") + b"}")

@@ -3,14 +3,11 @@ requests did (the usage the API returned, one count per sample, gauges back to z
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
-import openai
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer, wait_until
 
 VLLM_METRICS = {  # name -> type, as vLLM exports them
     "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
@@ -46,26 +43,17 @@ def delta(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
     return after.value(name, **labels) - before.value(name, **labels)
 
 
-def wait_until(server: PagodaServer, condition, timeout: float = 60.0) -> Scrape:
-    """Scrape until `condition(scrape)` holds (what a disconnect sets off arrives asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        scrape = Scrape(server)
-        if condition(scrape) or time.monotonic() > deadline:
-            return scrape
-        time.sleep(0.1)
+def scrape_until(server: PagodaServer, condition, timeout: float = 60.0) -> Scrape:
+    """Scrape until `condition(scrape)` holds (what a disconnect sets off arrives asynchronously); the last
+    scrape (the caller asserts what it needs of it)."""
+    last: list[Scrape] = []
 
+    def holds() -> bool:
+        last[:] = [Scrape(server)]
+        return condition(last[0])
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    server = PagodaServer(tmp_path_factory.mktemp("metrics"))
-    yield server
-    assert server.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    wait_until(holds, timeout, 0.1)
+    return last[0]
 
 
 def test_vllm_names_types_labels_and_every_process(server, client):
@@ -141,7 +129,7 @@ def test_client_disconnect_counts_as_abort_and_frees_everything(server, client):
     assert running.value("vllm:num_requests_running") == 1 and running.value("vllm:kv_cache_usage_perc") > 0
     stream.close()  # the client goes away mid-response
 
-    after = wait_until(server, lambda s: delta(before, s, "pagoda:request_aborted_total") == 1
+    after = scrape_until(server, lambda s: delta(before, s, "pagoda:request_aborted_total") == 1
                        and delta(before, s, "vllm:request_success_total", finished_reason="abort") == 1
                        and s.value("vllm:num_requests_running") == 0 and s.value("vllm:kv_cache_usage_perc") == 0)
     assert delta(before, after, "pagoda:request_aborted_total") == 1

@@ -12,9 +12,9 @@ import threading
 import time
 from pathlib import Path
 
+from api_proc.bench.local_server import PagodaServer, free_port, http, wait_until
 from api_proc.client import EngineClient
 from api_proc.sd_notify import Notifier, SystemdService, watchdog_period
-from api_proc.bench.local_server import PagodaServer, free_port, http, wait_until
 
 
 class NotifySocket:
@@ -42,12 +42,7 @@ class NotifySocket:
         return [line for _, line in self.received[start:]]
 
     def wait_for(self, line: str, timeout: float, start: int = 0) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if line in self.lines(start):
-                return True
-            time.sleep(0.05)
-        return False
+        return wait_until(lambda: line in self.lines(start), timeout)
 
     def seconds_since_last(self, line: str) -> float:
         times = [t for t, received in self.received if received == line]

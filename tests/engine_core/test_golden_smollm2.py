@@ -64,6 +64,17 @@ def hf_reference(hf_model, prompts):
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
 
+def test_hf_reference_stops_at_eos_only_when_asked_and_leaves_the_model_as_it_was(hf_model, tokenizer):
+    prompt = tokenizer.encode("The capital of France is")  # greedy, it ends by EOS well before 64 tokens
+    config = hf_model.generation_config.to_dict()
+    stopped = hf_greedy(hf_model, prompt, NEW_TOKENS)
+    assert len(stopped) < NEW_TOKENS and stopped[-1] == hf_model.generation_config.eos_token_id
+    full = hf_greedy(hf_model, prompt, NEW_TOKENS, stop_at_eos=False)
+    assert len(full) == NEW_TOKENS and full[:len(stopped)] == stopped
+    assert hf_model.generation_config.to_dict() == config  # the session's model is shared by later tests
+    assert hf_greedy(hf_model, prompt, NEW_TOKENS) == stopped
+
+
 def _generate(llm: LLM, prompts, one_at_a_time: bool = False) -> list[list[int]]:
     batches = [[p] for p in prompts] if one_at_a_time else [prompts]
     results = []

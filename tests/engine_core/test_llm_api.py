@@ -71,7 +71,8 @@ def test_bad_requests_are_rejected_and_engine_keeps_working(llm):
     with pytest.raises(ValueError, match="prompt 1"):  # the good first prompt is not left queued
         llm.generate(["fine", {"prompt_token_ids": []}], GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.generate("Hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    still = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(still[0].outputs[0].token_ids) == 4 and still[0].outputs[0].finish_reason == "length"
 
 
 def test_abort_frees_everything(llm):

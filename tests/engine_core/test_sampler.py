@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
 
 from engine_core.request import Request
-from engine_core.sampler import SamplingBatch, apply_penalties, sample as sample_batch
+from engine_core.sampler import SamplingBatch, apply_penalties
+from engine_core.sampler import sample as sample_batch
 from engine_core.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -125,9 +127,44 @@ def test_top_k_1_equals_greedy(llm):
     assert top1 == greedy
 
 
-def test_repetition_penalty_changes_greedy_output(llm):
-    prompt = "one two one two one two one two"
-    plain = _tokens(llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False))[0]
-    penal = _tokens(llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.8),
-                                 use_tqdm=False))[0]
-    assert plain != penal
+def penalized_by_definition(logits: torch.Tensor, prompt: list[int], outputs: list[int], repetition_penalty=1.0,
+                            presence_penalty=0.0, frequency_penalty=0.0) -> torch.Tensor:
+    """One row of logits penalised token by token, as vLLM defines the penalties: every token seen in the
+    prompt or the output has a positive logit divided by `repetition_penalty`, a negative one multiplied
+    by it; then (OpenAI's presence and frequency penalties) every token of the output loses
+    `presence_penalty` once and `frequency_penalty` per occurrence."""
+    out = logits.clone()
+    for token in set(prompt) | set(outputs):
+        value = out[token].item()
+        out[token] = value / repetition_penalty if value > 0 else value * repetition_penalty
+    for token, count in Counter(outputs).items():
+        out[token] -= presence_penalty + frequency_penalty * count
+    return out
+
+
+@pytest.mark.parametrize("penalties", [
+    {"repetition_penalty": 1.8}, {"presence_penalty": 1.0}, {"frequency_penalty": 0.5},
+    {"repetition_penalty": 0.9, "presence_penalty": 0.5, "frequency_penalty": 0.5}])
+def test_penalized_greedy_output_follows_the_definitions(llm, hf_model, tokenizer, penalties):
+    """Each greedy token under penalties is the argmax of the model's logits penalised by the definitions
+    above (the logits from HF transformers, fp32, as the golden tests compare), and the penalties did
+    decide tokens: the unpenalised argmax differs at some step."""
+    prompt = tokenizer.encode("one two one two one two one two")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, **penalties)
+    penalized = _tokens(llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False))[0]
+    assert len(penalized) == 12
+    if "presence_penalty" in penalties or "frequency_penalty" in penalties:
+        # some output token repeats: presence (once per token) and frequency (per occurrence) differ
+        assert max(Counter(penalized).values()) > 1, tokenizer.decode(penalized)
+    with torch.no_grad():  # row i: the logits the i-th output token was chosen from
+        logits = hf_model(torch.tensor([prompt + penalized])).logits[0, len(prompt) - 1:-1].float()
+    decided = 0
+    for i, token in enumerate(penalized):
+        expected = penalized_by_definition(logits[i], prompt, penalized[:i], **penalties)
+        request = Request("r", prompt, params, eos_token_ids=frozenset({2}))
+        for t in penalized[:i]:
+            request.append_token(t)
+        torch.testing.assert_close(apply_penalties(logits[i:i + 1].clone(), [request])[0], expected)
+        assert expected.argmax().item() == token, (i, tokenizer.decode([token]), tokenizer.decode([expected.argmax()]))
+        decided += logits[i].argmax().item() != token
+    assert decided > 0, "the penalties changed no token: this prompt cannot tell them from none"
