@@ -17,7 +17,7 @@ import os
 import threading
 import uuid
 import weakref
-from typing import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 
 import zmq
 import zmq.asyncio

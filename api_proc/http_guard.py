@@ -25,8 +25,16 @@ from dataclasses import dataclass, field
 
 import msgspec
 from aiohttp import web, web_protocol
-from aiohttp.http_exceptions import (BadHttpMethod, ContentEncodingError, ContentLengthError, HttpProcessingError,
-                                     InvalidHeader, InvalidURLError, LineTooLong, TransferEncodingError)
+from aiohttp.http_exceptions import (
+    BadHttpMethod,
+    ContentEncodingError,
+    ContentLengthError,
+    HttpProcessingError,
+    InvalidHeader,
+    InvalidURLError,
+    LineTooLong,
+    TransferEncodingError,
+)
 
 logger = logging.getLogger("pagoda.http")
 LOG_INTERVAL = 10.0  # seconds between two log lines about the same kind of bad request
@@ -54,7 +62,7 @@ class HttpGuard:
     _last_logged: dict[str, float] = field(default_factory=dict)
     _suppressed: dict[str, int] = field(default_factory=dict)
 
-    def admit(self, connection: "GuardedRequestHandler") -> bool:
+    def admit(self, connection: GuardedRequestHandler) -> bool:
         """Room for a new connection. At the cap, the connection that has waited longest for its next
         request (an idle keep-alive one, or one whose request head is still arriving) is closed to make
         room, as nginx does; when every connection is busy with a request, the new one is refused."""
@@ -230,7 +238,7 @@ class GuardedServer(web.Server):
     guard: HttpGuard
 
     @classmethod
-    def wrapping(cls, server: web.Server, guard: HttpGuard) -> "GuardedServer":
+    def wrapping(cls, server: web.Server, guard: HttpGuard) -> GuardedServer:
         guarded = cls.__new__(cls)
         guarded.__dict__.update(server.__dict__)  # the app's handler, request factory and settings
         guarded.guard = guard

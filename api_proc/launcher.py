@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
-from engine_core.lifecycle import ChildLink, Command, Report, Role
 from engine_core.identity import DEFAULT_SERVED_MODEL_NAME
+from engine_core.lifecycle import ChildLink, Command, Report, Role
 
 logger = logging.getLogger("pagoda.serve")
 _START_TIMEOUT_S = 600.0

@@ -17,12 +17,11 @@ from aiohttp import web
 
 from api_proc.auth import AuthPolicy
 from api_proc.client import AsyncEngineClient, EngineError
+from api_proc.http_guard import ClosingResponse
 from api_proc.metrics import count_rejected, count_timed_out
 from api_proc.metrics import install as install_metrics
 from api_proc.middleware import CorsSettings, auth_middleware, install_cors, preflight_middleware
-from api_proc.openai_format import (Choice, CompletionLogprobs, chat_logprobs, envelope, finish_reason, new_id,
-                                    usage)
-from api_proc.http_guard import ClosingResponse
+from api_proc.openai_format import Choice, CompletionLogprobs, chat_logprobs, envelope, finish_reason, new_id, usage
 from api_proc.openai_schema import MAX_N, ApiError, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from api_proc.request_body import decode_json, read_body
 from api_proc.request_log import RequestRecord, logged, observed
@@ -108,7 +107,7 @@ async def openai_errors(request: web.Request, handler):
     except asyncio.TimeoutError:  # (TimeoutError's alias from Python 3.11)
         return error_response(ApiError(503, "The tokenizer process did not answer in time.",
                                        error_type="server_error", code="timeout"))
-    except Exception as exc:  # noqa: BLE001 - a bug must still answer in OpenAI's shape, not plain text
+    except Exception as exc:
         logger.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(ApiError(500, f"Internal server error: {type(exc).__name__}",
                                        error_type="server_error"))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import AsyncIterator
 
 from engine_core.protocol import GenerateDelta
 
@@ -27,7 +27,7 @@ async def merge(streams: list[AsyncIterator[GenerateDelta]]) -> AsyncIterator[tu
                 async for delta in stream:
                     queue.put_nowait((index, delta))
             queue.put_nowait(_DONE)
-        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+        except Exception as exc:
             queue.put_nowait(exc)
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]

@@ -76,15 +76,17 @@ async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
         if not done.done():
             done.set_result(1)
 
+    tasks: set[asyncio.Task] = set()
+
     def on_command(command: Command) -> None:
         if command is Command.SERVE:
             server.serving = True
             if link is not None:  # /health can answer 200 from now on; the parent's READY=1 waits for this
                 link.send(Report.SERVING)
         elif command is Command.DRAIN:
-            loop.create_task(drain_then_exit())
+            tasks.add(loop.create_task(drain_then_exit()))  # held: the loop keeps only weak references
         elif command is Command.FAIL:
-            loop.create_task(fail_then_exit())
+            tasks.add(loop.create_task(fail_then_exit()))
 
     if link is not None:
         link.watch(lambda command: loop.call_soon_threadsafe(on_command, command))

@@ -17,11 +17,10 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-
 from api_proc.bench.datasets import random_requests
+from api_proc.bench.local_server import PagodaServer
 from api_proc.bench.metrics import summarize
 from api_proc.bench.runner import run_serve
-from api_proc.bench.local_server import PagodaServer
 
 
 def measure_server(url: str, requests, concurrency: int, model: str | None) -> dict:
@@ -34,10 +33,10 @@ def measure_server(url: str, requests, concurrency: int, model: str | None) -> d
 
 def measure_hf(requests, batch_size: int) -> dict:
     import torch
+    from throughput import run_hf
     from transformers import AutoModelForCausalLM
 
     from engine_core.default_model import ensure_default_model
-    from throughput import run_hf
 
     model = AutoModelForCausalLM.from_pretrained(str(ensure_default_model()), dtype=torch.float32).eval()
     work = [(r.prompt, r.output_len) for r in requests]

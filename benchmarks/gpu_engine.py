@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-
 import torch
 
 from engine_core.config import EngineConfig
@@ -95,7 +94,7 @@ def cmd_throughput(args) -> dict:
     tokens, seconds = run(core, batch, args.output_len)
     generated = sum(map(len, tokens))
     single, single_seconds = run(core, random_prompts(1, 128, vocab, seed=2), args.output_len)
-    first_token, _ = run(core, random_prompts(1, 128, vocab, seed=2), 1)
+    _first_token, _ = run(core, random_prompts(1, 128, vocab, seed=2), 1)
     weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
     return {"graphs": not args.enforce_eager and core.runner.decode_graphs is not None,
             "batch": {"requests": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,

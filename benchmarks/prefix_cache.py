@@ -13,7 +13,6 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-
 from api_proc.bench.datasets import prefix_requests
 from api_proc.bench.local_server import PagodaServer, http
 from api_proc.bench.metrics import summarize

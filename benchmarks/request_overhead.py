@@ -24,9 +24,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
 from api_proc.bench.local_server import MODEL_NAME, PagodaServer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 KINDS = {
     "completion, short": ("/v1/completions", {"prompt": "The capital of France is"}),

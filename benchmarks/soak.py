@@ -25,7 +25,6 @@ from pathlib import Path
 
 import aiohttp
 
-
 from api_proc.bench.local_server import MODEL_NAME, PagodaServer, process_names, rss_bytes
 
 KEY = "soak-key-0123456789"
@@ -123,9 +122,8 @@ async def run(url: str, kinds: list[str], concurrency: int, seed: int, deadline:
 async def engine_state(url: str) -> dict[str, float]:
     """Running / waiting requests and KV usage, from /metrics (the engine's own step stats)."""
     wanted = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
-    async with aiohttp.ClientSession() as session:
-        async with session.get(url + "/metrics") as response:
-            text = await response.text()
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+        text = await response.text()
     values = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]

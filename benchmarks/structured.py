@@ -22,9 +22,8 @@ import json
 import statistics
 import time
 
-
-from engine_core.tokenizer import encode_chat
 from engine_core import LLM, SamplingParams, StructuredOutputsParams
+from engine_core.tokenizer import encode_chat
 
 ITEM = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
                                          "name": {"type": "string", "maxLength": 16},

@@ -18,7 +18,6 @@ import argparse
 import random
 import time
 
-
 import torch
 
 from engine_core.llm import LLM
@@ -115,7 +114,7 @@ def matmul_bound(llm: LLM, batch_sizes=(1, 64)) -> dict:
     for bs in batch_sizes:
         xs = {n: torch.randn(bs, n) for n in {h, q, i}}
 
-        def step():
+        def step(xs=xs):
             for w in weights:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
             torch.nn.functional.linear(xs[h], lm_head)

@@ -11,7 +11,7 @@ being reported.
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.process_collector import ProcessCollector

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.metrics import SampleTiming
 from detok_proc.prompt_size import PromptTooLong, encode_within
-from engine_core.tokenizer import render_chat
 from engine_core import protocol
+from engine_core.tokenizer import render_chat
 from engine_core.validation import ParamError, check_token_ids
 
 
@@ -29,7 +29,7 @@ class RequestInvalid(Exception):
                                      param=self.param, code=self.code, error_type=self.error_type)
 
     @classmethod
-    def of(cls, exc: ParamError) -> "RequestInvalid":
+    def of(cls, exc: ParamError) -> RequestInvalid:
         return cls(str(exc), exc.param)
 
 
@@ -47,7 +47,7 @@ def prompt_token_ids(tokenizer, request: protocol.PromptRequest, vocab_size: int
                                    chat_template_kwargs=chat.chat_template_kwargs, tools=chat.tools)
             except ParamError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - jinja raises many kinds; all are the client's input
+            except Exception as exc:
                 raise RequestInvalid(f"the chat template could not render these messages: {exc}", param) from exc
             # The template already holds any BOS/special tokens: do not add them again.
             ids = encode_within(tokenizer, text, token_limit, add_special_tokens=False)
@@ -135,7 +135,7 @@ class SampleState:
                 token = packed.sampled_and_top()
                 out.logprobs.append(protocol.TokenLogprob(
                     token_text(token.token_id), token.token_id, token.logprob,
-                    [(token_text(tid), tid, lp) for tid, lp in zip(token.top_ids, token.top_logprobs)]))
+                    [(token_text(tid), tid, lp) for tid, lp in zip(token.top_ids, token.top_logprobs, strict=True)]))
         if self.prompt is not None or self.prompt_tokens is not None:
             out.prompt, out.prompt_tokens = self.prompt, self.prompt_tokens
             self.prompt = self.prompt_tokens = None

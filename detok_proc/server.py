@@ -27,10 +27,10 @@ from detok_proc.limits import FrontendLimits
 from detok_proc.metrics import DetokMetrics
 from detok_proc.requests import RequestInvalid, SampleState, check_context, check_request_options
 from detok_proc.tokenizing import PromptTokenizer
-from engine_core.tokenizer import load_tokenizer
 from engine_core import protocol
 from engine_core.json_limits import depth_message
 from engine_core.lifecycle import ParentLink, Report, Role, init_child_process
+from engine_core.tokenizer import load_tokenizer
 from engine_core.validation import ParamError, check_token_ids
 from engine_core.zmq_security import CurveConfig
 
@@ -140,7 +140,7 @@ class DetokProc:
         """One client's bad luck (a tokenizer error, a malformed buffer) must not end the process."""
         try:
             self._handle_frontend(client, frame)
-        except Exception as exc:  # noqa: BLE001 - answered as a server error, the loop goes on
+        except Exception as exc:
             self._failed(client, _peek_request_id(frame), exc)
 
     def _failed(self, client: bytes, request_id: str, exc: Exception) -> None:
@@ -181,7 +181,7 @@ class DetokProc:
             except RequestInvalid as exc:
                 self._abort(identity, [request_id])
                 self._reply(identity, exc.to_message(request_id))
-            except Exception as exc:  # noqa: BLE001 - answered as a server error, the loop goes on
+            except Exception as exc:
                 self._failed(identity, request_id, exc)
 
     def _admit(self, key: tuple[bytes, str], request: protocol.GenerateRequest, ids: list[int],
@@ -319,7 +319,7 @@ class DetokProc:
                 continue
             try:
                 out = sample.delta(delta, self._token_text)
-            except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode: end this one only
+            except Exception as exc:
                 logger.exception("detokenizing request %s failed", sample.client_request_id)
                 self._abort(sample.identity, [sample.client_request_id])
                 self._reply(sample.identity, protocol.RequestError(

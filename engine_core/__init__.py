@@ -5,7 +5,7 @@ Kept lazy on purpose: `api_proc` and `detok_proc` import `engine_core.protocol` 
 
 from typing import TYPE_CHECKING
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
     from engine_core.llm import LLM

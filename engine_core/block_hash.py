@@ -9,7 +9,7 @@ this scale. Equal hashes therefore mean equal token prefixes, so equal K/V.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import msgspec
 

@@ -30,7 +30,7 @@ _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "fl
            "half": "float16"}
 
 
-def resolve_dtype(name: str, device: "torch.device") -> "torch.dtype":
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """'auto' = float32 on the CPU (the fast dtype there), bfloat16 on CUDA."""
     import torch
 
@@ -71,7 +71,7 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
-    def torch_device(self) -> "torch.device":
+    def torch_device(self) -> torch.device:
         import torch
 
         if self.device == "auto":

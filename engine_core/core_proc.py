@@ -145,7 +145,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
             link.send(Report.READY, seconds=round(time.monotonic() - started, 2),
                       num_blocks=proc.engine.runner.num_blocks, max_model_len=proc.engine.max_model_len)
         proc.run()
-    except Exception as exc:  # noqa: BLE001 - report any failure to the clients, then exit non-zero
+    except Exception as exc:
         logger.exception("engine core failed")
         proc._send(protocol.EngineDead(f"{type(exc).__name__}: {exc}"))
         proc.close()

@@ -8,7 +8,7 @@ the last prompt token is always computed, because its logits are needed.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from engine_core.block_hash import extend_block_hashes
 from engine_core.block_pool import BlockPool, KVCacheBlock

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import fields
-from typing import Sequence, Union, cast
+from typing import cast
 
 from tqdm import tqdm
 
-from engine_core.tokenizer import encode_chat, load_tokenizer
 from engine_core.config import EngineConfig, parse_size
 from engine_core.engine import EngineCore
 from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
 from engine_core.protocol import FinishReason, TokenLogprobs
 from engine_core.sampling_params import SamplingParams
+from engine_core.tokenizer import encode_chat, load_tokenizer
 
-PromptType = Union[str, dict]
+PromptType = str | dict
 
 _CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
 
@@ -88,7 +89,7 @@ class LLM:
     def _run(self, encoded, params_list, use_tqdm: bool, salts=None) -> list[RequestOutput]:
         slots: dict[str, tuple[int, int]] = {}
         try:
-            for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list)):
+            for index, ((_, token_ids), params) in enumerate(zip(encoded, params_list, strict=True)):
                 for sample in range(params.n):
                     child = params.for_sample(sample)  # n > 1 becomes n sibling requests
                     request_id = f"{next(self._ids)}"
@@ -119,7 +120,7 @@ class LLM:
             for request_id in slots.keys() - reasons.keys():
                 self.engine.abort_request(request_id)
         results = [RequestOutput(str(i), prompt, ids, [])
-                   for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list))]
+                   for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list, strict=True))]
         for rid, (index, sample) in slots.items():  # in (prompt, sample) order, as they were added
             params = params_list[index]
             if sample == 0:
@@ -139,7 +140,7 @@ class LLM:
             token = packed.sampled_and_top()
             cumulative += token.logprob
             entry = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
-                     for rank, (tid, lp) in enumerate(zip(token.top_ids, token.top_logprobs))}
+                     for rank, (tid, lp) in enumerate(zip(token.top_ids, token.top_logprobs, strict=True))}
             if token.token_id not in entry:
                 entry[token.token_id] = Logprob(token.logprob, None, self.tokenizer.decode([token.token_id]))
             per_token.append(entry)

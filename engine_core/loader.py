@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported lazily: resolving a model directory must not load torch
@@ -48,18 +47,18 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: Path) -> Iterator[tuple[str, "torch.Tensor"]]:
+def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every shard; tensors are memory-mapped, one at a time."""
     from safetensors import safe_open
 
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: Path, model_cfg, dtype: "torch.dtype", device: "torch.device",
-               load_format: str = "auto") -> "LlamaForCausalLM":
+def load_model(model_dir: Path, model_cfg, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto") -> LlamaForCausalLM:
     import torch
 
     from engine_core.models import model_class

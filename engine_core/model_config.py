@@ -29,7 +29,7 @@ class ModelConfig:
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         model_dir = Path(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         archs = cfg.get("architectures") or []

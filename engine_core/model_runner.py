@@ -15,6 +15,7 @@ import torch
 
 from engine_core.config import EngineConfig, resolve_dtype
 from engine_core.cuda_graphs import DecodeGraphs
+from engine_core.environment import configure_kernels
 from engine_core.gpu_memory import profile_gpu_memory
 from engine_core.layers.attention import AttentionMetadata
 from engine_core.loader import load_model
@@ -23,7 +24,6 @@ from engine_core.protocol import TokenLogprobs
 from engine_core.request import Request
 from engine_core.sampler import SamplingBatch, sample
 from engine_core.scheduler import SchedulerOutput
-from engine_core.environment import configure_kernels
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024 ** 3
@@ -133,11 +133,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         sampling_requests = [r for r, _ in sampling]
         out = sample(logits, SamplingBatch.from_requests(sampling_requests, self.model_cfg.vocab_size))
-        sampled = {r.request_id: t for r, t in zip(sampling_requests, out.token_ids)}
-        logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, out.logprobs) if lp is not None}
+        sampled = {r.request_id: t for r, t in zip(sampling_requests, out.token_ids, strict=True)}
+        logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, out.logprobs, strict=True) if lp is not None}
         return StepResult(sampled, logprobs)
 
-    def to_device(self, step: "StepInputs") -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         meta = AttentionMetadata(
             slot_mapping=to(step.slot_mapping), num_decodes=step.num_decodes, seq_lens=to(step.seq_lens),
@@ -167,7 +167,7 @@ def _prepare(requests: list[Request], counts: list[int], block_size: int) -> Ste
     max_blocks = max(len(r.block_ids) for r in requests)
     block_tables = np.zeros((len(requests), max_blocks), dtype=np.int64)
     offset = 0
-    for i, (request, n) in enumerate(zip(requests, counts)):
+    for i, (request, n) in enumerate(zip(requests, counts, strict=True)):
         end = request.num_computed_tokens  # already advanced by the scheduler
         start = end - n
         token_ids[offset:offset + n] = request.all_token_ids[start:end]

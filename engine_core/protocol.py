@@ -12,7 +12,7 @@ fast. msgpack only: nothing is ever pickled.
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -50,7 +50,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Finish nothing more: exit the loop now (draining is the caller's decision)."""
 
 
-EngineInput = Union[AddRequest, AbortRequests, ResetPrefixCache, Shutdown]
+EngineInput = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
 
 # ---- out of the engine core --------------------------------------------------------------------
 
@@ -85,7 +85,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     logprobs: bytes  # float32 [1 + k]
 
     @classmethod
-    def pack(cls, token_ids, logprobs) -> "TokenLogprobs":
+    def pack(cls, token_ids, logprobs) -> TokenLogprobs:
         return cls(np.asarray(token_ids, dtype=np.int32).tobytes(), np.asarray(logprobs, dtype=np.float32).tobytes())
 
     def unpack(self) -> tuple[list[int], list[float]]:
@@ -157,7 +157,7 @@ class PrefixCacheReset(msgspec.Struct, tag="prefix_cache_reset", array_like=True
     num_blocks: int  # cached blocks forgotten
 
 
-EngineOutput = Union[StepOutputs, RequestRejected, EngineReady, EngineDead, PrefixCacheReset]
+EngineOutput = StepOutputs | RequestRejected | EngineReady | EngineDead | PrefixCacheReset
 
 # ---- frontend: clients -> detok_proc ------------------------------------------------------------
 
@@ -200,7 +200,7 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True, omit_default
 
 # The requests that carry a prompt to tokenize (detok_proc/requests.py prompt_token_ids): both have
 # `prompt`, `messages`, `chat` and `add_special_tokens`; only a GenerateRequest has `prompt_tokens`.
-PromptRequest = Union[GenerateRequest, TokenizeRequest]
+PromptRequest = GenerateRequest | TokenizeRequest
 
 
 class DetokenizeRequest(msgspec.Struct, tag="detokenize"):
@@ -232,8 +232,7 @@ class ApiWorkerStats(msgspec.Struct, tag="api_stats", kw_only=True):
     timed_out: int = 0  # requests ended by the server's request timeout
 
 
-FrontendRequest = Union[GenerateRequest, AbortRequest, TokenizeRequest, DetokenizeRequest, HealthQuery,
-                        ResetPrefixCacheRequest, MetricsQuery, ApiWorkerStats]
+FrontendRequest = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | HealthQuery | ResetPrefixCacheRequest | MetricsQuery | ApiWorkerStats
 
 # ---- frontend: detok_proc -> clients ------------------------------------------------------------
 
@@ -313,8 +312,7 @@ class MetricsReport(msgspec.Struct, tag="metrics"):
     text: bytes  # Prometheus text exposition format
 
 
-FrontendResponse = Union[GenerateOutputs, RequestError, TokenizeResult, DetokenizeResult, HealthReport,
-                         PrefixCacheResetResult, MetricsReport]
+FrontendResponse = GenerateOutputs | RequestError | TokenizeResult | DetokenizeResult | HealthReport | PrefixCacheResetResult | MetricsReport
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

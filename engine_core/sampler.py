@@ -34,7 +34,7 @@ class SamplingBatch:
     grammars: dict[int, RequestGrammar]  # row -> the grammar to mask it by (structured output)
 
     @classmethod
-    def from_requests(cls, requests: list[Request], vocab_size: int) -> "SamplingBatch":
+    def from_requests(cls, requests: list[Request], vocab_size: int) -> SamplingBatch:
         params = [r.params for r in requests]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         all_greedy = all(p.temperature == 0.0 for p in params)

@@ -67,7 +67,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
 
-    def for_sample(self, index: int) -> "SamplingParams":
+    def for_sample(self, index: int) -> SamplingParams:
         """The parameters of sample `index` of an n > 1 request, which runs as its own engine request:
         n=1, and a seeded request's i-th sample uses seed + i (wrapping within the seed range), so
         the samples differ from each other and each is reproducible."""

@@ -106,7 +106,7 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        for request, n in zip(out.requests, out.num_scheduled_tokens):
+        for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
             request.num_computed_tokens += n  # advanced now, so the next schedule plans the next chunk
             self.kv.cache_full_blocks(request)  # their K/V are written in this step, before any reader
         return out

@@ -12,8 +12,8 @@ environment.py), since this package reads no environment of its own.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -50,7 +50,7 @@ def _triton(name: str) -> Callable:
     return getattr(attention, name, None) or getattr(layers, name)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _resolve(name: str, device_type: str) -> Callable:
     if device_type == "cuda" and _enabled["cuda"]:
         return _triton(name)

@@ -12,7 +12,7 @@ def run_engine(engine, prompts: list[list[int]], params: SamplingParams | list[S
     """Add every prompt, step until all finish; return each request's generated token ids."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
     ids = [f"req-{i}" for i in range(len(prompts))]
-    for rid, prompt, p in zip(ids, prompts, params_list):
+    for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
         engine.add_request(rid, prompt, p)
     outputs = {rid: [] for rid in ids}
     while engine.has_unfinished_requests():

@@ -50,9 +50,9 @@ def _tokenizer(args):
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from api_proc.bench.datasets import as_text
     from api_proc.bench.metrics import format_report, parse_goodput, summarize
     from api_proc.bench.runner import run_serve, save_result
-    from api_proc.bench.datasets import as_text
 
     slo = parse_goodput(args.goodput)
     tokenizer = _tokenizer(args)

@@ -6,6 +6,7 @@ client process keeps up with hundreds of concurrent streams.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -51,7 +52,7 @@ class RequestResult:
 
     @property
     def itl(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+        return [b - a for a, b in itertools.pairwise(self.chunk_times)]
 
     @property
     def tpot(self) -> float | None:

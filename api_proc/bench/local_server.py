@@ -92,7 +92,7 @@ class PagodaServer:
         env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_root)}
         if source_dir is not None:
             env["PYTHONPATH"] = str(source_dir)
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes to it until stop()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "api_proc.cli", "serve", "--port", str(self.port), "--kv-cache-memory",
              "256MiB", "--frontend", self.frontend, *extra_args],

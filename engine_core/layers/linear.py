@@ -13,7 +13,6 @@ to 2.7x at 16. The plain weight is then released, unless another module reads it
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -5,7 +5,8 @@ They differ only in switches read from the config: QKV bias, per-head q/k RMSNor
 
 from __future__ import annotations
 
-from typing import Iterable, cast
+from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn

@@ -25,7 +25,7 @@ _PROGRAMS_PER_SM = 2  # decode aims at this many programs per SM (it is memory-b
 _NUM_WARPS = 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -190,13 +190,13 @@ def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_
     d_mask = d < head_dim
     part = (seq * num_heads + head) * num_splits + s
     m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    row_sum = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * head_dim + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
                   other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty (seq_len 0): all weights 0
     weight = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
-    denom = tl.sum(weight * l, 0)
+    denom = tl.sum(weight * row_sum, 0)
     o = tl.sum(weight[:, None] * acc, 0) / tl.where(denom > 0, denom, 1.0)  # seq_len 0 -> zeros
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -308,7 +308,7 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     already in the cache. `query` `[T, H, D]` -> `[T, H, D]` (into `out` if given). Reads
     `query_start_loc` and `seq_lens` on the host to size the grid (a sync: prefill runs eagerly)."""
     query, out, shape = _attention_inputs(query, key_cache, value_cache, out)
-    num_tokens, num_heads, head_dim, block_size, num_kv_heads, group = shape
+    _num_tokens, _num_heads, head_dim, block_size, num_kv_heads, group = shape
     block_m = max(64, triton.next_power_of_2(group))
     tokens_per_tile = block_m // group
 

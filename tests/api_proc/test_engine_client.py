@@ -41,7 +41,7 @@ def test_token_ids_equal_the_offline_engine(direct, default_model_dir):
 
     prompts = ["The capital of Italy is", "def fibonacci(n):"]
     offline = LLM(str(default_model_dir), kv_cache_memory="128MiB").generate(prompts, GREEDY, use_tqdm=False)
-    for prompt, expected in zip(prompts, offline):
+    for prompt, expected in zip(prompts, offline, strict=True):
         text, tokens, deltas = _collect(direct.generate(prompt, GREEDY, timeout=60))
         assert tokens == expected.outputs[0].token_ids and text == expected.outputs[0].text
         assert deltas[-1].num_output_tokens == len(tokens)

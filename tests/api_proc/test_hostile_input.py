@@ -406,9 +406,9 @@ def test_every_generation_request_leaves_a_log_line(server):
 def test_a_request_that_fails_is_logged_as_500(caplog):
     from api_proc.request_log import RequestRecord, logged
 
-    with caplog.at_level("INFO", logger="pagoda.requests"), pytest.raises(RuntimeError):
-        with logged(RequestRecord("cmpl-1", "completions")):
-            raise RuntimeError("a bug")
+    with caplog.at_level("INFO", logger="pagoda.requests"), pytest.raises(RuntimeError), \
+            logged(RequestRecord("cmpl-1", "completions")):
+        raise RuntimeError("a bug")
     assert [r.fields["status"] for r in caplog.records] == [500]
 
 

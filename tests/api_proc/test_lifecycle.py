@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -107,7 +108,7 @@ def test_kill_9_of_the_parent_leaves_nothing_behind(tmp_path):
     server.process.kill()
     server.process.wait()
     assert wait_until(lambda: not any(alive(pid) for pid in children), 2.0), \
-        [open(f"/proc/{p}/comm").read() for p in children if alive(p)]
+        [Path(f"/proc/{p}/comm").read_text() for p in children if alive(p)]
     assert wait_until(lambda: server.runtime_dirs() == [], 1.0)
     assert not (tmp_path / "frontend.sock").exists()
     server.stop()
@@ -136,7 +137,7 @@ def test_stalled_engine_turns_health_503(tmp_path):
     try:
         os.kill(engine, signal.SIGSTOP)
         assert wait_until(lambda: http("GET", server.base_url + "/health")[0] == 503, 6.0, 0.2)
-        status, body = http("GET", server.base_url + "/health")
+        _status, body = http("GET", server.base_url + "/health")
         assert "stalled" in body["message"]
     finally:
         os.kill(engine, signal.SIGCONT)
@@ -153,7 +154,7 @@ def test_disconnects_free_the_request_and_curve_tcp_frontend(tmp_path):
     server = PagodaServer(tmp_path, "--api-workers", "2", "--frontend", f"tcp://127.0.0.1:{tcp_port}",
                           "--curve-keys", str(keys))
     try:
-        assert len([p for p in server.children() if open(f"/proc/{p}/comm").read().strip() == "pagoda-api"]) == 2
+        assert len([p for p in server.children() if Path(f"/proc/{p}/comm").read_text().strip() == "pagoda-api"]) == 2
         direct = EngineClient(f"tcp://127.0.0.1:{tcp_port}",
                               curve=(str(keys / "server.key"), str(keys / "client.key_secret")))
         deltas = list(direct.generate("Hi", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), timeout=30))

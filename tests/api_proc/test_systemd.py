@@ -33,7 +33,7 @@ class NotifySocket:
         while not self._closed:
             try:
                 datagram = self.sock.recv(4096)
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             now = time.monotonic()
             self.received += [(now, line) for line in datagram.decode().split("\n") if line]
@@ -67,7 +67,7 @@ def test_notifier_protocol_path_abstract_and_unset(tmp_path):
         listener = NotifySocket(address)
         try:
             assert Notifier(address).send("READY=1", "STATUS=serving")
-            assert wait_until(lambda: listener.lines() == ["READY=1", "STATUS=serving"], 5.0)
+            assert wait_until(lambda listener=listener: listener.lines() == ["READY=1", "STATUS=serving"], 5.0)
         finally:
             listener.close()
     assert not Notifier(None).send("READY=1")

@@ -36,7 +36,7 @@ def _cuts(text: str, rng: random.Random) -> list[list[str]]:
     pieces = []
     for _ in range(20):
         points = sorted(rng.sample(range(1, len(text)), rng.randrange(1, 12)))
-        pieces.append([text[a:b] for a, b in zip([0] + points, points + [len(text)])])
+        pieces.append([text[a:b] for a, b in zip([0] + points, points + [len(text)], strict=True)])
     return [[text], list(text)] + pieces
 
 

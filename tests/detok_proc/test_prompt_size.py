@@ -7,8 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detok_proc.prompt_size import (PROBE_BYTES_PER_TOKEN, PromptTooLong, check_length_bound, encode_within,
-                                    longest_token_bytes, prompt_bytes, text_bytes)
+from detok_proc.prompt_size import (
+    PROBE_BYTES_PER_TOKEN,
+    PromptTooLong,
+    check_length_bound,
+    encode_within,
+    longest_token_bytes,
+    prompt_bytes,
+    text_bytes,
+)
 from engine_core import protocol
 from engine_core.sampling_params import SamplingParams
 

@@ -58,7 +58,8 @@ def test_padded_decode_buffers_give_the_eager_tokens(default_model_dir, tokenize
             engine.runner.enable_decode_graphs(engine.max_model_len, capture=False)
             padded_sizes = []
             run = engine.runner.decode_graphs.run
-            engine.runner.decode_graphs.run = lambda ids, *a: (padded_sizes.append(len(ids)), run(ids, *a))[1]
+            engine.runner.decode_graphs.run = lambda ids, *a, sizes=padded_sizes, run=run: (
+                sizes.append(len(ids)), run(ids, *a))[1]
         results.append(_run_staggered(engine, prompts, max_tokens))
     assert [len(r) for r in results[1]] == max_tokens
     assert results[1] == results[0]

@@ -87,8 +87,8 @@ def _generate(llm: LLM, prompts, one_at_a_time: bool = False) -> list[list[int]]
 
 
 def _assert_same(ours, reference):
-    for i, (a, b) in enumerate(zip(ours, reference)):
-        assert a == b, f"prompt {i}: first difference at token {next(j for j, (x, y) in enumerate(zip(a + [-1], b + [-2])) if x != y)}"
+    for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
+        assert a == b, f"prompt {i}: first difference at token {next(j for j, (x, y) in enumerate(zip(a + [-1], b + [-2], strict=False)) if x != y)}"
 
 
 def test_one_at_a_time(default_model_dir, prompts, hf_reference):

@@ -53,7 +53,7 @@ def test_n_samples_and_logprobs(llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     for completion in out.outputs:
         assert len(completion.logprobs) == 8
-        for token, entry in zip(completion.token_ids, completion.logprobs):
+        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
             assert token in entry and all(lp.logprob <= 0 for lp in entry.values())
             ranked = sorted((lp.rank, lp.logprob) for lp in entry.values() if lp.rank is not None)
             assert [r for r, _ in ranked] == [1, 2] and ranked[0][1] >= ranked[1][1]

@@ -96,7 +96,7 @@ def test_json_object_and_logprobs_under_a_mask(llm):
     out = llm.chat(ASK, params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)  # (this seed ends at ~50 tokens)
     assert len(out.logprobs) == len(out.token_ids)  # raw logprobs, as without a constraint
-    assert all(entry[token].logprob <= 0.0 for token, entry in zip(out.token_ids, out.logprobs))
+    assert all(entry[token].logprob <= 0.0 for token, entry in zip(out.token_ids, out.logprobs, strict=True))
 
 
 def test_free_requests_greedy_tokens_unchanged_by_constrained_neighbours(llm):

@@ -59,7 +59,7 @@ def test_incomplete_checkpoint_is_refused(tmp_path):
     weights = load_file(str(model_dir / "model.safetensors"))
     del weights["model.layers.1.self_attn.v_proj.weight"]  # one shard of a merged QKV projection
     save_file(weights, str(model_dir / "model.safetensors"))
-    with pytest.raises(ValueError, match="missing weights.*layers.1.self_attn.qkv_proj"):
+    with pytest.raises(ValueError, match=r"missing weights.*layers.1.self_attn.qkv_proj"):
         EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
 
 
@@ -67,7 +67,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     _, model_dir = _build(tmp_path, "llama3")
     config = (model_dir / "config.json").read_text().replace("LlamaForCausalLM", "GPT2LMHeadModel")
     (model_dir / "config.json").write_text(config)
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*not supported"):
         EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
 
 

@@ -42,7 +42,7 @@ def test_paged_prefill_attention_over_prefix(head_dim, block_size, groups, slidi
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     out[:] = ref_attention.paged_prefill_attention(q, kc, vc, bt, qsl, torch.tensor(seq_lens), scale, sliding_window)
-    for b, (n, ql) in enumerate(zip(seq_lens, query_lens)):
+    for b, (n, ql) in enumerate(zip(seq_lens, query_lens, strict=True)):
         ref = naive_attention(q[qsl[b]:qsl[b + 1]], keys[b], values[b], n - ql, scale, sliding_window)
         torch.testing.assert_close(out[qsl[b]:qsl[b + 1]].double(), ref, atol=2e-5, rtol=1e-4)
     assert not out.isnan().any()

@@ -11,15 +11,14 @@ bf16 is tested only for `reshape_and_cache`: the interpreter computes `tl.dot` o
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from kernels.torch_ref import attention as ref  # noqa: E402
-from kernels.triton import attention as tri  # noqa: E402
-from tests.kernels.devices import make_generator  # noqa: E402
+from kernels.torch_ref import attention as ref
+from kernels.triton import attention as tri
+from tests.kernels.devices import make_generator
 
 pytestmark = pytest.mark.usefixtures("on_device")
 
@@ -52,7 +51,7 @@ def make_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim
     value_cache = torch.full_like(key_cache, NAN)
     free = (torch.randperm(total - 1, generator=gen) + 1).tolist()
     block_tables = torch.zeros(len(seq_lens), max(num_blocks) + spare_columns, dtype=torch.long)
-    for b, (n, nb) in enumerate(zip(seq_lens, num_blocks)):
+    for b, (n, nb) in enumerate(zip(seq_lens, num_blocks, strict=True)):
         block_tables[b, :nb] = torch.tensor([free.pop() for _ in range(nb)], dtype=torch.long)
         pos = torch.arange(n)
         slots = block_tables[b, pos // block_size] * block_size + pos % block_size

@@ -17,9 +17,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.torch_ref import layers as ref  # noqa: E402
-from kernels.triton import layers as tri  # noqa: E402
-from tests.kernels.devices import make_generator  # noqa: E402
+from kernels.torch_ref import layers as ref
+from kernels.triton import layers as tri
+from tests.kernels.devices import make_generator
 
 pytestmark = pytest.mark.usefixtures("on_device")
 
@@ -151,7 +151,7 @@ def test_rotary_embedding_in_place_on_fused_qkv_views(dtype, neox, head_dim, rot
     gen = make_generator(head_dim + rot_dim + neox)
     # Ragged positions: three sequences' chunks in one batch, as a mixed prefill/decode step makes them.
     positions = torch.tensor([0, 1, 2, 3, 4, 17, 18, 500, 1023])
-    qkv, q, k, v = fused_qkv(len(positions), 6, 2, head_dim, dtype, gen)
+    qkv, q, k, _v = fused_qkv(len(positions), 6, 2, head_dim, dtype, gen)
     cache = cos_sin_cache(rot_dim, 1024)
     expected_q, expected_k = ref.rotary_embedding(positions, q.clone(), k.clone(), cache, neox)
     original_qkv = qkv.clone()
