@@ -22,8 +22,9 @@ from pathlib import Path
 
 from engine_core.environment import keys_from_environment
 
-USER_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
-                         "/version"})
+USER_ROUTES = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version"}
+)
 ADMIN_ROUTES = frozenset({"/reset_prefix_cache"})
 PROBE_ROUTES = frozenset({"/health", "/metrics"})
 
@@ -50,8 +51,9 @@ class AuthPolicy:
     _encoded: tuple[tuple[bytes, ...], tuple[bytes, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        object.__setattr__(self, "_encoded", (tuple(k.encode() for k in self.api_keys),
-                                              tuple(k.encode() for k in self.admin_keys)))
+        object.__setattr__(
+            self, "_encoded", (tuple(k.encode() for k in self.api_keys), tuple(k.encode() for k in self.admin_keys))
+        )
 
     @property
     def enabled(self) -> bool:
@@ -100,6 +102,8 @@ def _matches(token: bytes | None, keys: tuple[bytes, ...]) -> bool:
 
 def _missing_or_wrong(token: bytes | None) -> str:
     if token is None:
-        return ("You didn't provide an API key. You need to provide your API key in an Authorization header "
-                "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+        return (
+            "You didn't provide an API key. You need to provide your API key in an Authorization header "
+            "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+        )
     return "Incorrect API key provided."

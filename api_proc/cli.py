@@ -1,10 +1,10 @@
 """The `pagoda` command line: one entry point, each subcommand adding its own parser.
 
-    pagoda serve [MODEL] [options]        # api_proc/serve_settings.py
-    pagoda bench serve|throughput|latency  # api_proc/bench/cli.py
-    pagoda generate PROMPT [options]       # the offline engine, one prompt
-    pagoda keys DIR                        # CURVE certificates for a tcp:// frontend
-    pagoda download-default                # prepare the default model, print its path
+pagoda serve [MODEL] [options]        # api_proc/serve_settings.py
+pagoda bench serve|throughput|latency  # api_proc/bench/cli.py
+pagoda generate PROMPT [options]       # the offline engine, one prompt
+pagoda keys DIR                        # CURVE certificates for a tcp:// frontend
+pagoda download-default                # prepare the default model, print its path
 """
 
 from __future__ import annotations
@@ -41,23 +41,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     llm = LLM(**asdict(engine_config_from_args(args)))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.sample_seed)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sample_seed,
+    )
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
     else:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     completion = outputs[0].outputs[0]
     print(completion.text)
-    logging.getLogger("pagoda").info("%d tokens, finish_reason=%s, %.1fs since launch",
-                                     len(completion.token_ids), completion.finish_reason,
-                                     time.monotonic() - started)
+    logging.getLogger("pagoda").info(
+        "%d tokens, finish_reason=%s, %.1fs since launch",
+        len(completion.token_ids),
+        completion.finish_reason,
+        time.monotonic() - started,
+    )
     return 0
 
 
 def add_keys_parser(subcommands) -> None:
-    keys = subcommands.add_parser("keys", help="write CURVE certificates for a tcp:// frontend (server, client, "
-                                               "authorized/)")
+    keys = subcommands.add_parser(
+        "keys", help="write CURVE certificates for a tcp:// frontend (server, client, authorized/)"
+    )
     keys.add_argument("directory", help="where to write them (created with mode 0700)")
     keys.set_defaults(func=cmd_keys)
 
@@ -85,8 +94,12 @@ def cmd_download_default(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
-    parser.add_argument("--log-format", default="text", choices=["text", "json"],
-                        help="text lines, or one JSON object per line (every process)")
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="text lines, or one JSON object per line (every process)",
+    )
     subcommands = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(subcommands)
     add_serve_parser(subcommands)

@@ -36,8 +36,10 @@ def parse_args_with_config(parser: argparse.ArgumentParser, argv: list[str] | No
     values = _load(command, path)
     unknown = [key for key in values if _key(key) not in options]
     if unknown:
-        hints = [f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(_key(key), options, 1))
-                 else key for key in unknown]
+        hints = [
+            f"{key} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(_key(key), options, 1)) else key
+            for key in unknown
+        ]
         _error(command, f"{path}: unknown key{'s' if len(unknown) > 1 else ''}: {', '.join(hints)}")
     lists: dict[str, tuple[argparse.Action, list]] = {}  # repeatable flags: applied after parsing
     file_model = None
@@ -79,9 +81,13 @@ def _subparser(parser: argparse.ArgumentParser, command: str | None) -> argparse
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, tuple[argparse.ArgumentParser, argparse.Action]]:
     """Every long flag of `parser` (without dashes) -> (parser, action); `--config` itself excluded."""
-    return {_key(option): (parser, action) for action in parser._actions
-            if not isinstance(action, _NOT_CONFIGURABLE) and action.dest != "config"
-            for option in action.option_strings if option.startswith("--")}
+    return {
+        _key(option): (parser, action)
+        for action in parser._actions
+        if not isinstance(action, _NOT_CONFIGURABLE) and action.dest != "config"
+        for option in action.option_strings
+        if option.startswith("--")
+    }
 
 
 def _load(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
@@ -103,6 +109,7 @@ def _load(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
 
 def _convert(parser: argparse.ArgumentParser, path: str, key: str, action: argparse.Action, value: Any) -> Any:
     """The value argparse would have stored for this flag, from a YAML value."""
+
     def fail(why: str):
         _error(parser, f"{path}: {key}: {why}")
 

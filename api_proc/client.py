@@ -36,18 +36,32 @@ class EngineError(Exception):
         self.param, self.code = error.param, error.code
 
 
-def build_request(request_id: str, prompt: str | None, messages: list[dict] | None,
-                  prompt_token_ids: list[int] | None, params: SamplingParams | None, stop, **options
-                  ) -> protocol.GenerateRequest:
+def build_request(
+    request_id: str,
+    prompt: str | None,
+    messages: list[dict] | None,
+    prompt_token_ids: list[int] | None,
+    params: SamplingParams | None,
+    stop,
+    **options,
+) -> protocol.GenerateRequest:
     if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
         raise ValueError("give exactly one of prompt, messages or prompt_token_ids")
-    chat_options = {k: options.pop(k) for k in ("add_generation_prompt", "continue_final_message",
-                                                 "chat_template_kwargs", "tools") if k in options}
+    chat_options = {
+        k: options.pop(k)
+        for k in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
+        if k in options
+    }
     return protocol.GenerateRequest(
-        request_id=request_id, params=params or SamplingParams(), prompt=prompt, messages=messages,
+        request_id=request_id,
+        params=params or SamplingParams(),
+        prompt=prompt,
+        messages=messages,
         prompt_tokens=None if prompt_token_ids is None else protocol.pack_tokens(prompt_token_ids),
         chat=protocol.ChatOptions(**chat_options) if messages is not None else None,
-        stop=[stop] if isinstance(stop, str) else list(stop or []), **options)
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        **options,
+    )
 
 
 def _socket(ctx: zmq.Context, address: str, curve: tuple[str, str] | None) -> zmq.Socket:
@@ -124,10 +138,17 @@ class AsyncEngineClient:
             raise EngineError(answer)
         return answer
 
-    async def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
-                       messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
-                       stop: str | list[str] | None = None, request_id: str | None = None,
-                       **options) -> AsyncGenerator[protocol.GenerateDelta, None]:
+    async def generate(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        stop: str | list[str] | None = None,
+        request_id: str | None = None,
+        **options,
+    ) -> AsyncGenerator[protocol.GenerateDelta, None]:
         """Deltas of every sample until all `params.n` have finished. Leaving the loop early (break,
         cancellation, a client disconnect upstream) aborts the request in the engine."""
         request_id = request_id or self.new_request_id()
@@ -152,8 +173,15 @@ class AsyncEngineClient:
     def fail_all(self, message: str, status: int = 503) -> None:
         """End every waiting request with an error (the server is going away)."""
         for request_id, queue in self._queues.items():
-            queue.put_nowait(protocol.RequestError(request_id=request_id, status=status, message=message,
-                                                   error_type="server_error", code="server_shutdown"))
+            queue.put_nowait(
+                protocol.RequestError(
+                    request_id=request_id,
+                    status=status,
+                    message=message,
+                    error_type="server_error",
+                    code="server_shutdown",
+                )
+            )
 
     async def reset_prefix_cache(self, timeout: float = 30.0) -> int:
         """Forget every cached prefix; returns the number of cached blocks dropped."""
@@ -171,16 +199,32 @@ class AsyncEngineClient:
         """Send a message that has no answer (ApiWorkerStats) without waiting; call in the event loop."""
         self.socket.send(protocol.encoder.encode(message))  # pyzmq queues it if it cannot go at once
 
-    async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                       add_special_tokens: bool = True, chat: protocol.ChatOptions | None = None,
-                       return_token_strs: bool = False, timeout: float = 30.0) -> protocol.TokenizeResult:
-        return await self._call(protocol.TokenizeRequest(
-            request_id=self.new_request_id(), prompt=prompt, messages=messages, chat=chat,
-            add_special_tokens=add_special_tokens, return_token_strs=return_token_strs), timeout)
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        add_special_tokens: bool = True,
+        chat: protocol.ChatOptions | None = None,
+        return_token_strs: bool = False,
+        timeout: float = 30.0,
+    ) -> protocol.TokenizeResult:
+        return await self._call(
+            protocol.TokenizeRequest(
+                request_id=self.new_request_id(),
+                prompt=prompt,
+                messages=messages,
+                chat=chat,
+                add_special_tokens=add_special_tokens,
+                return_token_strs=return_token_strs,
+            ),
+            timeout,
+        )
 
     async def detokenize(self, token_ids: list[int], timeout: float = 30.0) -> str:
-        result = await self._call(protocol.DetokenizeRequest(self.new_request_id(),
-                                                             protocol.pack_tokens(token_ids)), timeout)
+        result = await self._call(
+            protocol.DetokenizeRequest(self.new_request_id(), protocol.pack_tokens(token_ids)), timeout
+        )
         return result.text
 
     def close(self) -> None:
@@ -229,14 +273,29 @@ class EngineClient:
                 future.cancel()
             raise
 
-    def generate(self, prompt: str | None = None, params: SamplingParams | None = None, *,
-                 messages: list[dict] | None = None, prompt_token_ids: list[int] | None = None,
-                 stop: str | list[str] | None = None, request_id: str | None = None,
-                 timeout: float | None = None, **options) -> Iterator[protocol.GenerateDelta]:
+    def generate(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        stop: str | list[str] | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        **options,
+    ) -> Iterator[protocol.GenerateDelta]:
         """Like `AsyncEngineClient.generate`; `timeout` bounds the wait for each delta (TimeoutError,
         and the request is aborted)."""
-        deltas = self._client.generate(prompt, params, messages=messages, prompt_token_ids=prompt_token_ids,
-                                       stop=stop, request_id=request_id, **options)
+        deltas = self._client.generate(
+            prompt,
+            params,
+            messages=messages,
+            prompt_token_ids=prompt_token_ids,
+            stop=stop,
+            request_id=request_id,
+            **options,
+        )
         waiting = False  # for the next delta; still True after a wait that did not return one
         try:
             while True:
@@ -278,8 +337,9 @@ async def _connect(address: str, curve: tuple[str, str] | None) -> AsyncEngineCl
     return AsyncEngineClient(address, curve)
 
 
-async def _next_delta(deltas: AsyncGenerator[protocol.GenerateDelta, None],
-                      timeout: float | None) -> protocol.GenerateDelta | None:
+async def _next_delta(
+    deltas: AsyncGenerator[protocol.GenerateDelta, None], timeout: float | None
+) -> protocol.GenerateDelta | None:
     """The next delta, None at the end, asyncio.TimeoutError after `timeout` seconds without one (the
     wait is cancelled, which ends `deltas` and so aborts the request)."""
     try:

@@ -84,7 +84,9 @@ class HttpGuard:
             return
         self._last_logged[kind] = now
         left_out = self._suppressed.pop(kind, 0)
-        logger.warning("%s%s", message, f" ({left_out} more like it in the last {LOG_INTERVAL:g} s)" if left_out else "")
+        logger.warning(
+            "%s%s", message, f" ({left_out} more like it in the last {LOG_INTERVAL:g} s)" if left_out else ""
+        )
 
 
 def parse_error_message(exc: BaseException | None) -> str:
@@ -108,12 +110,20 @@ def parse_error_message(exc: BaseException | None) -> str:
     return "The request is not valid HTTP/1.1."
 
 
-def raw_error(status: int, reason: str, message: str, code: str, error_type: str = "invalid_request_error",
-              extra_headers: str = "") -> bytes:
+def raw_error(
+    status: int,
+    reason: str,
+    message: str,
+    code: str,
+    error_type: str = "invalid_request_error",
+    extra_headers: str = "",
+) -> bytes:
     """A complete HTTP/1.1 error response (JSON, connection closing), for writing to a transport."""
     body = msgspec.json.encode({"error": {"message": message, "type": error_type, "param": None, "code": code}})
-    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"{extra_headers}Connection: close\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"{extra_headers}Connection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -139,11 +149,22 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
 
     def _refuse(self, transport) -> None:
         """503 and close: at once when many are already lingering, else once the client has read it."""
-        self.guard.warn("too_many_connections", "refused a connection: every connection is busy with a request "
-                                                f"(--max-connections {self.guard.max_connections})")
+        self.guard.warn(
+            "too_many_connections",
+            "refused a connection: every connection is busy with a request "
+            f"(--max-connections {self.guard.max_connections})",
+        )
         self._refused = True
-        transport.write(raw_error(503, "Service Unavailable", "This server has too many open connections; "
-                                  "retry shortly.", "too_many_connections", "server_error", "Retry-After: 1\r\n"))
+        transport.write(
+            raw_error(
+                503,
+                "Service Unavailable",
+                "This server has too many open connections; retry shortly.",
+                "too_many_connections",
+                "server_error",
+                "Retry-After: 1\r\n",
+            )
+        )
         if self.guard.lingering >= MAX_LINGERING or not transport.can_write_eof():
             self.force_close()
             return
@@ -191,14 +212,23 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
         if self.transport is None or self._force_close or not self.waiting_for_request():
             return  # closed already, or a request is being handled: its head did arrive in time
         if self._head_arriving:  # part of a head: say why before closing
-            self.guard.warn("header_timeout", f"closed a connection that sent no complete request head within "
-                                              f"{self.guard.header_timeout:g} s")
-            self.transport.write(raw_error(408, "Request Timeout", "The request head did not arrive within "
-                                           f"{self.guard.header_timeout:g} s.", "request_timeout"))
+            self.guard.warn(
+                "header_timeout",
+                f"closed a connection that sent no complete request head within {self.guard.header_timeout:g} s",
+            )
+            self.transport.write(
+                raw_error(
+                    408,
+                    "Request Timeout",
+                    f"The request head did not arrive within {self.guard.header_timeout:g} s.",
+                    "request_timeout",
+                )
+            )
         self.force_close()  # nothing at all: close quietly (a pool's spare connection needs no answer)
 
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         """A request aiohttp could not parse (400) or a failure outside every route (500): JSON, no
         echo of the request, and at most one log line per kind and interval."""
         if status == 400:
@@ -211,9 +241,11 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
             text, code, error_type = "The server could not complete this request.", None, "server_error"
         if request.writer.output_size > 0:  # the response has begun; only closing is left
             raise ConnectionError("the response has begun; closing the connection")
-        response = web.Response(body=msgspec.json.encode(
-            {"error": {"message": text, "type": error_type, "param": None, "code": code}}),
-            status=status, content_type="application/json")
+        response = web.Response(
+            body=msgspec.json.encode({"error": {"message": text, "type": error_type, "param": None, "code": code}}),
+            status=status,
+            content_type="application/json",
+        )
         response.force_close()
         return response
 

@@ -54,8 +54,13 @@ class Supervisor:
     def start(self, role: Role, target, *args, index: int | None = None, **kwargs) -> Child:
         name = role.value if index is None else f"{role.value}_{index}"
         parent_end, child_end = self.mp.Pipe()
-        process = self.mp.Process(target=target, args=args, name=name, daemon=False,
-                                  kwargs={**kwargs, "parent_conn": child_end, "runtime_dir": self.runtime_dir})
+        process = self.mp.Process(
+            target=target,
+            args=args,
+            name=name,
+            daemon=False,
+            kwargs={**kwargs, "parent_conn": child_end, "runtime_dir": self.runtime_dir},
+        )
         process.start()
         child_end.close()
         child = Child(role, name, process, ChildLink(name, parent_end))
@@ -93,8 +98,12 @@ class Supervisor:
                 if kind is Report.READY:
                     child.ready = True
                     details = ", ".join(f"{k}={v}" for k, v in info.items())
-                    logger.info("%s ready after %.1fs%s", child.name, time.monotonic() - started,
-                                f" ({details})" if details else "")
+                    logger.info(
+                        "%s ready after %.1fs%s",
+                        child.name,
+                        time.monotonic() - started,
+                        f" ({details})" if details else "",
+                    )
         return None
 
     def wait_serving(self, timeout: float = 10.0) -> bool:
@@ -111,8 +120,9 @@ class Supervisor:
                 if kind is Report.SERVING:
                     del waiting[conn]
         if waiting and self.stop_signal is None and all(c.process.is_alive() for c in waiting.values()):
-            logger.warning("%s did not confirm serving within %.0fs", ", ".join(c.name for c in waiting.values()),
-                           timeout)
+            logger.warning(
+                "%s did not confirm serving within %.0fs", ", ".join(c.name for c in waiting.values()), timeout
+            )
         return not waiting
 
     def watch(self) -> Child | None:
@@ -199,8 +209,9 @@ def serve(args) -> int:
         if not args.curve_keys:
             logger.error("--frontend tcp://... needs --curve-keys DIR (create one with `pagoda keys DIR`)")
             return 2
-        curve = CurveConfig(os.path.join(args.curve_keys, "server.key_secret"),
-                            os.path.join(args.curve_keys, "authorized"))
+        curve = CurveConfig(
+            os.path.join(args.curve_keys, "server.key_secret"), os.path.join(args.curve_keys, "authorized")
+        )
     model_dir = str(resolve_model(args.model))
     logger.info("model directory %s (resolved in %.1fs)", model_dir, time.monotonic() - started)
     config = dataclasses.replace(engine_config_from_args(args), model=model_dir)
@@ -217,9 +228,19 @@ def serve(args) -> int:
     systemd.status(f"starting: loading {model_dir}")
     try:
         supervisor.start(Role.ENGINE, run_engine_core, config, engine_in, engine_out)
-        supervisor.start(Role.DETOK, run_detok, model_dir, frontends, engine_in, engine_out,
-                         args.engine_stall_timeout, curve and args.frontend, curve, limits=frontend_limits(args),
-                         model_name=names[0])
+        supervisor.start(
+            Role.DETOK,
+            run_detok,
+            model_dir,
+            frontends,
+            engine_in,
+            engine_out,
+            args.engine_stall_timeout,
+            curve and args.frontend,
+            curve,
+            limits=frontend_limits(args),
+            model_name=names[0],
+        )
         for i in range(args.api_workers):
             supervisor.start(Role.API, run_api_worker, settings, index=i)
         dead = supervisor.wait_ready(started)
@@ -232,17 +253,22 @@ def serve(args) -> int:
         supervisor.wait_serving()  # a worker that died instead is caught by watch() right below
         if supervisor.stop_signal is None:
             systemd.ready(f"serving http://{args.host}:{args.port}", frontend)
-        logger.info("ready in %.1fs: http://%s:%d (%d API worker%s); direct clients: %s", time.monotonic() - started,
-                    args.host, args.port, args.api_workers, "s" if args.api_workers > 1 else "",
-                    ", ".join(frontends + ([args.frontend] if curve else [])))
+        logger.info(
+            "ready in %.1fs: http://%s:%d (%d API worker%s); direct clients: %s",
+            time.monotonic() - started,
+            args.host,
+            args.port,
+            args.api_workers,
+            "s" if args.api_workers > 1 else "",
+            ", ".join(frontends + ([args.frontend] if curve else [])),
+        )
         dead = supervisor.watch()
         if dead is None:
             systemd.stopping("draining in-flight requests")
             supervisor.drain(args.shutdown_timeout)
             status = 0
         else:
-            logger.error("%s exited unexpectedly (exit code %s); stopping the server", dead.name,
-                         dead.process.exitcode)
+            logger.error("%s exited unexpectedly (exit code %s); stopping the server", dead.name, dead.process.exitcode)
             systemd.failed(f"{dead.name} exited unexpectedly; stopping")
             supervisor.fail()
             status = 1

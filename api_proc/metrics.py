@@ -50,8 +50,9 @@ def count_aborted() -> None:
 
 
 def snapshot() -> protocol.ApiWorkerStats:
-    return protocol.ApiWorkerStats(pid=os.getpid(), rejected=dict(_rejected), aborted=_counts["aborted"],
-                                   timed_out=_counts["timed_out"])
+    return protocol.ApiWorkerStats(
+        pid=os.getpid(), rejected=dict(_rejected), aborted=_counts["aborted"], timed_out=_counts["timed_out"]
+    )
 
 
 def _report() -> None:

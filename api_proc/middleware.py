@@ -49,10 +49,14 @@ def preflight_middleware(cors: CorsSettings):
             return await handler(request)
         if not cors.origin_allowed(request.headers.get("Origin")):
             return web.Response(status=403, text="CORS origin not allowed")
-        return web.Response(status=204, headers={
-            "Access-Control-Allow-Methods": ", ".join(cors.allowed_methods),
-            "Access-Control-Allow-Headers": ", ".join(cors.allowed_headers),
-            "Access-Control-Max-Age": str(cors.max_age)})
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Methods": ", ".join(cors.allowed_methods),
+                "Access-Control-Allow-Headers": ", ".join(cors.allowed_headers),
+                "Access-Control-Max-Age": str(cors.max_age),
+            },
+        )
 
     return preflight
 
@@ -64,7 +68,9 @@ def auth_middleware(policy: AuthPolicy):
         if refused is not None:
             status, message = refused
             code = "invalid_api_key" if status == 401 else "admin_key_required"
-            raise ApiError(status, message, code=code, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None)
+            raise ApiError(
+                status, message, code=code, headers={"WWW-Authenticate": "Bearer"} if status == 401 else None
+            )
         return await handler(request)
 
     return check_key

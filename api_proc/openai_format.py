@@ -13,9 +13,12 @@ def new_id(prefix: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def _bytes(text: str) -> list[int]:
@@ -24,9 +27,15 @@ def _bytes(text: str) -> list[int]:
 
 def chat_logprobs(entries: list[TokenLogprob]) -> list[dict]:
     """Chat API: one {"token", "logprob", "bytes", "top_logprobs"} per generated token."""
-    return [{"token": e.token, "logprob": e.logprob, "bytes": _bytes(e.token),
-             "top_logprobs": [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, _, lp in e.top]}
-            for e in entries]
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": _bytes(e.token),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": _bytes(t)} for t, _, lp in e.top],
+        }
+        for e in entries
+    ]
 
 
 class CompletionLogprobs:

@@ -27,9 +27,16 @@ class ApiError(Exception):
     for a few seconds), so a client still sending can read the answer; "now" closes it as soon as the
     answer is out (the body is stalled or unreadable: waiting for it is pointless)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 error_type: str = "invalid_request_error", headers: dict | None = None,
-                 closes: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str = "invalid_request_error",
+        headers: dict | None = None,
+        closes: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, error_type
         self.headers = headers or {}
@@ -77,26 +84,46 @@ class _Common(msgspec.Struct, kw_only=True):
     guided_whitespace_pattern: str | None = None  # refused: JSON whitespace is fixed
     guided_decoding_backend: str | None = None  # only "xgrammar" (or "auto") is served
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, constraint: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
         """`constraint`: the request's one output constraint (api_proc/structured.py)."""
         if self.n < 1:  # the upper bound is the server's --max-n (ApiServer._limited)
-            raise ApiError(400, f"Invalid 'n': expected a value of at least 1, but got {self.n} instead.", "n",
-                           "integer_below_min_value")
+            raise ApiError(
+                400,
+                f"Invalid 'n': expected a value of at least 1, but got {self.n} instead.",
+                "n",
+                "integer_below_min_value",
+            )
         if max_tokens is not None and max_tokens < 1:
-            raise ApiError(400, f"Invalid 'max_tokens': expected a value >= 1, but got {max_tokens} instead.",
-                           "max_tokens", "integer_below_min_value")
+            raise ApiError(
+                400,
+                f"Invalid 'max_tokens': expected a value >= 1, but got {max_tokens} instead.",
+                "max_tokens",
+                "integer_below_min_value",
+            )
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ApiError(400, f"Invalid 'logprobs': expected a value in [0, {MAX_LOGPROBS}].", "logprobs")
         try:
             return SamplingParams(
-                n=self.n, temperature=1.0 if self.temperature is None else self.temperature, top_p=self.top_p,
-                top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-                max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                stop_token_ids=self.stop_token_ids or [], logprobs=logprobs,
-                skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(),
-                structured_outputs=constraint)
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                ignore_eos=self.ignore_eos,
+                stop_token_ids=self.stop_token_ids or [],
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                logit_bias=self._logit_bias(),
+                structured_outputs=constraint,
+            )
         except ValueError as exc:
             raise ApiError(400, str(exc), param_of(exc)) from None
 
@@ -137,9 +164,13 @@ class CompletionRequest(_Common, kw_only=True):
             return list(prompt)
         if all(isinstance(p, list) and p and all(is_token_id(t) for t in p) for p in prompt):
             return list(prompt)
-        raise ApiError(400, "Invalid type for 'prompt': expected a string, a list of strings, a list of "
-                            "token ids (integers in [0, 2**31)) or a list of token-id lists.", "prompt",
-                       "invalid_type")
+        raise ApiError(
+            400,
+            "Invalid type for 'prompt': expected a string, a list of strings, a list of "
+            "token ids (integers in [0, 2**31)) or a list of token-id lists.",
+            "prompt",
+            "invalid_type",
+        )
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -167,23 +198,41 @@ class ChatCompletionRequest(_Common, kw_only=True):
         out = []
         for i, message in enumerate(self.messages):
             if not isinstance(message, dict):
-                raise ApiError(400, f"Invalid type for 'messages[{i}]': expected a message object.",
-                               f"messages[{i}]", "invalid_type")
+                raise ApiError(
+                    400,
+                    f"Invalid type for 'messages[{i}]': expected a message object.",
+                    f"messages[{i}]",
+                    "invalid_type",
+                )
             role, content = message.get("role"), message.get("content")
             if role not in ROLES:
-                raise ApiError(400, f"Invalid 'messages[{i}].role': expected one of {', '.join(ROLES)}, but got "
-                                    f"{_shown(role)}.", f"messages[{i}].role")
+                raise ApiError(
+                    400,
+                    f"Invalid 'messages[{i}].role': expected one of {', '.join(ROLES)}, but got {_shown(role)}.",
+                    f"messages[{i}].role",
+                )
             if isinstance(content, list):
                 texts = []
                 for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise ApiError(400, f"'messages[{i}].content' parts must be text parts; this model "
-                                            "takes text only.", f"messages[{i}].content")
+                    if (
+                        not isinstance(part, dict)
+                        or part.get("type") != "text"
+                        or not isinstance(part.get("text"), str)
+                    ):
+                        raise ApiError(
+                            400,
+                            f"'messages[{i}].content' parts must be text parts; this model takes text only.",
+                            f"messages[{i}].content",
+                        )
                     texts.append(part["text"])
                 content = "\n".join(texts)
             elif content is not None and not isinstance(content, str):
-                raise ApiError(400, f"Invalid type for 'messages[{i}].content': expected a string or a list "
-                                    "of text parts.", f"messages[{i}].content", "invalid_type")
+                raise ApiError(
+                    400,
+                    f"Invalid type for 'messages[{i}].content': expected a string or a list of text parts.",
+                    f"messages[{i}].content",
+                    "invalid_type",
+                )
             out.append({**message, "content": content or ""})
         return out
 
@@ -204,11 +253,16 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     def chat_request(self) -> ChatCompletionRequest | None:
         if self.messages is None:
             if self.prompt is None:
-                raise ApiError(400, "Missing required parameter: 'prompt' (a string) or 'messages'.", "prompt",
-                               "missing_required_parameter")
+                raise ApiError(
+                    400,
+                    "Missing required parameter: 'prompt' (a string) or 'messages'.",
+                    "prompt",
+                    "missing_required_parameter",
+                )
             return None
-        return ChatCompletionRequest(messages=self.messages, tools=self.tools,
-                                     chat_template_kwargs=self.chat_template_kwargs)
+        return ChatCompletionRequest(
+            messages=self.messages, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs
+        )
 
 
 def _shown(value: object) -> str:

@@ -44,16 +44,28 @@ async def read_body(request: web.Request, max_bytes: int, idle_timeout: float | 
                 raise asyncio.TimeoutError
             chunk = await asyncio.wait_for(request.content.readany(), wait)  # wait None: no limit
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
-            raise ApiError(408, f"The request body arrived too slowly (a pause of {idle_timeout:g} s, or under "
-                                f"{MIN_BODY_RATE} bytes/s on average).", code="request_timeout",
-                           closes="now") from None
+            raise ApiError(
+                408,
+                f"The request body arrived too slowly (a pause of {idle_timeout:g} s, or under "
+                f"{MIN_BODY_RATE} bytes/s on average).",
+                code="request_timeout",
+                closes="now",
+            ) from None
         except ConnectionError:  # the client went away mid-body: nobody reads an answer, nothing to log
-            raise ApiError(CLIENT_CLOSED, "The client closed the connection before sending the whole body.",
-                           code="client_closed", closes="now") from None
+            raise ApiError(
+                CLIENT_CLOSED,
+                "The client closed the connection before sending the whole body.",
+                code="client_closed",
+                closes="now",
+            ) from None
         except web.RequestPayloadError as exc:  # e.g. "Content-Encoding: gzip" on a body that is not
-            raise ApiError(400, "The request body could not be read: it does not match its "
-                                f"Content-Encoding or Transfer-Encoding ({_cause(exc)}).",
-                           code="invalid_body_encoding", closes="now") from None
+            raise ApiError(
+                400,
+                "The request body could not be read: it does not match its "
+                f"Content-Encoding or Transfer-Encoding ({_cause(exc)}).",
+                code="invalid_body_encoding",
+                closes="now",
+            ) from None
         if not chunk:
             return bytes(body)
         body += chunk
@@ -62,8 +74,12 @@ async def read_body(request: web.Request, max_bytes: int, idle_timeout: float | 
 
 
 def _too_large(max_bytes: int) -> ApiError:
-    return ApiError(413, f"The request body is too large: at most {max_bytes} bytes (after decompression).",
-                    code="body_too_large", closes="after_body")
+    return ApiError(
+        413,
+        f"The request body is too large: at most {max_bytes} bytes (after decompression).",
+        code="body_too_large",
+        closes="after_body",
+    )
 
 
 def decode_json(body: bytes, schema: type[T] | None = None) -> T | dict[str, Any]:
@@ -72,13 +88,21 @@ def decode_json(body: bytes, schema: type[T] | None = None) -> T | dict[str, Any
         raise ApiError(400, "We could not parse the JSON body of your request: the body is empty.")
     field = too_deep_field(body)
     if field is not None:
-        raise ApiError(400, depth_message(field) if field else f"The JSON body is nested too deeply: at most "
-                       f"{MAX_JSON_DEPTH} levels of objects and arrays are accepted.", field or None, "json_too_deep")
+        raise ApiError(
+            400,
+            depth_message(field)
+            if field
+            else f"The JSON body is nested too deeply: at most "
+            f"{MAX_JSON_DEPTH} levels of objects and arrays are accepted.",
+            field or None,
+            "json_too_deep",
+        )
     try:
         value = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
-        raise ApiError(400, f"We could not parse the JSON body of your request ({exc}). The API expects a "
-                            "JSON payload.") from None
+        raise ApiError(
+            400, f"We could not parse the JSON body of your request ({exc}). The API expects a JSON payload."
+        ) from None
     if not isinstance(value, dict):
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_type")
     if schema is None:

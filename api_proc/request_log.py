@@ -50,13 +50,17 @@ class RequestRecord:
 
     def fields(self) -> dict:
         now = time.monotonic()
-        fields = {"request_id": self.request_id, "endpoint": self.endpoint, "status": self.status,
-                  "prompt_tokens": sum(self.prompt_tokens.values()),
-                  "completion_tokens": sum(self.output_tokens.values()),
-                  "cached_tokens": sum(self.cached_tokens.values()),
-                  "ttft_ms": None if self.first_token is None else round((self.first_token - self.started) * 1e3, 1),
-                  "latency_ms": round((now - self.started) * 1e3, 1),
-                  "finish_reason": ",".join(sorted(reason.value for reason in self.finish_reasons)) or None}
+        fields = {
+            "request_id": self.request_id,
+            "endpoint": self.endpoint,
+            "status": self.status,
+            "prompt_tokens": sum(self.prompt_tokens.values()),
+            "completion_tokens": sum(self.output_tokens.values()),
+            "cached_tokens": sum(self.cached_tokens.values()),
+            "ttft_ms": None if self.first_token is None else round((self.first_token - self.started) * 1e3, 1),
+            "latency_ms": round((now - self.started) * 1e3, 1),
+            "finish_reason": ",".join(sorted(reason.value for reason in self.finish_reasons)) or None,
+        }
         if self.prompt is not None:
             fields["prompt"] = self.prompt
         return fields

@@ -91,8 +91,12 @@ class EngineWatchdog:
         self.interval_s = period_s / 2
         self.window_s = period_s * 3 / 4  # shorter than the period, longer than the engine's heartbeat gap
         if self.window_s < _ENGINE_HEARTBEAT_S * 1.5:
-            logger.warning("WatchdogSec=%.1fs is too short for the engine's %.0fs idle heartbeat; pings may be "
-                           "missed (use 10s or more)", period_s, _ENGINE_HEARTBEAT_S)
+            logger.warning(
+                "WatchdogSec=%.1fs is too short for the engine's %.0fs idle heartbeat; pings may be "
+                "missed (use 10s or more)",
+                period_s,
+                _ENGINE_HEARTBEAT_S,
+            )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sd-watchdog", daemon=True)
 
@@ -168,8 +172,9 @@ class SystemdService:
         if self.period_s is not None:
             self.watchdog = EngineWatchdog(self.notifier, frontend_addr, self.period_s)
             self.watchdog.start()
-            logger.info("systemd watchdog: a ping every %.1fs while the engine loop progresses",
-                        self.watchdog.interval_s)
+            logger.info(
+                "systemd watchdog: a ping every %.1fs while the engine loop progresses", self.watchdog.interval_s
+            )
 
     def stopping(self, status: str) -> None:
         """A requested shutdown began: pings end, then STOPPING=1."""

@@ -15,29 +15,48 @@ from engine_core.config import add_engine_args, parse_size
 
 
 def auth_policy(args: argparse.Namespace) -> AuthPolicy:
-    return AuthPolicy(api_keys=tuple(read_keys(args.api_key, "PAGODA_API_KEY", args.api_key_file)),
-                      admin_keys=tuple(read_keys(args.admin_key, "PAGODA_ADMIN_KEY", args.admin_key_file)),
-                      protect_probes=args.protect_probes)
+    return AuthPolicy(
+        api_keys=tuple(read_keys(args.api_key, "PAGODA_API_KEY", args.api_key_file)),
+        admin_keys=tuple(read_keys(args.admin_key, "PAGODA_ADMIN_KEY", args.admin_key_file)),
+        protect_probes=args.protect_probes,
+    )
 
 
 def api_settings(args: argparse.Namespace, frontend_addr: str, served_model_names: list[str]) -> ApiSettings:
     cors = None
     if args.allowed_origin:
-        cors = CorsSettings(allowed_origins=tuple(args.allowed_origin),
-                            allowed_headers=tuple(args.allowed_header or CorsSettings.allowed_headers),
-                            allow_credentials=args.allow_credentials)
-    return ApiSettings(frontend_addr=frontend_addr, served_model_names=served_model_names, host=args.host,
-                       port=args.port, reuse_port=args.api_workers > 1, shutdown_timeout=args.shutdown_timeout,
-                       max_body_bytes=parse_size(args.max_body_size), auth=auth_policy(args), cors=cors,
-                       max_n=args.max_n, request_timeout=args.request_timeout, body_timeout=args.body_timeout,
-                       header_timeout=args.header_timeout, keepalive_timeout=args.keepalive_timeout,
-                       max_connections=args.max_connections,
-                       max_tokens_cap=args.max_tokens_cap, log_requests=args.log_requests)
+        cors = CorsSettings(
+            allowed_origins=tuple(args.allowed_origin),
+            allowed_headers=tuple(args.allowed_header or CorsSettings.allowed_headers),
+            allow_credentials=args.allow_credentials,
+        )
+    return ApiSettings(
+        frontend_addr=frontend_addr,
+        served_model_names=served_model_names,
+        host=args.host,
+        port=args.port,
+        reuse_port=args.api_workers > 1,
+        shutdown_timeout=args.shutdown_timeout,
+        max_body_bytes=parse_size(args.max_body_size),
+        auth=auth_policy(args),
+        cors=cors,
+        max_n=args.max_n,
+        request_timeout=args.request_timeout,
+        body_timeout=args.body_timeout,
+        header_timeout=args.header_timeout,
+        keepalive_timeout=args.keepalive_timeout,
+        max_connections=args.max_connections,
+        max_tokens_cap=args.max_tokens_cap,
+        log_requests=args.log_requests,
+    )
 
 
 def frontend_limits(args: argparse.Namespace) -> FrontendLimits:
-    return FrontendLimits(max_prompt_tokens=args.max_prompt_tokens, max_pending_requests=args.max_pending_requests,
-                          max_tokens_cap=args.max_tokens_cap)
+    return FrontendLimits(
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_pending_requests=args.max_pending_requests,
+        max_tokens_cap=args.max_tokens_cap,
+    )
 
 
 def _seconds_or_off(value: str) -> float | None:
@@ -62,61 +81,127 @@ def _count_or_off(value: str) -> int | None:
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
     """Access and limit flags of `pagoda serve`."""
     g = parser.add_argument_group("access")
-    g.add_argument("--api-key", action="append", default=None,
-                   help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; also PAGODA_API_KEY, "
-                        "comma-separated). With any key set, only the API's own routes are reachable")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; also PAGODA_API_KEY, "
+        "comma-separated). With any key set, only the API's own routes are reachable",
+    )
     g.add_argument("--api-key-file", default=None, help="file with one API key per line ('#' comments)")
-    g.add_argument("--admin-key", action="append", default=None,
-                   help="key for admin routes such as /reset_prefix_cache (repeatable; also PAGODA_ADMIN_KEY). "
-                        "With user keys but no admin key, admin routes are closed")
+    g.add_argument(
+        "--admin-key",
+        action="append",
+        default=None,
+        help="key for admin routes such as /reset_prefix_cache (repeatable; also PAGODA_ADMIN_KEY). "
+        "With user keys but no admin key, admin routes are closed",
+    )
     g.add_argument("--admin-key-file", default=None, help="file with one admin key per line")
-    g.add_argument("--protect-probes", action="store_true",
-                   help="/health and /metrics need a key too (default: public, for load balancers and Prometheus)")
-    g.add_argument("--allowed-origin", action="append", default=None,
-                   help="CORS: an origin browsers may call from ('*' = any; repeatable; default: no CORS headers)")
-    g.add_argument("--allowed-header", action="append", default=None,
-                   help="CORS: request headers browsers may send (default: Authorization, Content-Type)")
+    g.add_argument(
+        "--protect-probes",
+        action="store_true",
+        help="/health and /metrics need a key too (default: public, for load balancers and Prometheus)",
+    )
+    g.add_argument(
+        "--allowed-origin",
+        action="append",
+        default=None,
+        help="CORS: an origin browsers may call from ('*' = any; repeatable; default: no CORS headers)",
+    )
+    g.add_argument(
+        "--allowed-header",
+        action="append",
+        default=None,
+        help="CORS: request headers browsers may send (default: Authorization, Content-Type)",
+    )
     g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)")
     g = parser.add_argument_group("logging")
-    g.add_argument("--log-requests", action="store_true",
-                   help="include prompts and messages in the per-request log lines (off: users' data)")
+    g.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="include prompts and messages in the per-request log lines (off: users' data)",
+    )
     # Also accepted before the command (`pagoda --log-format json serve`); SUPPRESS keeps that value.
-    g.add_argument("--log-format", choices=["text", "json"], default=argparse.SUPPRESS,
-                   help="text lines, or one JSON object per line, from every process (default: text)")
+    g.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=argparse.SUPPRESS,
+        help="text lines, or one JSON object per line, from every process (default: text)",
+    )
     g.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR (default: INFO)")
     g = parser.add_argument_group("limits")
     g.add_argument("--max-body-size", default="32MiB", help="largest request body (413 above)")
-    g.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="longest prompt in tokens (400 above; default: the model's context length)")
-    g.add_argument("--max-tokens-cap", type=int, default=None,
-                   help="largest max_tokens a request may ask for (400 above), also the default when a request "
-                        "sets none, or what the context leaves if less (default: no cap but the context length)")
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="longest prompt in tokens (400 above; default: the model's context length)",
+    )
+    g.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=None,
+        help="largest max_tokens a request may ask for (400 above), also the default when a request "
+        "sets none, or what the context leaves if less (default: no cap but the context length)",
+    )
     g.add_argument("--max-n", type=int, default=128, help="largest n (samples per request)")
-    g.add_argument("--max-pending-requests", type=int, default=1024,
-                   help="running + queued requests (each sample counts); more get 429 with Retry-After")
-    g.add_argument("--request-timeout", type=float, default=None,
-                   help="seconds a request may take end to end before it is aborted (504; default: none)")
-    g.add_argument("--header-timeout", type=_seconds_or_off, default=30.0,
-                   help="seconds a connection has to send a complete request head, from opening or from its "
-                        "first byte after a finished request (else 408 and closed; 0 = off)")
-    g.add_argument("--body-timeout", type=_seconds_or_off, default=30.0,
-                   help="seconds a request body may go without a byte arriving; after that first grace it must also "
-                        "average 1 KiB/s (else 408 and closed; 0 = off)")
-    g.add_argument("--keepalive-timeout", type=_seconds, default=75.0,
-                   help="seconds an idle keep-alive connection stays open (raise it above a load balancer's idle "
-                        "timeout, e.g. 620 behind Google Cloud's)")
-    g.add_argument("--max-connections", type=_count_or_off, default=1024,
-                   help="open connections per API worker; at the cap the longest-idle connection is closed for a "
-                        "new one, or the new one gets 503 when all are busy (0 = no cap)")
+    g.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="running + queued requests (each sample counts); more get 429 with Retry-After",
+    )
+    g.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may take end to end before it is aborted (504; default: none)",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=_seconds_or_off,
+        default=30.0,
+        help="seconds a connection has to send a complete request head, from opening or from its "
+        "first byte after a finished request (else 408 and closed; 0 = off)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=_seconds_or_off,
+        default=30.0,
+        help="seconds a request body may go without a byte arriving; after that first grace it must also "
+        "average 1 KiB/s (else 408 and closed; 0 = off)",
+    )
+    g.add_argument(
+        "--keepalive-timeout",
+        type=_seconds,
+        default=75.0,
+        help="seconds an idle keep-alive connection stays open (raise it above a load balancer's idle "
+        "timeout, e.g. 620 behind Google Cloud's)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=_count_or_off,
+        default=1024,
+        help="open connections per API worker; at the cap the longest-idle connection is closed for a "
+        "new one, or the new one gets 503 when all are busy (0 = no cap)",
+    )
 
 
 def add_serve_parser(subcommands) -> None:
     """`pagoda serve`: its flags (server, access, limits, logging, engine) and its handler."""
     srv = subcommands.add_parser("serve", help="run the OpenAI-compatible HTTP server (and the direct-client socket)")
-    srv.add_argument("model_arg", nargs="?", metavar="MODEL", default=None,
-                     help="Hugging Face model directory or hub id (same as --model; default: SmolLM2-135M-Instruct)")
-    srv.add_argument("--config", metavar="FILE",
-                     help="YAML file of flags (`max-num-seqs: 64`, lists for repeatable flags); the command line wins")
+    srv.add_argument(
+        "model_arg",
+        nargs="?",
+        metavar="MODEL",
+        default=None,
+        help="Hugging Face model directory or hub id (same as --model; default: SmolLM2-135M-Instruct)",
+    )
+    srv.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML file of flags (`max-num-seqs: 64`, lists for repeatable flags); the command line wins",
+    )
     add_serve_args(srv)
     add_engine_args(srv)
     srv.set_defaults(func=cmd_serve)
@@ -126,18 +211,36 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
     g.add_argument("--port", type=int, default=8000, help="port the HTTP API listens on")
-    g.add_argument("--api-workers", type=int, default=1,
-                   help="HTTP worker processes sharing the port (SO_REUSEPORT)")
-    g.add_argument("--served-model-name", action="append", default=None,
-                   help="name(s) clients use in 'model' (repeatable; default: the model argument)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM/SIGINT waits for in-flight requests before ending them")
-    g.add_argument("--engine-stall-timeout", type=float, default=30.0,
-                   help="/health turns 503 when the engine loop has made no progress for this long")
-    g.add_argument("--frontend", default=None,
-                   help="extra address for direct clients: ipc:///path.sock, or tcp://host:port (needs --curve-keys)")
-    g.add_argument("--curve-keys", default=None, metavar="DIR",
-                   help="CURVE certificates for a tcp:// frontend, as written by `pagoda keys DIR`")
+    g.add_argument("--api-workers", type=int, default=1, help="HTTP worker processes sharing the port (SO_REUSEPORT)")
+    g.add_argument(
+        "--served-model-name",
+        action="append",
+        default=None,
+        help="name(s) clients use in 'model' (repeatable; default: the model argument)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM/SIGINT waits for in-flight requests before ending them",
+    )
+    g.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=30.0,
+        help="/health turns 503 when the engine loop has made no progress for this long",
+    )
+    g.add_argument(
+        "--frontend",
+        default=None,
+        help="extra address for direct clients: ipc:///path.sock, or tcp://host:port (needs --curve-keys)",
+    )
+    g.add_argument(
+        "--curve-keys",
+        default=None,
+        metavar="DIR",
+        help="CURVE certificates for a tcp:// frontend, as written by `pagoda keys DIR`",
+    )
     add_limit_args(parser)
 
 

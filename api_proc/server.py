@@ -63,17 +63,18 @@ class ApiSettings:
         return 16 if self.max_tokens_cap is None else min(16, self.max_tokens_cap)
 
 
-def json_response(body, status: int = 200, headers: dict | None = None,
-                  response_class: type[web.Response] = web.Response) -> web.Response:
-    return response_class(body=_json.encode(body), status=status, content_type="application/json",
-                          headers=headers)
+def json_response(
+    body, status: int = 200, headers: dict | None = None, response_class: type[web.Response] = web.Response
+) -> web.Response:
+    return response_class(body=_json.encode(body), status=status, content_type="application/json", headers=headers)
 
 
 def error_response(error: ApiError) -> web.Response:
     if error.status in (413, 429):
         count_rejected(error.status)
-    response = json_response(error.body(), error.status, error.headers,
-                             ClosingResponse if error.closes == "now" else web.Response)
+    response = json_response(
+        error.body(), error.status, error.headers, ClosingResponse if error.closes == "now" else web.Response
+    )
     if error.closes == "after_body":
         response.force_close()
     return response
@@ -99,18 +100,24 @@ async def openai_errors(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return error_response(ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}",
-                                       code="not_found" if exc.status == 404 else None))
+        return error_response(
+            ApiError(
+                exc.status,
+                f"{exc.reason}: {request.method} {request.path}",
+                code="not_found" if exc.status == 404 else None,
+            )
+        )
     except OverflowError as exc:  # an integer too large to cross to the engine
-        return error_response(ApiError(400, f"A number in the request is out of range: {exc}.",
-                                       code="integer_above_max_value"))
+        return error_response(
+            ApiError(400, f"A number in the request is out of range: {exc}.", code="integer_above_max_value")
+        )
     except asyncio.TimeoutError:  # (TimeoutError's alias from Python 3.11)
-        return error_response(ApiError(503, "The tokenizer process did not answer in time.",
-                                       error_type="server_error", code="timeout"))
+        return error_response(
+            ApiError(503, "The tokenizer process did not answer in time.", error_type="server_error", code="timeout")
+        )
     except Exception as exc:
         logger.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(ApiError(500, f"Internal server error: {type(exc).__name__}",
-                                       error_type="server_error"))
+        return error_response(ApiError(500, f"Internal server error: {type(exc).__name__}", error_type="server_error"))
 
 
 class ApiServer:
@@ -127,12 +134,18 @@ class ApiServer:
         self.app = web.Application(client_max_size=settings.max_body_bytes, middlewares=middlewares)
         if settings.cors is not None:
             install_cors(self.app, settings.cors)
-        self.app.add_routes([
-            web.get("/health", self.health), web.get("/version", self.version), web.get("/v1/models", self.models),
-            web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
-            web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
-            web.post("/reset_prefix_cache", self.reset_prefix_cache),
-        ])
+        self.app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/version", self.version),
+                web.get("/v1/models", self.models),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
+                web.post("/reset_prefix_cache", self.reset_prefix_cache),
+            ]
+        )
         install_metrics(self.app, self.client)  # GET /metrics (api_proc/metrics.py)
 
     # ---- small routes ------------------------------------------------------------------------
@@ -145,8 +158,11 @@ class ApiServer:
             report = await self.client.health(self.settings.health_timeout)
         except asyncio.TimeoutError:
             return json_response({"status": "unhealthy", "message": "the tokenizer process does not answer"}, 503)
-        body = {"status": "ok" if report.healthy else "unhealthy", "message": report.message,
-                "seconds_since_engine_progress": round(report.seconds_since_engine_progress, 3)}
+        body = {
+            "status": "ok" if report.healthy else "unhealthy",
+            "message": report.message,
+            "seconds_since_engine_progress": round(report.seconds_since_engine_progress, 3),
+        }
         return json_response(body, 200 if report.healthy else 503)
 
     async def version(self, request: web.Request) -> web.Response:
@@ -154,8 +170,17 @@ class ApiServer:
 
     async def models(self, request: web.Request) -> web.Response:
         report = await self.client.health(self.settings.health_timeout)
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "pagoda", "root": report.model,
-                 "max_model_len": report.max_model_len} for name in self.settings.served_model_names]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "pagoda",
+                "root": report.model,
+                "max_model_len": report.max_model_len,
+            }
+            for name in self.settings.served_model_names
+        ]
         return json_response({"object": "list", "data": data})
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -163,19 +188,29 @@ class ApiServer:
         self._check_model(body.model)
         chat = body.chat_request()
         if chat is None:
-            result = await self.client.tokenize(body.prompt, add_special_tokens=body.add_special_tokens,
-                                                return_token_strs=body.return_token_strs)
+            result = await self.client.tokenize(
+                body.prompt, add_special_tokens=body.add_special_tokens, return_token_strs=body.return_token_strs
+            )
         else:  # the prompt a chat completion would see: template variables and tools included
             tools = plan_tools(chat.tools, None)
-            options = protocol.ChatOptions(add_generation_prompt=body.add_generation_prompt,
-                                           continue_final_message=body.continue_final_message,
-                                           chat_template_kwargs=chat.chat_template_kwargs or {},
-                                           tools=tools.template_tools if tools else None)
-            result = await self.client.tokenize(messages=chat.template_messages(), chat=options,
-                                                return_token_strs=body.return_token_strs)
+            options = protocol.ChatOptions(
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                chat_template_kwargs=chat.chat_template_kwargs or {},
+                tools=tools.template_tools if tools else None,
+            )
+            result = await self.client.tokenize(
+                messages=chat.template_messages(), chat=options, return_token_strs=body.return_token_strs
+            )
         tokens = protocol.unpack_tokens(result.tokens)
-        return json_response({"count": len(tokens), "max_model_len": result.max_model_len, "tokens": tokens,
-                              "token_strs": result.token_strs})
+        return json_response(
+            {
+                "count": len(tokens),
+                "max_model_len": result.max_model_len,
+                "tokens": tokens,
+                "token_strs": result.token_strs,
+            }
+        )
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = decode_json(await self._body(request))
@@ -198,24 +233,34 @@ class ApiServer:
 
     def _check_model(self, model: str | None) -> str:
         if model is not None and model not in self.settings.served_model_names:
-            raise ApiError(404, f"The model `{model}` does not exist or you do not have access to it.", "model",
-                           "model_not_found")
+            raise ApiError(
+                404, f"The model `{model}` does not exist or you do not have access to it.", "model", "model_not_found"
+            )
         return self.model if model is None else model
 
     def _check_accepting(self) -> None:
         if not self.serving:
-            raise ApiError(503, "The server is starting; try again shortly.", error_type="server_error",
-                           code="not_ready")
+            raise ApiError(
+                503, "The server is starting; try again shortly.", error_type="server_error", code="not_ready"
+            )
         if self.draining:
-            raise ApiError(503, "The server is shutting down and accepts no new requests.",
-                           error_type="server_error", code="server_shutting_down")
+            raise ApiError(
+                503,
+                "The server is shutting down and accepts no new requests.",
+                error_type="server_error",
+                code="server_shutting_down",
+            )
 
     def _limited(self, params):
         """The server's cap on n (the max_tokens cap needs the prompt's length: the tokenizer process
         applies it, for direct clients too)."""
         if params.n > self.settings.max_n:
-            raise ApiError(400, f"Invalid 'n': this server allows at most {self.settings.max_n}, but got "
-                                f"{params.n}.", "n", "integer_above_max_value")
+            raise ApiError(
+                400,
+                f"Invalid 'n': this server allows at most {self.settings.max_n}, but got {params.n}.",
+                "n",
+                "integer_above_max_value",
+            )
         return params
 
     async def _deadline(self, deltas):
@@ -238,8 +283,12 @@ class ApiServer:
                     return
                 except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
                     count_timed_out()
-                    raise ApiError(504, f"The request did not finish within this server's limit of {timeout:g} s.",
-                                   error_type="server_error", code="request_timeout") from None
+                    raise ApiError(
+                        504,
+                        f"The request did not finish within this server's limit of {timeout:g} s.",
+                        error_type="server_error",
+                        code="request_timeout",
+                    ) from None
                 yield item
 
     # ---- generation --------------------------------------------------------------------------
@@ -266,13 +315,24 @@ class ApiServer:
         max_tokens = self.settings.completion_max_tokens() if req.max_tokens is None else req.max_tokens
         params = self._limited(req.sampling_params(max_tokens, req.logprobs, structured_outputs_of(req)))
         if req.echo and req.logprobs is not None:
-            raise ApiError(400, "'echo' together with 'logprobs' needs prompt logprobs, which this server "
-                                "does not compute.", "echo")
-        streams = [self.client.generate(
-            prompt=p if isinstance(p, str) else None, prompt_token_ids=None if isinstance(p, str) else p,
-            params=params, stop=req.stop_list, include_stop_str_in_output=req.include_stop_str_in_output,
-            add_special_tokens=req.add_special_tokens, return_prompt=req.echo, cache_salt=req.cache_salt)
-            for p in prompts]
+            raise ApiError(
+                400,
+                "'echo' together with 'logprobs' needs prompt logprobs, which this server does not compute.",
+                "echo",
+            )
+        streams = [
+            self.client.generate(
+                prompt=p if isinstance(p, str) else None,
+                prompt_token_ids=None if isinstance(p, str) else p,
+                params=params,
+                stop=req.stop_list,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                add_special_tokens=req.add_special_tokens,
+                return_prompt=req.echo,
+                cache_salt=req.cache_salt,
+            )
+            for p in prompts
+        ]
         meta = dict(response_id=record.request_id, model=model)
         async with aclosing(observed(self._deadline(merge(streams)), record)) as deltas:
             if req.stream:
@@ -293,13 +353,30 @@ class ApiServer:
             logprobs = None
             if req.logprobs is not None:
                 logprobs = CompletionLogprobs().chunk(choice.logprob_entries)
-            out.append({"index": index, "text": prompts.get(index // n, "") + choice.text, "logprobs": logprobs,
-                        "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+            out.append(
+                {
+                    "index": index,
+                    "text": prompts.get(index // n, "") + choice.text,
+                    "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                }
+            )
         firsts = [choices[p * n] for p in range(len(choices) // n)]
         completion_tokens = sum(c.num_output_tokens for c in choices.values())
-        return json_response(envelope("text_completion", meta["response_id"], meta["model"], choices=out,
-                                      usage=usage(sum(c.num_prompt_tokens for c in firsts), completion_tokens,
-                                                  sum(c.num_cached_tokens for c in firsts))))
+        return json_response(
+            envelope(
+                "text_completion",
+                meta["response_id"],
+                meta["model"],
+                choices=out,
+                usage=usage(
+                    sum(c.num_prompt_tokens for c in firsts),
+                    completion_tokens,
+                    sum(c.num_cached_tokens for c in firsts),
+                ),
+            )
+        )
 
     async def _stream_completions(self, request, req: CompletionRequest, deltas, meta: dict) -> web.StreamResponse:
         n = req.n
@@ -326,16 +403,25 @@ class ApiServer:
             logprobs = None
             if req.logprobs is not None:
                 logprobs = offsets.setdefault(index, CompletionLogprobs()).chunk(delta.logprobs or [])
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(delta),
-                      "stop_reason": delta.stop_reason}
+            choice = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(delta),
+                "stop_reason": delta.stop_reason,
+            }
             return envelope("text_completion", meta["response_id"], meta["model"], choices=[choice])
 
         def final() -> dict | None:
             if not req.include_usage:
                 return None
-            return envelope("text_completion", meta["response_id"], meta["model"], choices=[],
-                            usage=usage(sum(prompt_tokens.values()), sum(output_tokens.values()),
-                                        sum(cached_tokens.values())))
+            return envelope(
+                "text_completion",
+                meta["response_id"],
+                meta["model"],
+                choices=[],
+                usage=usage(sum(prompt_tokens.values()), sum(output_tokens.values()), sum(cached_tokens.values())),
+            )
 
         return await self._sse(request, deltas, chunk, final)
 
@@ -351,11 +437,16 @@ class ApiServer:
         constraint = structured_outputs_of(req, tools)
         params = self._limited(req.sampling_params(max_tokens, req.logprobs_count(), constraint))
         stream = self.client.generate(
-            messages=req.template_messages(), params=params, stop=req.stop_list,
+            messages=req.template_messages(),
+            params=params,
+            stop=req.stop_list,
             include_stop_str_in_output=req.include_stop_str_in_output,
-            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            chat_template_kwargs=req.chat_template_kwargs or {}, cache_salt=req.cache_salt,
-            tools=tools.template_tools if tools else None)
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs or {},
+            cache_salt=req.cache_salt,
+            tools=tools.template_tools if tools else None,
+        )
         meta = dict(response_id=record.request_id, model=model)
         async with aclosing(observed(self._deadline(merge([stream])), record)) as deltas:
             if req.stream:
@@ -373,16 +464,28 @@ class ApiServer:
             message, reason = {"role": "assistant", "content": choice.text}, choice.finish_reason
             if tools is not None:  # the output may be tool calls (api_proc/tool_parsing.py)
                 message, reason = tool_response(tools, choice.text, reason)
-            out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason,
-                        "stop_reason": choice.stop_reason})
+            out.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": reason,
+                    "stop_reason": choice.stop_reason,
+                }
+            )
         first = choices[0]
         completion_tokens = sum(c.num_output_tokens for c in choices.values())
-        return json_response(envelope("chat.completion", meta["response_id"], meta["model"], choices=out,
-                                      usage=usage(first.num_prompt_tokens, completion_tokens,
-                                                  first.num_cached_tokens)))
+        return json_response(
+            envelope(
+                "chat.completion",
+                meta["response_id"],
+                meta["model"],
+                choices=out,
+                usage=usage(first.num_prompt_tokens, completion_tokens, first.num_cached_tokens),
+            )
+        )
 
-    async def _stream_chat(self, request, req: ChatCompletionRequest, deltas, meta: dict,
-                           tools) -> web.StreamResponse:
+    async def _stream_chat(self, request, req: ChatCompletionRequest, deltas, meta: dict, tools) -> web.StreamResponse:
         started: set[int] = set()
         tool_streams: dict[int, ToolCallStream] = {}
         counts = {"prompt": 0, "cached": 0}
@@ -401,15 +504,25 @@ class ApiServer:
                 started.add(delta.index)
                 message = {"role": "assistant", **message}
             logprobs = {"content": chat_logprobs(delta.logprobs or [])} if req.logprobs else None
-            choice = {"index": delta.index, "delta": message, "logprobs": logprobs,
-                      "finish_reason": reason, "stop_reason": delta.stop_reason}
+            choice = {
+                "index": delta.index,
+                "delta": message,
+                "logprobs": logprobs,
+                "finish_reason": reason,
+                "stop_reason": delta.stop_reason,
+            }
             return envelope("chat.completion.chunk", meta["response_id"], meta["model"], choices=[choice])
 
         def final() -> dict | None:
             if not req.include_usage:
                 return None
-            return envelope("chat.completion.chunk", meta["response_id"], meta["model"], choices=[],
-                            usage=usage(counts["prompt"], sum(output_tokens.values()), counts["cached"]))
+            return envelope(
+                "chat.completion.chunk",
+                meta["response_id"],
+                meta["model"],
+                choices=[],
+                usage=usage(counts["prompt"], sum(output_tokens.values()), counts["cached"]),
+            )
 
         return await self._sse(request, deltas, chunk, final)
 

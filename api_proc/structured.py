@@ -31,11 +31,18 @@ def structured_outputs_of(request, tools: ToolPlan | None = None) -> StructuredO
     """The one constraint `request` (a Completion/ChatCompletionRequest) asks for, or None. `tools`:
     the request's tool plan; a forced tool call is a constraint of its own."""
     if request.guided_whitespace_pattern is not None:
-        raise ApiError(400, "'guided_whitespace_pattern' is not supported: JSON output is always compact "
-                            "(', ' and ': ' separators, no newlines).", "guided_whitespace_pattern")
+        raise ApiError(
+            400,
+            "'guided_whitespace_pattern' is not supported: JSON output is always compact "
+            "(', ' and ': ' separators, no newlines).",
+            "guided_whitespace_pattern",
+        )
     if request.guided_decoding_backend not in _BACKENDS:
-        raise ApiError(400, f"Invalid 'guided_decoding_backend': this server uses xgrammar, not "
-                            f"{request.guided_decoding_backend!r}.", "guided_decoding_backend")
+        raise ApiError(
+            400,
+            f"Invalid 'guided_decoding_backend': this server uses xgrammar, not {request.guided_decoding_backend!r}.",
+            "guided_decoding_backend",
+        )
     found: list[StructuredOutputsParams] = []
     if request.response_format is not None:
         found += _from_response_format(request.response_format)
@@ -47,8 +54,11 @@ def structured_outputs_of(request, tools: ToolPlan | None = None) -> StructuredO
         found.append(_build("structured_outputs", request.structured_outputs))
     if tools is not None:
         if found:  # under `auto` the output would have to be both free and constrained
-            raise ApiError(400, f"'{found[0].source}' cannot be combined with 'tools' unless tool_choice is "
-                                "'none'.", found[0].source)
+            raise ApiError(
+                400,
+                f"'{found[0].source}' cannot be combined with 'tools' unless tool_choice is 'none'.",
+                found[0].source,
+            )
         return tools.constraint()
     if len(found) > 1:
         names = ", ".join(f"'{c.source}'" for c in found)
@@ -65,11 +75,18 @@ def _from_response_format(response_format: dict[str, Any]) -> list[StructuredOut
     if kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise ApiError(400, "'response_format' of type json_schema needs 'json_schema': {\"name\": ..., "
-                                "\"schema\": {...}} with the schema as a JSON object.", "response_format")
+            raise ApiError(
+                400,
+                "'response_format' of type json_schema needs 'json_schema': {\"name\": ..., "
+                '"schema": {...}} with the schema as a JSON object.',
+                "response_format",
+            )
         return [_build("response_format", {"json": spec["schema"]})]
-    raise ApiError(400, f"Invalid 'response_format.type': {kind!r}; expected 'text', 'json_object' or "
-                        "'json_schema'.", "response_format")
+    raise ApiError(
+        400,
+        f"Invalid 'response_format.type': {kind!r}; expected 'text', 'json_object' or 'json_schema'.",
+        "response_format",
+    )
 
 
 def _build(source: str, fields: dict[str, Any]) -> StructuredOutputsParams:

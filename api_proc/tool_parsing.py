@@ -96,7 +96,7 @@ def parse_tagged_calls(text: str, plan: ToolPlan) -> list[tuple[str, str]] | Non
     body = text.strip()
     if not body.startswith(_OPEN):
         return None
-    body = body[len(_OPEN):]
+    body = body[len(_OPEN) :]
     if _CLOSE in body:
         body, rest = body.split(_CLOSE, 1)
         if rest.strip():
@@ -167,8 +167,11 @@ class ToolCallStream:
             if calls is None:
                 delta = {"content": self.held}
             else:
-                events = [event for i, (name, args) in enumerate(calls)
-                          for event in (("name", i, name), ("arguments", i, args))]
+                events = [
+                    event
+                    for i, (name, args) in enumerate(calls)
+                    for event in (("name", i, name), ("arguments", i, args))
+                ]
                 delta = self._calls_delta(events)
             self.held = ""
         if self.ids and reason == "stop":

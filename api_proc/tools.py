@@ -49,12 +49,17 @@ class ToolPlan:
         if self.mode == "named":
             return StructuredOutputsParams(json=self._parameters(self.named), source="tools")
         if self.mode == "required":
-            calls = [{"type": "object",
-                      "properties": {"name": {"const": f["name"]},
-                                     "arguments": _rebase_refs(f["parameters"],
-                                                               f"#/items/anyOf/{i}/properties/arguments")},
-                      "required": ["name", "arguments"]}
-                     for i, f in enumerate(self.functions)]
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": f["name"]},
+                        "arguments": _rebase_refs(f["parameters"], f"#/items/anyOf/{i}/properties/arguments"),
+                    },
+                    "required": ["name", "arguments"],
+                }
+                for i, f in enumerate(self.functions)
+            ]
             schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
             if not self.parallel:
                 schema["maxItems"] = 1
@@ -65,8 +70,9 @@ class ToolPlan:
         return next(f["parameters"] for f in self.functions if f["name"] == name)
 
 
-def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
-               parallel_tool_calls: bool = True) -> ToolPlan | None:
+def plan_tools(
+    tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None, parallel_tool_calls: bool = True
+) -> ToolPlan | None:
     """Check `tools` and `tool_choice` (OpenAI's shapes; any mistake is a 400) and plan the request;
     None when no tool can be called."""
     if not tools:
@@ -87,14 +93,18 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, 
         if name not in names:
             raise ApiError(400, f"Invalid 'tool_choice': no tool named {name!r} in 'tools'.", "tool_choice")
         return ToolPlan("named", functions, named=name, parallel=parallel_tool_calls)
-    raise ApiError(400, "Invalid 'tool_choice': expected 'none', 'auto', 'required' or "
-                        "{\"type\": \"function\", \"function\": {\"name\": ...}}.", "tool_choice")
+    raise ApiError(
+        400,
+        "Invalid 'tool_choice': expected 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}.',
+        "tool_choice",
+    )
 
 
 def _function(index: int, tool: Any) -> dict[str, Any]:
     where = f"tools[{index}]"
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-        raise ApiError(400, f"Invalid '{where}': expected {{\"type\": \"function\", \"function\": {{...}}}}.", "tools")
+        raise ApiError(400, f'Invalid \'{where}\': expected {{"type": "function", "function": {{...}}}}.', "tools")
     function = tool["function"]
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
@@ -116,9 +126,14 @@ def _function(index: int, tool: Any) -> dict[str, Any]:
 def _rebase_refs(schema: Any, base: str) -> Any:
     """`schema` moved under `base` in a bigger schema: its local `$ref`s ("#/...") point into it."""
     if isinstance(schema, dict):
-        return {key: (base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
-                      else _rebase_refs(value, base))
-                for key, value in schema.items()}
+        return {
+            key: (
+                base + value[1:]
+                if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                else _rebase_refs(value, base)
+            )
+            for key, value in schema.items()
+        }
     if isinstance(schema, list):
         return [_rebase_refs(item, base) for item in schema]
     return schema

@@ -1,7 +1,8 @@
 """One HTTP worker process: the aiohttp server, obeying the `pagoda serve` parent.
 
-The parent says "serve" (every process is ready: /health may turn 200), "drain" (stop accepting, finish in-flight requests up to the shutdown timeout, exit 0)
-or "fail" (a sibling process died: end every in-flight request with an error now, exit 1).
+The parent says "serve" (every process is ready: /health may turn 200), "drain" (stop accepting,
+finish in-flight requests up to the shutdown timeout, exit 0) or "fail" (a sibling process died: end
+every in-flight request with an error now, exit 1).
 """
 
 from __future__ import annotations
@@ -44,8 +45,13 @@ def _allow_open_files(connections: int | None) -> int | None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and (connections is None or connections + _OTHER_FILES > hard):
         fitting = max(1, hard - _OTHER_FILES)
-        logger.warning("the open-file limit (%d) leaves room for %d connections: the cap is %d, not %s",
-                       hard, fitting, fitting, connections)
+        logger.warning(
+            "the open-file limit (%d) leaves room for %d connections: the cap is %d, not %s",
+            hard,
+            fitting,
+            fitting,
+            connections,
+        )
         connections = fitting
     wanted = connections + _OTHER_FILES
     if soft != resource.RLIM_INFINITY and soft < wanted:
@@ -55,9 +61,12 @@ def _allow_open_files(connections: int | None) -> int | None:
 
 async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
     server = ApiServer(settings)
-    guard = HttpGuard(header_timeout=settings.header_timeout, max_connections=_allow_open_files(settings.max_connections))
-    runner = GuardedAppRunner(server.app, guard, handler_cancellation=True, access_log=None,
-                              keepalive_timeout=settings.keepalive_timeout)
+    guard = HttpGuard(
+        header_timeout=settings.header_timeout, max_connections=_allow_open_files(settings.max_connections)
+    )
+    runner = GuardedAppRunner(
+        server.app, guard, handler_cancellation=True, access_log=None, keepalive_timeout=settings.keepalive_timeout
+    )
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_port=settings.reuse_port, backlog=2048)
     await site.start()
@@ -101,8 +110,9 @@ async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
     return status
 
 
-def run_api_worker(settings: ApiSettings, parent_conn: Connection | None = None,
-                   runtime_dir: str | None = None) -> None:
+def run_api_worker(
+    settings: ApiSettings, parent_conn: Connection | None = None, runtime_dir: str | None = None
+) -> None:
     init_child_process(Role.API.process_name())
     link = None
     if parent_conn is not None:

@@ -24,11 +24,16 @@ from api_proc.bench.runner import run_serve
 
 
 def measure_server(url: str, requests, concurrency: int, model: str | None) -> dict:
-    results, duration, _ = asyncio.run(run_serve(url, requests, max_concurrency=concurrency, model=model,
-                                                 progress=False))
+    results, duration, _ = asyncio.run(
+        run_serve(url, requests, max_concurrency=concurrency, model=model, progress=False)
+    )
     summary = summarize(results, duration)
-    return {"output_tok_s": summary["output_throughput"], "ttft_p50_ms": summary["ttft_ms"]["median"],
-            "tpot_p50_ms": summary["tpot_ms"]["median"], "failed": summary["failed"]}
+    return {
+        "output_tok_s": summary["output_throughput"],
+        "ttft_p50_ms": summary["ttft_ms"]["median"],
+        "tpot_p50_ms": summary["tpot_ms"]["median"],
+        "failed": summary["failed"],
+    }
 
 
 def measure_hf(requests, batch_size: int) -> dict:
@@ -41,8 +46,12 @@ def measure_hf(requests, batch_size: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(str(ensure_default_model()), dtype=torch.float32).eval()
     work = [(r.prompt, r.output_len) for r in requests]
     result = run_hf(model, work, batch_size)
-    return {"output_tok_s": result["output_tok_s"], "ttft_p50_ms": float("nan"), "tpot_p50_ms": float("nan"),
-            "failed": 0}
+    return {
+        "output_tok_s": result["output_tok_s"],
+        "ttft_p50_ms": float("nan"),
+        "tpot_p50_ms": float("nan"),
+        "failed": 0,
+    }
 
 
 def main() -> None:
@@ -54,12 +63,17 @@ def main() -> None:
     parser.add_argument("--baseline", action="append", default=[], metavar="NAME=URL")
     parser.add_argument("--model-name", default=None, help="model name the URL baselines serve")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--server-args", default="", help="extra `pagoda serve` flags, e.g. \"--max-num-seqs 32\"")
+    parser.add_argument("--server-args", default="", help='extra `pagoda serve` flags, e.g. "--max-num-seqs 32"')
     args = parser.parse_args()
     requests = random_requests(args.num_prompts, args.input_len, args.output_len, seed=0)
     rows = {}
-    server = PagodaServer(Path(tempfile.mkdtemp(prefix="pagoda-compare-")), "--kv-cache-memory", "2GiB",
-                          *args.server_args.split(), remove_dir_on_stop=True)
+    server = PagodaServer(
+        Path(tempfile.mkdtemp(prefix="pagoda-compare-")),
+        "--kv-cache-memory",
+        "2GiB",
+        *args.server_args.split(),
+        remove_dir_on_stop=True,
+    )
     try:
         rows["pagoda"] = measure_server(server.base_url, requests, args.concurrency, None)
     finally:
@@ -73,8 +87,10 @@ def main() -> None:
     print(f"  {'system':34} {'out tok/s':>10} {'TTFT p50':>10} {'TPOT p50':>10} {'failed':>7} {'pagoda / it':>12}")
     for name, row in rows.items():
         ratio = rows["pagoda"]["output_tok_s"] / row["output_tok_s"]
-        print(f"  {name:34} {row['output_tok_s']:10.1f} {row['ttft_p50_ms']:10.0f} {row['tpot_p50_ms']:10.1f} "
-              f"{row['failed']:7d} {ratio:11.2f}x")
+        print(
+            f"  {name:34} {row['output_tok_s']:10.1f} {row['ttft_p50_ms']:10.0f} {row['tpot_p50_ms']:10.1f} "
+            f"{row['failed']:7d} {ratio:11.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -30,15 +30,39 @@ from engine_core.sampling_params import SamplingParams
 
 # Llama-3-8B's shape; SmolLM2-135M's for the token checks (fp32 there: exact comparisons need it).
 SHAPES = {
-    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                      rope_theta=500000.0, tie_word_embeddings=False),
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         rope_theta=100000.0, tie_word_embeddings=True),
-    "tiny": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                 rope_theta=10000.0, tie_word_embeddings=False),
+    "llama3-8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),
+    "smollm2-135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -46,15 +70,28 @@ def model_dir(shape: str) -> Path:
     """A directory holding only the config.json of `shape` (written once per temp dir)."""
     path = Path(tempfile.gettempdir()) / f"pagoda-shape-{shape}"
     path.mkdir(exist_ok=True)
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
-              "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, **SHAPES[shape]}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "rms_norm_eps": 1e-5,
+        "hidden_act": "silu",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **SHAPES[shape],
+    }
     (path / "config.json").write_text(json.dumps(config))
     return path
 
 
 def engine(args, **overrides) -> EngineCore:
-    cfg = dict(model=str(model_dir(args.model_shape)), load_format="dummy", dtype=args.dtype,
-               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, enable_prefix_caching=False)
+    cfg = dict(
+        model=str(model_dir(args.model_shape)),
+        load_format="dummy",
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=False,
+    )
     cfg.update(overrides)
     if cfg.get("device", "auto") == "cpu" or not torch.cuda.is_available():
         cfg.setdefault("num_kv_blocks", 512)
@@ -96,12 +133,20 @@ def cmd_throughput(args) -> dict:
     single, single_seconds = run(core, random_prompts(1, 128, vocab, seed=2), args.output_len)
     _first_token, _ = run(core, random_prompts(1, 128, vocab, seed=2), 1)
     weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
-    return {"graphs": not args.enforce_eager and core.runner.decode_graphs is not None,
-            "batch": {"requests": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-                      "seconds": seconds, "output_tok_s": generated / seconds,
-                      "total_tok_s": (generated + args.num_prompts * args.input_len) / seconds},
-            "single_stream_s_per_token": single_seconds / len(single[0]),
-            "weight_bytes": weight_bytes, "kv_blocks": core.kv_manager.pool.num_usable_blocks}
+    return {
+        "graphs": not args.enforce_eager and core.runner.decode_graphs is not None,
+        "batch": {
+            "requests": args.num_prompts,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "seconds": seconds,
+            "output_tok_s": generated / seconds,
+            "total_tok_s": (generated + args.num_prompts * args.input_len) / seconds,
+        },
+        "single_stream_s_per_token": single_seconds / len(single[0]),
+        "weight_bytes": weight_bytes,
+        "kv_blocks": core.kv_manager.pool.num_usable_blocks,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from kernels import _TORCH, implementation
 @dataclass(frozen=True)
 class Shape:
     """A model's attention and MLP sizes, and the workload sizes to time them at."""
+
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -40,10 +41,8 @@ class Shape:
     prefill_len: int
 
 
-GPU_SHAPE = Shape(32, 8, 128, 4096, 14336, tokens=4096, decode_batch=64, context=4096, prefill_seqs=4,
-                  prefill_len=2048)
-CPU_SHAPE = Shape(9, 3, 64, 576, 1536, tokens=1024, decode_batch=16, context=1024, prefill_seqs=2,
-                  prefill_len=512)
+GPU_SHAPE = Shape(32, 8, 128, 4096, 14336, tokens=4096, decode_batch=64, context=4096, prefill_seqs=4, prefill_len=2048)
+CPU_SHAPE = Shape(9, 3, 64, 576, 1536, tokens=1024, decode_batch=16, context=1024, prefill_seqs=2, prefill_len=512)
 
 
 def timed(fn: Callable[[], object], device: torch.device, min_seconds: float = 0.3) -> float:
@@ -86,7 +85,7 @@ def paged_cache(shape: Shape, num_tokens_per_seq: list[int], block_size: int, dt
     tables = torch.zeros(len(blocks_per_seq), width, dtype=torch.int64)
     offset = 0
     for row, count in enumerate(blocks_per_seq):
-        tables[row, :count] = torch.tensor(order[offset:offset + count])
+        tables[row, :count] = torch.tensor(order[offset : offset + count])
         offset += count
     return key_cache, value_cache, tables.to(device)
 
@@ -96,7 +95,7 @@ def cases(shape: Shape, dtype, device) -> list[tuple[str, str, Callable[[Callabl
     s, out = shape, []
     rand = lambda *size: torch.randn(*size, dtype=dtype, device=device)  # noqa: E731
     block_size = 16
-    scale = s.head_dim ** -0.5
+    scale = s.head_dim**-0.5
 
     # decode attention: every sequence reads its whole context once
     lens = [s.context] * s.decode_batch
@@ -104,8 +103,14 @@ def cases(shape: Shape, dtype, device) -> list[tuple[str, str, Callable[[Callabl
     seq_lens = torch.tensor(lens, device=device)
     q = rand(s.decode_batch, s.num_heads, s.head_dim)
     moved = 2 * s.decode_batch * s.context * s.num_kv_heads * s.head_dim * q.element_size() + 2 * nbytes(q)
-    out.append(("paged_decode_attention", f"{s.decode_batch}x{s.context} ctx, {s.num_heads}/{s.num_kv_heads}"
-                f" heads x {s.head_dim}", lambda f: lambda: f(q, kc, vc, tables, seq_lens, scale), moved))
+    out.append(
+        (
+            "paged_decode_attention",
+            f"{s.decode_batch}x{s.context} ctx, {s.num_heads}/{s.num_kv_heads} heads x {s.head_dim}",
+            lambda f: lambda: f(q, kc, vc, tables, seq_lens, scale),
+            moved,
+        )
+    )
 
     # prefill attention: fresh prompts (compute-bound; the roofline column is only a floor)
     lens = [s.prefill_len] * s.prefill_seqs
@@ -114,29 +119,49 @@ def cases(shape: Shape, dtype, device) -> list[tuple[str, str, Callable[[Callabl
     starts = torch.tensor([0] + [s.prefill_len * (i + 1) for i in range(s.prefill_seqs)], device=device)
     plens = torch.tensor(lens, device=device)
     moved = 2 * nbytes(pq) + 2 * sum(lens) * s.num_kv_heads * s.head_dim * pq.element_size()
-    out.append(("paged_prefill_attention", f"{s.prefill_seqs}x{s.prefill_len} causal",
-                lambda f: lambda: f(pq, pkc, pvc, ptables, starts, plens, scale), moved))
+    out.append(
+        (
+            "paged_prefill_attention",
+            f"{s.prefill_seqs}x{s.prefill_len} causal",
+            lambda f: lambda: f(pq, pkc, pvc, ptables, starts, plens, scale),
+            moved,
+        )
+    )
 
     # cache write: one decode step's worth of tokens per sequence, scattered over the pool
     k, v = rand(s.tokens, s.num_kv_heads, s.head_dim), rand(s.tokens, s.num_kv_heads, s.head_dim)
     wkc = torch.zeros(s.tokens // block_size + 8, block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
     wvc = torch.zeros_like(wkc)
-    slots = torch.randperm(wkc.shape[0] * block_size, device=device)[:s.tokens]
-    out.append(("reshape_and_cache", f"{s.tokens} tokens", lambda f: lambda: f(k, v, wkc, wvc, slots),
-                2 * (nbytes(k) + nbytes(v))))
+    slots = torch.randperm(wkc.shape[0] * block_size, device=device)[: s.tokens]
+    out.append(
+        (
+            "reshape_and_cache",
+            f"{s.tokens} tokens",
+            lambda f: lambda: f(k, v, wkc, wvc, slots),
+            2 * (nbytes(k) + nbytes(v)),
+        )
+    )
 
     x, residual, weight = rand(s.tokens, s.hidden), rand(s.tokens, s.hidden), rand(s.hidden)
     out.append(("rms_norm", f"{s.tokens}x{s.hidden}", lambda f: lambda: f(x, weight, 1e-6), 2 * nbytes(x)))
-    out.append(("fused_add_rms_norm", f"{s.tokens}x{s.hidden}",
-                lambda f: lambda: f(x, residual, weight, 1e-6), 4 * nbytes(x)))
+    out.append(
+        ("fused_add_rms_norm", f"{s.tokens}x{s.hidden}", lambda f: lambda: f(x, residual, weight, 1e-6), 4 * nbytes(x))
+    )
     gate_up = rand(s.tokens, 2 * s.intermediate)
-    out.append(("silu_and_mul", f"{s.tokens}x2x{s.intermediate}", lambda f: lambda: f(gate_up),
-                nbytes(gate_up) * 3 // 2))
+    out.append(
+        ("silu_and_mul", f"{s.tokens}x2x{s.intermediate}", lambda f: lambda: f(gate_up), nbytes(gate_up) * 3 // 2)
+    )
     rq, rk = rand(s.tokens, s.num_heads, s.head_dim), rand(s.tokens, s.num_kv_heads, s.head_dim)
     positions = torch.arange(s.tokens, device=device)
     cos_sin = torch.randn(s.tokens, s.head_dim, device=device)
-    out.append(("rotary_embedding", f"{s.tokens} tokens, {s.num_heads}+{s.num_kv_heads} heads",
-                lambda f: lambda: f(positions, rq, rk, cos_sin, True), 2 * (nbytes(rq) + nbytes(rk))))
+    out.append(
+        (
+            "rotary_embedding",
+            f"{s.tokens} tokens, {s.num_heads}+{s.num_kv_heads} heads",
+            lambda f: lambda: f(positions, rq, rk, cos_sin, True),
+            2 * (nbytes(rq) + nbytes(rk)),
+        )
+    )
     return out
 
 
@@ -149,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
-    print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, "
-          f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    print(
+        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, "
+        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+    )
     rows = []
     header = f"{'kernel':<24} {'shape':<34} {'ours ms':>9} {'torch ms':>9} {'speedup':>8} {'GB/s':>7} {'% copy bw':>9}"
     print(header)
@@ -158,14 +185,26 @@ def main(argv: list[str] | None = None) -> int:
     for name, text, make, moved in cases(shape, dtype, device):
         ours = timed(make(implementation(name, device)), device)
         reference = timed(make(_TORCH[name]), device)
-        row = {"kernel": name, "shape": text, "ours_ms": ours * 1e3, "torch_ms": reference * 1e3,
-               "speedup": reference / ours, "gb_s": moved / ours / 1e9, "pct_copy_bw": 100 * moved / ours / bandwidth}
+        row = {
+            "kernel": name,
+            "shape": text,
+            "ours_ms": ours * 1e3,
+            "torch_ms": reference * 1e3,
+            "speedup": reference / ours,
+            "gb_s": moved / ours / 1e9,
+            "pct_copy_bw": 100 * moved / ours / bandwidth,
+        }
         rows.append(row)
-        print(f"{name:<24} {text:<34} {row['ours_ms']:>9.3f} {row['torch_ms']:>9.3f} {row['speedup']:>7.2f}x "
-              f"{row['gb_s']:>7.0f} {row['pct_copy_bw']:>8.0f}%")
+        print(
+            f"{name:<24} {text:<34} {row['ours_ms']:>9.3f} {row['torch_ms']:>9.3f} {row['speedup']:>7.2f}x "
+            f"{row['gb_s']:>7.0f} {row['pct_copy_bw']:>8.0f}%"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"device": str(device), "dtype": str(dtype), "copy_gb_s": bandwidth / 1e9,
-                                         "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"device": str(device), "dtype": str(dtype), "copy_gb_s": bandwidth / 1e9, "rows": rows}, indent=2
+            )
+        )
     return 0
 
 

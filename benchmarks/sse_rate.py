@@ -29,8 +29,10 @@ def main() -> None:
     chunks = sum(len(r.chunk_times) for r in results)
     summary = summarize(results, duration)
     assert summary["completed"] == 256 and chunks == 256 * 400
-    print(f"{chunks} chunks over 256 concurrent streams in {wall:.2f} s: {chunks / wall:,.0f} chunks/s "
-          f"({chunks / wall / 20000:.2f}x the 20,000/s target; the null server shares the same 2 cores)")
+    print(
+        f"{chunks} chunks over 256 concurrent streams in {wall:.2f} s: {chunks / wall:,.0f} chunks/s "
+        f"({chunks / wall / 20000:.2f}x the 20,000/s target; the null server shares the same 2 cores)"
+    )
 
 
 if __name__ == "__main__":

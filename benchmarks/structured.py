@@ -25,15 +25,24 @@ import time
 from engine_core import LLM, SamplingParams, StructuredOutputsParams
 from engine_core.tokenizer import encode_chat
 
-ITEM = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9999},
-                                         "name": {"type": "string", "maxLength": 16},
-                                         "kind": {"enum": ["tool", "part", "kit"]},
-                                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
-                                                  "maxItems": 3}},
-        "required": ["id", "name", "kind", "tags"]}
-SCHEMA = {"type": "object", "properties": {"warehouse": {"type": "string", "maxLength": 24},
-                                           "items": {"type": "array", "items": ITEM, "minItems": 40}},
-          "required": ["warehouse", "items"]}
+ITEM = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "name": {"type": "string", "maxLength": 16},
+        "kind": {"enum": ["tool", "part", "kit"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["id", "name", "kind", "tags"],
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "warehouse": {"type": "string", "maxLength": 24},
+        "items": {"type": "array", "items": ITEM, "minItems": 40},
+    },
+    "required": ["warehouse", "items"],
+}
 _ids = itertools.count()
 
 
@@ -45,8 +54,11 @@ def decode_step_ms(llm: LLM, prompt: list[int], params: list[SamplingParams]) ->
     times = []
     while engine.has_unfinished_requests():
         running = engine.scheduler.running
-        full = (len(running) == len(params) and not engine.structured.num_pending
-                and all(r.num_tokens - r.num_computed_tokens == 1 for r in running))
+        full = (
+            len(running) == len(params)
+            and not engine.structured.num_pending
+            and all(r.num_tokens - r.num_computed_tokens == 1 for r in running)
+        )
         started = time.perf_counter()
         engine.step()
         if full:
@@ -86,8 +98,16 @@ def main() -> None:
     constraint = StructuredOutputsParams(json=SCHEMA)
 
     def params(structured: bool) -> list[SamplingParams]:
-        return [SamplingParams(temperature=1.0, seed=i, max_tokens=args.tokens, ignore_eos=not structured,
-                               structured_outputs=constraint if structured else None) for i in range(args.batch)]
+        return [
+            SamplingParams(
+                temperature=1.0,
+                seed=i,
+                max_tokens=args.tokens,
+                ignore_eos=not structured,
+                structured_outputs=constraint if structured else None,
+            )
+            for i in range(args.batch)
+        ]
 
     decode_step_ms(llm, prompt, params(False)[:4])  # warm both paths (and compile the schema once)
     decode_step_ms(llm, prompt, params(True)[:4])
@@ -104,21 +124,30 @@ def main() -> None:
         compile_ms.append(1000 * (time.perf_counter() - t))
     waits = []
     for index in range(3):
-        one = SamplingParams(temperature=1.0, seed=0, max_tokens=4,
-                             structured_outputs=StructuredOutputsParams(json=fresh_schema(index)))
+        one = SamplingParams(
+            temperature=1.0, seed=0, max_tokens=4, structured_outputs=StructuredOutputsParams(json=fresh_schema(index))
+        )
         new = first_token_s(llm, prompt, one)
         cached = first_token_s(llm, prompt, one)
         waits.append(1000 * (new - cached))
 
-    print(f"\nStructured output, batch {args.batch}, {args.tokens} tokens, temperature 1.0 "
-          f"(medians of {args.repeats} alternating runs)")
-    print(f"  decode step, free           {free_ms:8.1f} ms  ({args.batch * 1000 / free_ms:6.1f} tok/s)  "
-          f"runs {', '.join(f'{x:.1f}' for x in free)}")
-    print(f"  decode step, JSON schema    {constrained_ms:8.1f} ms  ({args.batch * 1000 / constrained_ms:6.1f} tok/s)  "
-          f"runs {', '.join(f'{x:.1f}' for x in constrained)}")
+    print(
+        f"\nStructured output, batch {args.batch}, {args.tokens} tokens, temperature 1.0 "
+        f"(medians of {args.repeats} alternating runs)"
+    )
+    print(
+        f"  decode step, free           {free_ms:8.1f} ms  ({args.batch * 1000 / free_ms:6.1f} tok/s)  "
+        f"runs {', '.join(f'{x:.1f}' for x in free)}"
+    )
+    print(
+        f"  decode step, JSON schema    {constrained_ms:8.1f} ms  ({args.batch * 1000 / constrained_ms:6.1f} tok/s)  "
+        f"runs {', '.join(f'{x:.1f}' for x in constrained)}"
+    )
     print(f"  overhead per step           {100 * (constrained_ms / free_ms - 1):8.1f} %")
-    print(f"  compile, new schema         {statistics.median(compile_ms):8.1f} ms (median of 5; schema "
-          f"{len(json.dumps(SCHEMA))} chars)")
+    print(
+        f"  compile, new schema         {statistics.median(compile_ms):8.1f} ms (median of 5; schema "
+        f"{len(json.dumps(SCHEMA))} chars)"
+    )
     print(f"  first token: new schema - cached schema  {statistics.median(waits):8.1f} ms (median of 3)")
     print(f"  backend load (once per engine)           {1000 * load_s:8.1f} ms")
 

@@ -31,8 +31,7 @@ def workload_a(seed: int = 0):
 
 def workload_b(seed: int = 0):
     rng = random.Random(seed)
-    return [([rng.randrange(100, 49000) for _ in range(rng.randint(32, 384))], rng.randint(16, 192))
-            for _ in range(64)]
+    return [([rng.randrange(100, 49000) for _ in range(rng.randint(32, 384))], rng.randint(16, 192)) for _ in range(64)]
 
 
 def run_pagoda(llm: LLM, work) -> dict:
@@ -55,16 +54,17 @@ def run_hf(model, work, batch_size: int) -> dict:
     start = time.perf_counter()
     out_tokens = 0
     for i in range(0, len(work), batch_size):
-        chunk = work[i:i + batch_size]
+        chunk = work[i : i + batch_size]
         longest = max(len(p) for p, _ in chunk)
         max_new = max(n for _, n in chunk)
         ids = torch.full((len(chunk), longest), 2, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, (p, _) in enumerate(chunk):
-            ids[row, longest - len(p):] = torch.tensor(p)
-            mask[row, longest - len(p):] = 1
-        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
-                       min_new_tokens=max_new, pad_token_id=2)
+            ids[row, longest - len(p) :] = torch.tensor(p)
+            mask[row, longest - len(p) :] = 1
+        model.generate(
+            ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=2
+        )
         out_tokens += sum(n for _, n in chunk)  # tokens the workload asked for; extra ones are waste
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "output_tok_s": out_tokens / elapsed}
@@ -118,6 +118,7 @@ def matmul_bound(llm: LLM, batch_sizes=(1, 64)) -> dict:
             for w in weights:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
             torch.nn.functional.linear(xs[h], lm_head)
+
         step()
         t0 = time.perf_counter()
         reps = 5
@@ -140,6 +141,7 @@ def main() -> None:
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
+
         hf = AutoModelForCausalLM.from_pretrained(str(llm.engine.model_dir), dtype=torch.float32).eval()
 
     rows = []

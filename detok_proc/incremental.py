@@ -16,12 +16,19 @@ _PROMPT_CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 stop: list[str] | tuple[str, ...] = (), include_stop_str_in_output: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        stop: list[str] | tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+    ):
         self._tokenizer = tokenizer.backend_tokenizer  # the Rust tokenizer behind a HF fast tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stream = DecodeStream(ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]),
-                                    skip_special_tokens=skip_special_tokens)
+        self._stream = DecodeStream(
+            ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]), skip_special_tokens=skip_special_tokens
+        )
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
         self.text = ""  # the output text so far (cut at a stop string once one is found)
@@ -43,7 +50,7 @@ class IncrementalDetokenizer:
                 self.text += chunk
                 self._find_stop(before)
         end = len(self.text) if self.stopped else len(self.text) - self._undecided_tail()
-        delta = self.text[self._sent:end] if end > self._sent else ""
+        delta = self.text[self._sent : end] if end > self._sent else ""
         self._sent = max(self._sent, end)
         return delta
 
@@ -57,7 +64,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The request finished: whatever was held back is final now."""
-        delta = self.text[self._sent:]
+        delta = self.text[self._sent :]
         self._sent = len(self.text)
         return delta
 
@@ -71,7 +78,7 @@ class IncrementalDetokenizer:
                 best = (index, stop)
         if best is not None:
             index, stop = best
-            self.text = self.text[:index + (len(stop) if self.include_stop_str_in_output else 0)]
+            self.text = self.text[: index + (len(stop) if self.include_stop_str_in_output else 0)]
             self.stop_reason = stop
 
     def _undecided_tail(self) -> int:

@@ -23,15 +23,25 @@ class FrontendLimits:
         if params.max_tokens is None:
             params.max_tokens = max(1, min(cap, max_model_len - num_prompt_tokens))
         elif params.max_tokens > cap:
-            raise RequestInvalid(f"Invalid 'max_tokens': this server allows at most {cap}, but got "
-                                 f"{params.max_tokens}.", "max_tokens", code="integer_above_max_value")
+            raise RequestInvalid(
+                f"Invalid 'max_tokens': this server allows at most {cap}, but got {params.max_tokens}.",
+                "max_tokens",
+                code="integer_above_max_value",
+            )
 
     def check(self, num_prompt_tokens: int, num_samples: int, num_pending: int, param: str) -> None:
         """Raise RequestInvalid (400 for a long prompt, 429 when full) before anything is queued."""
         if self.max_prompt_tokens is not None and num_prompt_tokens > self.max_prompt_tokens:
-            raise RequestInvalid(f"The prompt has {num_prompt_tokens} tokens; this server accepts at most "
-                                 f"{self.max_prompt_tokens}.", param, code="prompt_too_long")
+            raise RequestInvalid(
+                f"The prompt has {num_prompt_tokens} tokens; this server accepts at most {self.max_prompt_tokens}.",
+                param,
+                code="prompt_too_long",
+            )
         if self.max_pending_requests is not None and num_pending + num_samples > self.max_pending_requests:
-            raise RequestInvalid(f"The server is at capacity ({num_pending} requests running or queued, limit "
-                                 f"{self.max_pending_requests}); retry shortly.", status=429,
-                                 code="too_many_requests", error_type="rate_limit_error")
+            raise RequestInvalid(
+                f"The server is at capacity ({num_pending} requests running or queued, limit "
+                f"{self.max_pending_requests}); retry shortly.",
+                status=429,
+                code="too_many_requests",
+                error_type="rate_limit_error",
+            )

@@ -43,12 +43,74 @@ disable_created_metrics()  # no *_created series (as vLLM): they double the outp
 LABELS = ["model_name", "engine"]
 REJECTED_STATUSES = (413, 429)  # exported from the start, at 0, so rate() works before the first one
 # vLLM's buckets, so its dashboards' quantiles mean the same here.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0]
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 
 
 def buckets_1_2_5(max_value: int) -> list[int]:
@@ -81,22 +143,47 @@ class DetokMetrics:
         for collector in (EngineStatsCollector(self.labels, latest_stats), self.api_workers, self.processes):
             self.registry.register(collector)
         r, lab = self.registry, self.labels
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS,
-                                     registry=r).labels(*lab)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                                         LABELS, registry=r).labels(*lab)
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          LABELS + ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r
+        ).labels(*lab)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
+        ).labels(*lab)
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            LABELS + ["finished_reason"],
+            registry=r,
+        )
         self.request_success = {reason: success.labels(*lab, reason.value) for reason in protocol.FinishReason}
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              LABELS, registry=r, buckets=TTFT_BUCKETS).labels(*lab)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             LABELS, registry=r, buckets=ITL_BUCKETS).labels(*lab)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             LABELS, registry=r, buckets=REQUEST_LATENCY_BUCKETS).labels(*lab)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", LABELS, registry=r,
-                                    buckets=REQUEST_LATENCY_BUCKETS).labels(*lab)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            LABELS,
+            registry=r,
+            buckets=TTFT_BUCKETS,
+        ).labels(*lab)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            LABELS,
+            registry=r,
+            buckets=ITL_BUCKETS,
+        ).labels(*lab)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            LABELS,
+            registry=r,
+            buckets=REQUEST_LATENCY_BUCKETS,
+        ).labels(*lab)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            LABELS,
+            registry=r,
+            buckets=REQUEST_LATENCY_BUCKETS,
+        ).labels(*lab)
         # Token-count histograms need the context length for their buckets: made in engine_ready().
         self.request_prompt_tokens: Histogram | None = None
         self.request_generation_tokens: Histogram | None = None
@@ -106,11 +193,19 @@ class DetokMetrics:
         if self.request_prompt_tokens is None:
             buckets = buckets_1_2_5(ready.max_model_len)
             self.request_prompt_tokens = Histogram(
-                "vllm:request_prompt_tokens", "Number of prefill tokens processed.", LABELS,
-                registry=self.registry, buckets=buckets).labels(*self.labels)
+                "vllm:request_prompt_tokens",
+                "Number of prefill tokens processed.",
+                LABELS,
+                registry=self.registry,
+                buckets=buckets,
+            ).labels(*self.labels)
             self.request_generation_tokens = Histogram(
-                "vllm:request_generation_tokens", "Number of generation tokens processed.", LABELS,
-                registry=self.registry, buckets=buckets).labels(*self.labels)
+                "vllm:request_generation_tokens",
+                "Number of generation tokens processed.",
+                LABELS,
+                registry=self.registry,
+                buckets=buckets,
+            ).labels(*self.labels)
 
     def api_worker_stats(self, stats: protocol.ApiWorkerStats) -> None:
         self.api_workers.update(stats)
@@ -158,18 +253,22 @@ class EngineStatsCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         s = self.latest_stats()
         for name, doc, value in (
-                ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),
-                ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
-                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)):
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
+        ):
             gauge = GaugeMetricFamily(name, doc, labels=LABELS)
             gauge.add_metric(self.labels, value)
             yield gauge
         for name, doc, value in (
-                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                 s.prefix_cache_queries),
-                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                 s.prefix_cache_hits),
-                ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions)):
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                s.prefix_cache_queries,
+            ),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions),
+        ):
             counter = CounterMetricFamily(name, doc, labels=LABELS)
             counter.add_metric(self.labels, value)
             yield counter
@@ -187,17 +286,24 @@ class ApiWorkerCounters(Collector):
 
     def collect(self) -> Iterable[Metric]:
         workers = list(self.workers.values())
-        rejected = CounterMetricFamily("pagoda:request_rejected", "Requests refused before any work, by HTTP "
-                                       "status: 429 (server at capacity), 413 (body too large).",
-                                       labels=["model_name", "status_code"])
+        rejected = CounterMetricFamily(
+            "pagoda:request_rejected",
+            "Requests refused before any work, by HTTP status: 429 (server at capacity), 413 (body too large).",
+            labels=["model_name", "status_code"],
+        )
         statuses = set(REJECTED_STATUSES).union(*(w.rejected for w in workers))
         for status in sorted(statuses):
             rejected.add_metric([self.model_name, str(status)], sum(w.rejected.get(status, 0) for w in workers))
         yield rejected
         for name, doc, attribute in (
-                ("pagoda:request_aborted", "Requests whose HTTP client disconnected before the response was "
-                 "complete (their generation is aborted).", "aborted"),
-                ("pagoda:request_timeout", "Requests ended by the server's request timeout (504).", "timed_out")):
+            (
+                "pagoda:request_aborted",
+                "Requests whose HTTP client disconnected before the response was "
+                "complete (their generation is aborted).",
+                "aborted",
+            ),
+            ("pagoda:request_timeout", "Requests ended by the server's request timeout (504).", "timed_out"),
+        ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], sum(getattr(w, attribute) for w in workers))
             yield counter

@@ -38,6 +38,5 @@ class ProcessesCollector(Collector):
                 if merged is None:
                     merged = families[family.name] = Metric(family.name, family.documentation, family.type)
                 for sample in family.samples:
-                    merged.add_sample(sample.name, {**sample.labels, "process": role, "pid": str(pid)},
-                                      sample.value)
+                    merged.add_sample(sample.name, {**sample.labels, "process": role, "pid": str(pid)}, sample.value)
         return list(families.values())

@@ -80,7 +80,8 @@ def check_length_bound(num_bytes: int, token_limit: int, max_token_bytes: int) -
         raise PromptTooLong(
             f"The prompt has {num_bytes} bytes of text; no prompt longer than {most} bytes fits in {token_limit} "
             f"tokens with this model's tokenizer (its longest token covers {max_token_bytes} bytes). Please "
-            "reduce the length of the prompt.")
+            "reduce the length of the prompt."
+        )
 
 
 def encode_within(tokenizer, text: str, token_limit: int, add_special_tokens: bool) -> list[int]:
@@ -91,5 +92,6 @@ def encode_within(tokenizer, text: str, token_limit: int, add_special_tokens: bo
         if len(head) > 2 * token_limit:
             raise PromptTooLong(
                 f"The prompt has more than {2 * token_limit} tokens (its first {probe} characters alone have "
-                f"{len(head)}); it cannot fit in {token_limit} tokens. Please reduce the length of the prompt.")
+                f"{len(head)}); it cannot fit in {token_limit} tokens. Please reduce the length of the prompt."
+            )
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -19,14 +19,26 @@ from engine_core.validation import ParamError, check_token_ids
 class RequestInvalid(Exception):
     """A client error, with the OpenAI error fields to answer it with."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 error_type: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        status: int = 400,
+        error_type: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.param, self.code, self.status, self.error_type = param, code, status, error_type
 
     def to_message(self, request_id: str) -> protocol.RequestError:
-        return protocol.RequestError(request_id=request_id, status=self.status, message=str(self),
-                                     param=self.param, code=self.code, error_type=self.error_type)
+        return protocol.RequestError(
+            request_id=request_id,
+            status=self.status,
+            message=str(self),
+            param=self.param,
+            code=self.code,
+            error_type=self.error_type,
+        )
 
     @classmethod
     def of(cls, exc: ParamError) -> RequestInvalid:
@@ -42,9 +54,14 @@ def prompt_token_ids(tokenizer, request: protocol.PromptRequest, vocab_size: int
         if request.messages is not None:
             chat = request.chat or protocol.ChatOptions()
             try:
-                text = render_chat(tokenizer, request.messages, add_generation_prompt=chat.add_generation_prompt,
-                                   continue_final_message=chat.continue_final_message,
-                                   chat_template_kwargs=chat.chat_template_kwargs, tools=chat.tools)
+                text = render_chat(
+                    tokenizer,
+                    request.messages,
+                    add_generation_prompt=chat.add_generation_prompt,
+                    continue_final_message=chat.continue_final_message,
+                    chat_template_kwargs=chat.chat_template_kwargs,
+                    tools=chat.tools,
+                )
             except ParamError:
                 raise
             except Exception as exc:
@@ -76,8 +93,10 @@ def check_request_options(request: protocol.GenerateRequest, vocab_size: int) ->
     if any(not stop for stop in request.stop):
         raise RequestInvalid("Invalid 'stop': stop strings must not be empty.", "stop")
     if len(request.stop) > MAX_STOP_STRINGS or any(len(stop) > MAX_STOP_CHARS for stop in request.stop):
-        raise RequestInvalid(f"Invalid 'stop': at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} "
-                             "characters each.", "stop")
+        raise RequestInvalid(
+            f"Invalid 'stop': at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters each.",
+            "stop",
+        )
     try:
         check_token_ids(request.params.stop_token_ids, vocab_size, "stop_token_ids")
         check_token_ids(request.params.logit_bias, vocab_size, "logit_bias")
@@ -92,7 +111,10 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
         raise RequestInvalid(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{wanted} tokens ({num_prompt_tokens} in the prompt, {max_tokens or 1} for the completion). "
-            f"Please reduce the length of the prompt or of max_tokens.", param, "context_length_exceeded")
+            f"Please reduce the length of the prompt or of max_tokens.",
+            param,
+            "context_length_exceeded",
+        )
 
 
 @dataclass
@@ -125,17 +147,28 @@ class SampleState:
             if finish_reason is protocol.FinishReason.STOP and last in self.stop_token_ids:
                 stop_reason = last
         out = protocol.GenerateDelta(
-            request_id=self.client_request_id, index=self.index, text=text,
-            tokens=protocol.pack_tokens(delta.new_token_ids), num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=self.num_output_tokens, num_cached_tokens=delta.num_cached_tokens,
-            finish_reason=finish_reason, stop_reason=stop_reason)
+            request_id=self.client_request_id,
+            index=self.index,
+            text=text,
+            tokens=protocol.pack_tokens(delta.new_token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens,
+            num_cached_tokens=delta.num_cached_tokens,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+        )
         if self.logprobs is not None:
             out.logprobs = []
             for packed in delta.new_logprobs:
                 token = packed.sampled_and_top()
-                out.logprobs.append(protocol.TokenLogprob(
-                    token_text(token.token_id), token.token_id, token.logprob,
-                    [(token_text(tid), tid, lp) for tid, lp in zip(token.top_ids, token.top_logprobs, strict=True)]))
+                out.logprobs.append(
+                    protocol.TokenLogprob(
+                        token_text(token.token_id),
+                        token.token_id,
+                        token.logprob,
+                        [(token_text(tid), tid, lp) for tid, lp in zip(token.top_ids, token.top_logprobs, strict=True)],
+                    )
+                )
         if self.prompt is not None or self.prompt_tokens is not None:
             out.prompt, out.prompt_tokens = self.prompt, self.prompt_tokens
             self.prompt = self.prompt_tokens = None

@@ -39,9 +39,18 @@ _POLL_MS = 500
 
 
 class DetokProc:
-    def __init__(self, model_dir: str, frontend_addrs: list[str], engine_input_addr: str, engine_output_addr: str,
-                 stall_timeout: float = 30.0, tcp_addr: str | None = None, curve: CurveConfig | None = None,
-                 limits: FrontendLimits | None = None, model_name: str | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        frontend_addrs: list[str],
+        engine_input_addr: str,
+        engine_output_addr: str,
+        stall_timeout: float = 30.0,
+        tcp_addr: str | None = None,
+        curve: CurveConfig | None = None,
+        limits: FrontendLimits | None = None,
+        model_name: str | None = None,
+    ):
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.prompts = PromptTokenizer(self.tokenizer)  # inline, or on its background thread
@@ -49,7 +58,7 @@ class DetokProc:
         self.ctx = zmq.Context()
         self.auth = None
         self.frontends = [self._router(frontend_addrs)]
-        self.ipc_files = [addr[len("ipc://"):] for addr in frontend_addrs if addr.startswith("ipc://")]
+        self.ipc_files = [addr[len("ipc://") :] for addr in frontend_addrs if addr.startswith("ipc://")]
         if tcp_addr is not None:
             if curve is None:
                 raise ValueError("a tcp:// frontend needs CURVE keys")
@@ -146,8 +155,12 @@ class DetokProc:
     def _failed(self, client: bytes, request_id: str, exc: Exception) -> None:
         logger.exception("request from a client failed", exc_info=exc)
         self._abort(client, [request_id])
-        self._reply(client, protocol.RequestError(request_id=request_id, status=500, error_type="server_error",
-                                                  message=f"{type(exc).__name__}: {exc}"))
+        self._reply(
+            client,
+            protocol.RequestError(
+                request_id=request_id, status=500, error_type="server_error", message=f"{type(exc).__name__}: {exc}"
+            ),
+        )
 
     def _require_engine(self) -> protocol.EngineReady:
         if self.engine_dead is not None:
@@ -165,8 +178,13 @@ class DetokProc:
         if key in self.by_client or self.prompts.is_pending(key):
             raise RequestInvalid(f"request id {request.request_id!r} is already in use", "request_id")
         check_request_options(request, engine.vocab_size)
-        self.prompts.tokenize(key, request, engine.vocab_size, self._token_limit(engine),
-                              lambda ids: self._admit(key, request, ids, arrival))
+        self.prompts.tokenize(
+            key,
+            request,
+            engine.vocab_size,
+            self._token_limit(engine),
+            lambda ids: self._admit(key, request, ids, arrival),
+        )
 
     def _token_limit(self, engine: protocol.EngineReady) -> int:
         return min(engine.max_model_len, self.limits.max_prompt_tokens or engine.max_model_len)
@@ -184,8 +202,7 @@ class DetokProc:
             except Exception as exc:
                 self._failed(identity, request_id, exc)
 
-    def _admit(self, key: tuple[bytes, str], request: protocol.GenerateRequest, ids: list[int],
-               arrival: float) -> None:
+    def _admit(self, key: tuple[bytes, str], request: protocol.GenerateRequest, ids: list[int], arrival: float) -> None:
         """Limits and context checks on the token count, then one engine request per sample."""
         engine = self._require_engine()
         identity = key[0]
@@ -198,18 +215,25 @@ class DetokProc:
         engine_ids = self.by_client[key] = []  # registered first, so a failure below can abort them
         for index in range(params.n):
             engine_id = str(next(self._ids))
-            detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, request.stop,
-                                                 request.include_stop_str_in_output)
-            sample = SampleState(identity, request.request_id, index, detokenizer, len(ids),
-                                 frozenset(params.stop_token_ids), params.logprobs)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, ids, params.skip_special_tokens, request.stop, request.include_stop_str_in_output
+            )
+            sample = SampleState(
+                identity,
+                request.request_id,
+                index,
+                detokenizer,
+                len(ids),
+                frozenset(params.stop_token_ids),
+                params.logprobs,
+            )
             if request.return_prompt and index == 0:
                 sample.prompt = request.prompt if request.prompt is not None else self.tokenizer.decode(ids)
                 sample.prompt_tokens = prompt_tokens
             sample.timing.arrival = arrival
             self.samples[engine_id] = sample
             engine_ids.append(engine_id)
-            self._to_engine(protocol.AddRequest(engine_id, prompt_tokens, params.for_sample(index),
-                                                request.cache_salt))
+            self._to_engine(protocol.AddRequest(engine_id, prompt_tokens, params.for_sample(index), request.cache_salt))
 
     def _abort(self, identity: bytes, request_ids: list[str], by_client: bool = False) -> None:
         """Stop the engine work of these requests; `by_client`: the client asked (or vanished), so
@@ -227,16 +251,27 @@ class DetokProc:
             self._to_engine(protocol.AbortRequests(engine_ids))
 
     def _abort_client(self, identity: bytes) -> None:
-        self._abort(identity, [rid for ident, rid in [*self.by_client, *self.prompts.pending_keys()]
-                               if ident == identity], by_client=True)
+        self._abort(
+            identity,
+            [rid for ident, rid in [*self.by_client, *self.prompts.pending_keys()] if ident == identity],
+            by_client=True,
+        )
 
     def _fail_all(self, message: str) -> None:
-        for (identity, request_id) in [*self.by_client, *self.prompts.pending_keys()]:
-            self._reply(identity, protocol.RequestError(request_id=request_id, status=503, message=message,
-                                                        error_type="server_error", code="engine_dead"))
+        for identity, request_id in [*self.by_client, *self.prompts.pending_keys()]:
+            self._reply(
+                identity,
+                protocol.RequestError(
+                    request_id=request_id, status=503, message=message, error_type="server_error", code="engine_dead"
+                ),
+            )
         for identity, request_id in self._pending_resets.values():
-            self._reply(identity, protocol.RequestError(request_id=request_id, status=503, message=message,
-                                                        error_type="server_error", code="engine_dead"))
+            self._reply(
+                identity,
+                protocol.RequestError(
+                    request_id=request_id, status=503, message=message, error_type="server_error", code="engine_dead"
+                ),
+            )
         self._pending_resets.clear()
         for key in self.prompts.pending_keys():
             self.prompts.cancel(key)
@@ -256,9 +291,17 @@ class DetokProc:
             healthy, message = True, "ok"
         s = self.stats
         return protocol.HealthReport(
-            request_id=request_id, ready=ready, healthy=healthy, message=message, model=self.model_dir,
-            max_model_len=self.engine.max_model_len if ready else 0, seconds_since_engine_progress=silence,
-            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.kv_cache_usage)
+            request_id=request_id,
+            ready=ready,
+            healthy=healthy,
+            message=message,
+            model=self.model_dir,
+            max_model_len=self.engine.max_model_len if ready else 0,
+            seconds_since_engine_progress=silence,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+        )
 
     def _tokenize(self, identity: bytes, request: protocol.TokenizeRequest) -> None:
         try:
@@ -272,8 +315,14 @@ class DetokProc:
             return protocol.TokenizeResult(request.request_id, protocol.pack_tokens(ids), strs, engine.max_model_len)
 
         try:
-            self.prompts.tokenize((identity, request.request_id), request, engine.vocab_size,
-                                  self._token_limit(engine), lambda answer: self._reply(identity, answer), result)
+            self.prompts.tokenize(
+                (identity, request.request_id),
+                request,
+                engine.vocab_size,
+                self._token_limit(engine),
+                lambda answer: self._reply(identity, answer),
+                result,
+            )
         except RequestInvalid as exc:
             self._reply(identity, exc.to_message(request.request_id))
 
@@ -281,9 +330,12 @@ class DetokProc:
         ids = protocol.unpack_tokens(request.tokens)
         try:
             check_token_ids(ids, len(self.tokenizer), "tokens")
-            self.prompts.run((identity, request.request_id), 4 * len(ids),  # ~4 bytes of text per token
-                             lambda: protocol.DetokenizeResult(request.request_id, self.tokenizer.decode(ids)),
-                             lambda answer: self._reply(identity, answer))
+            self.prompts.run(
+                (identity, request.request_id),
+                4 * len(ids),  # ~4 bytes of text per token
+                lambda: protocol.DetokenizeResult(request.request_id, self.tokenizer.decode(ids)),
+                lambda answer: self._reply(identity, answer),
+            )
         except ParamError as exc:
             self._reply(identity, RequestInvalid.of(exc).to_message(request.request_id))
         except RequestInvalid as exc:
@@ -322,9 +374,15 @@ class DetokProc:
             except Exception as exc:
                 logger.exception("detokenizing request %s failed", sample.client_request_id)
                 self._abort(sample.identity, [sample.client_request_id])
-                self._reply(sample.identity, protocol.RequestError(
-                    request_id=sample.client_request_id, status=500, error_type="server_error",
-                    message=f"the output could not be detokenized: {type(exc).__name__}: {exc}"))
+                self._reply(
+                    sample.identity,
+                    protocol.RequestError(
+                        request_id=sample.client_request_id,
+                        status=500,
+                        error_type="server_error",
+                        message=f"the output could not be detokenized: {type(exc).__name__}: {exc}",
+                    ),
+                )
                 continue
             outgoing[sample.identity].append(out)
             self.metrics.tokens(sample, delta)
@@ -352,8 +410,9 @@ class DetokProc:
         if sample is None:
             return
         self._abort(sample.identity, [sample.client_request_id])
-        self._reply(sample.identity, RequestInvalid(message.message, message.param)
-                    .to_message(sample.client_request_id))
+        self._reply(
+            sample.identity, RequestInvalid(message.message, message.param).to_message(sample.client_request_id)
+        )
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
@@ -404,15 +463,33 @@ def _peek_request_id(frame: bytes) -> str:
         return ""
 
 
-def run_detok(model_dir: str, frontend_addrs: list[str], engine_input_addr: str, engine_output_addr: str,
-              stall_timeout: float = 30.0, tcp_addr: str | None = None, curve: CurveConfig | None = None,
-              parent_conn: Connection | None = None, runtime_dir: str | None = None,
-              limits: FrontendLimits | None = None, model_name: str | None = None) -> None:
+def run_detok(
+    model_dir: str,
+    frontend_addrs: list[str],
+    engine_input_addr: str,
+    engine_output_addr: str,
+    stall_timeout: float = 30.0,
+    tcp_addr: str | None = None,
+    curve: CurveConfig | None = None,
+    parent_conn: Connection | None = None,
+    runtime_dir: str | None = None,
+    limits: FrontendLimits | None = None,
+    model_name: str | None = None,
+) -> None:
     """Process entry point; exits 0 on SIGTERM/SIGINT or the parent's "stop"."""
     init_child_process(Role.DETOK.process_name())
     started = time.monotonic()
-    proc = DetokProc(model_dir, frontend_addrs, engine_input_addr, engine_output_addr, stall_timeout,
-                     tcp_addr, curve, limits, model_name)
+    proc = DetokProc(
+        model_dir,
+        frontend_addrs,
+        engine_input_addr,
+        engine_output_addr,
+        stall_timeout,
+        tcp_addr,
+        curve,
+        limits,
+        model_name,
+    )
     link = ParentLink(parent_conn, runtime_dir, proc.ipc_files) if parent_conn is not None else None
 
     def request_stop(*_):
@@ -424,7 +501,9 @@ def run_detok(model_dir: str, frontend_addrs: list[str], engine_input_addr: str,
     if link is not None:
         link.watch(lambda command: request_stop())
         proc.on_ready = lambda: link.send(Report.READY, seconds=round(time.monotonic() - started, 2))
-    logger.info("tokenizer process %d serving %s", os.getpid(), ", ".join(frontend_addrs + ([tcp_addr] if tcp_addr else [])))
+    logger.info(
+        "tokenizer process %d serving %s", os.getpid(), ", ".join(frontend_addrs + ([tcp_addr] if tcp_addr else []))
+    )
     try:
         proc.run()
     finally:

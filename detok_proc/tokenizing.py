@@ -51,8 +51,15 @@ class PromptTokenizer:
     def pending_keys(self) -> list[Key]:
         return list(self._pending)
 
-    def tokenize(self, key: Key, request: protocol.PromptRequest, vocab_size: int, token_limit: int,
-                 then: Callable, post: Callable[[list[int]], object] | None = None) -> None:
+    def tokenize(
+        self,
+        key: Key,
+        request: protocol.PromptRequest,
+        vocab_size: int,
+        token_limit: int,
+        then: Callable,
+        post: Callable[[list[int]], object] | None = None,
+    ) -> None:
         """`then(ids)` (or `then(post(ids))`, `post` running where the tokenizing ran) once the prompt
         is tokenized; RequestInvalid now if it is refused before any tokenizing."""
         size = prompt_bytes(request)
@@ -76,8 +83,12 @@ class PromptTokenizer:
         if key in self._pending:
             raise RequestInvalid(f"request id {key[1]!r} is already in use", "request_id")
         if self.queued_bytes + size > QUEUE_BYTES:
-            raise RequestInvalid("The server is busy tokenizing other long prompts; retry shortly.", status=429,
-                                 code="too_many_requests", error_type="rate_limit_error")
+            raise RequestInvalid(
+                "The server is busy tokenizing other long prompts; retry shortly.",
+                status=429,
+                code="too_many_requests",
+                error_type="rate_limit_error",
+            )
         job = next(self._jobs)
         self._pending[key] = _Pending(job, size, then)
         self._by_job[job] = key

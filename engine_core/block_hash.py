@@ -20,10 +20,11 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple
     return hashlib.sha256(_encode((parent, list(token_ids), extra_keys))).digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
-                        cache_salt: str | None = None) -> None:
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> None:
     """Append the hashes of the full blocks of `token_ids` that `hashes` does not cover yet."""
     for index in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
         extra = (cache_salt,) if index == 0 and cache_salt is not None else ()
-        hashes.append(hash_block(parent, token_ids[index * block_size:(index + 1) * block_size], extra))
+        hashes.append(hash_block(parent, token_ids[index * block_size : (index + 1) * block_size], extra))

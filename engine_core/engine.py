@@ -36,22 +36,36 @@ class EngineCore:
         self.model_dir = resolve_model(config.model)
         self.model_cfg = ModelConfig.from_dir(self.model_dir)
         self.runner = ModelRunner(config, self.model_dir, self.model_cfg)
-        self.kv_manager = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                         enable_caching=config.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(
+            self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+        )
         capacity = self.kv_manager.pool.num_usable_blocks * config.block_size
         self.max_model_len = self._max_model_len(capacity)
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.max_model_len, config.max_joint_prefill_tokens)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            self.max_model_len,
+            config.max_joint_prefill_tokens,
+        )
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_decode_graphs(self.max_model_len)
         # Constrained requests wait here, off the scheduler, while a worker thread compiles their grammar.
-        self.structured = StructuredOutputManager(self.model_dir, self.model_cfg.vocab_size,
-                                                  self.model_cfg.eos_token_ids)
+        self.structured = StructuredOutputManager(
+            self.model_dir, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids
+        )
         self.rejected: list[tuple[str, str, str | None]] = []  # (request id, why, param): see take_rejected
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens; max concurrency at full context "
-                    "length (%d): %.2fx; model %s loaded in %.1fs", self.kv_manager.pool.num_usable_blocks,
-                    config.block_size, capacity, self.max_model_len, capacity / self.max_model_len,
-                    self.model_cfg.architecture, time.monotonic() - started)
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens; max concurrency at full context "
+            "length (%d): %.2fx; model %s loaded in %.1fs",
+            self.kv_manager.pool.num_usable_blocks,
+            config.block_size,
+            capacity,
+            self.max_model_len,
+            capacity / self.max_model_len,
+            self.model_cfg.architecture,
+            time.monotonic() - started,
+        )
 
     def _max_model_len(self, capacity: int) -> int:
         limit = self.model_cfg.max_position_embeddings
@@ -64,15 +78,19 @@ class EngineCore:
         return wanted
 
     # ---- requests -----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
         """Queue a request; raises ValueError (nothing queued) if it cannot be served: a ParamError
         naming the field when a request value is to blame."""
         if not prompt_token_ids:
             raise ParamError("the prompt is empty", "prompt")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ParamError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
-                             f"{self.max_model_len} tokens, leaving no room to generate", "prompt")
+            raise ParamError(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens, leaving no room to generate",
+                "prompt",
+            )
         vocab = self.model_cfg.vocab_size
         check_token_ids(prompt_token_ids, vocab, "prompt")
         params.validate()
@@ -80,8 +98,7 @@ class EngineCore:
         check_token_ids(params.logit_bias, vocab, "logit_bias")
         if self.structured.has_pending(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
-        request = Request(request_id, prompt_token_ids, params, self.model_cfg.eos_token_ids,
-                          cache_salt=cache_salt)
+        request = Request(request_id, prompt_token_ids, params, self.model_cfg.eos_token_ids, cache_salt=cache_salt)
         if params.structured_outputs is not None:
             if request_id in self.scheduler.requests:
                 raise ValueError(f"duplicate request id {request_id!r}")
@@ -163,12 +180,16 @@ class EngineCore:
             if token is None:
                 continue
             logprobs = result.logprobs.get(request.request_id)
-            outputs.append(RequestDelta(
-                request_id=request.request_id, new_token_ids=[token],
-                finish_reason=request.finish_reason if request.request_id in finished else None,
-                new_logprobs=[logprobs] if logprobs is not None else [],
-                num_cached_tokens=request.num_cached_tokens,
-                queue_time=request.queue_time if request.num_output_tokens == 1 else None))
+            outputs.append(
+                RequestDelta(
+                    request_id=request.request_id,
+                    new_token_ids=[token],
+                    finish_reason=request.finish_reason if request.request_id in finished else None,
+                    new_logprobs=[logprobs] if logprobs is not None else [],
+                    num_cached_tokens=request.num_cached_tokens,
+                    queue_time=request.queue_time if request.num_output_tokens == 1 else None,
+                )
+            )
         return outputs
 
     @property

@@ -11,8 +11,7 @@ import os
 from pathlib import Path
 
 VARIABLES = {
-    "PAGODA_CACHE": "directory of the converted default model and the compiled CPU kernels "
-                    "(default ~/.cache/pagoda)",
+    "PAGODA_CACHE": "directory of the converted default model and the compiled CPU kernels (default ~/.cache/pagoda)",
     "PAGODA_API_KEY": "API keys, comma-separated (added to --api-key)",
     "PAGODA_ADMIN_KEY": "admin keys, comma-separated (added to --admin-key)",
     "PAGODA_LOG_LEVEL": "log level of every process (set by --log-level; children inherit it)",
@@ -59,5 +58,8 @@ def configure_kernels() -> None:
     """Tell `kernels` which implementations this process may use and where it builds C kernels."""
     import kernels
 
-    kernels.configure(cpu_kernels=not _flag("PAGODA_DISABLE_CPU_KERNELS"), triton=not _flag("PAGODA_DISABLE_TRITON"),
-                      build_dir=cache_root() / "kernels")
+    kernels.configure(
+        cpu_kernels=not _flag("PAGODA_DISABLE_CPU_KERNELS"),
+        triton=not _flag("PAGODA_DISABLE_TRITON"),
+        build_dir=cache_root() / "kernels",
+    )

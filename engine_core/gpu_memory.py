@@ -19,7 +19,7 @@ from engine_core.sampler import SamplingBatch, sample
 from engine_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-GiB = 1024 ** 3
+GiB = 1024**3
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,9 @@ def profile_gpu_memory(runner, num_tokens: int, max_model_len: int, capture_grap
     activation_peak = torch.cuda.max_memory_allocated() - weights - temp_cache
     graph_memory = 0
     if capture_graphs:  # a trial capture of the largest size: the smaller ones share its pool
-        graphs = DecodeGraphs(runner.model, runner.config.max_num_seqs, max_model_len, runner.block_size,
-                              runner.device, capture=True)
+        graphs = DecodeGraphs(
+            runner.model, runner.config.max_num_seqs, max_model_len, runner.block_size, runner.device, capture=True
+        )
         free_before = torch.cuda.mem_get_info()[0]
         graphs.sizes = graphs.sizes[-1:]
         graphs.capture_all()
@@ -80,10 +81,17 @@ def profile_gpu_memory(runner, num_tokens: int, max_model_len: int, capture_grap
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
-    profile = MemoryProfile(total=total, in_use=total - free, activation_peak=max(activation_peak, 0),
-                            graph_memory=max(graph_memory, 0))
-    logger.info("GPU memory: %.2f GiB card, %.2f GiB in use before the KV pool (weights %.2f GiB), "
-                "activation peak %.2f GiB at %d tokens, CUDA graphs %.2f GiB", total / GiB,
-                profile.in_use / GiB, weights / GiB, profile.activation_peak / GiB, num_tokens,
-                profile.graph_memory / GiB)
+    profile = MemoryProfile(
+        total=total, in_use=total - free, activation_peak=max(activation_peak, 0), graph_memory=max(graph_memory, 0)
+    )
+    logger.info(
+        "GPU memory: %.2f GiB card, %.2f GiB in use before the KV pool (weights %.2f GiB), "
+        "activation peak %.2f GiB at %d tokens, CUDA graphs %.2f GiB",
+        total / GiB,
+        profile.in_use / GiB,
+        weights / GiB,
+        profile.activation_peak / GiB,
+        num_tokens,
+        profile.graph_memory / GiB,
+    )
     return profile

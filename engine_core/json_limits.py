@@ -31,8 +31,10 @@ _CHUNK = 1 << 20
 
 
 def depth_message(where: str) -> str:
-    return (f"'{where}' is nested too deeply: JSON values may be nested at most {MAX_JSON_DEPTH} levels "
-            "deep (objects and arrays), counted from the outermost.")
+    return (
+        f"'{where}' is nested too deeply: JSON values may be nested at most {MAX_JSON_DEPTH} levels "
+        "deep (objects and arrays), counted from the outermost."
+    )
 
 
 def text_exceeds_depth(text: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -55,7 +57,7 @@ def too_deep_field(text: bytes | str, limit: int = MAX_JSON_DEPTH) -> str | None
     depth = 0
     steps = _STEP[np.frombuffer(brackets, dtype=np.uint8)]
     for start in range(0, len(steps), _CHUNK):  # chunks keep the running sums small in memory
-        running = np.cumsum(steps[start:start + _CHUNK], dtype=np.int32) + depth
+        running = np.cumsum(steps[start : start + _CHUNK], dtype=np.int32) + depth
         if int(running.max()) > limit:
             return _field_at(unescaped, limit)
         depth = int(running[-1])
@@ -67,7 +69,7 @@ def _field_at(unescaped: bytes, limit: int) -> str:
     text = np.frombuffer(unescaped, dtype=np.uint8)
     parity = depth = member = 0  # quotes seen (mod 2), nesting, where the current top-level member began
     for start in range(0, len(text), _CHUNK):
-        chunk = text[start:start + _CHUNK]
+        chunk = text[start : start + _CHUNK]
         quotes = np.cumsum(chunk == ord('"'), dtype=np.int64) + parity
         outside = (quotes & 1) == 0
         depths = np.cumsum(np.where(outside, _STEP[chunk], 0), dtype=np.int32) + depth
@@ -81,7 +83,7 @@ def _field_at(unescaped: bytes, limit: int) -> str:
         if over.size:
             break
         parity, depth = int(quotes[-1]) & 1, int(depths[-1])
-    key = re.match(rb'\s*("[^"]{0,200}")\s*:', unescaped[member + 1:member + 256])
+    key = re.match(rb'\s*("[^"]{0,200}")\s*:', unescaped[member + 1 : member + 256])
     if key is None:
         return ""
     try:  # the key's own escapes (\u00e9), minus the escaped quotes and backslashes removed above

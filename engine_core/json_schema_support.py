@@ -23,8 +23,15 @@ from __future__ import annotations
 _UNENFORCED = {"uniqueItems", "not", "if", "then", "else", "dependentRequired", "dependencies", "maxContains"}
 _UNENFORCED_FORMATS = {"idn-email", "idn-hostname", "iri", "iri-reference", "regex"}
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_VALUES = ("additionalProperties", "items", "contains", "propertyNames", "unevaluatedProperties",
-                  "unevaluatedItems", "additionalItems")
+_SCHEMA_VALUES = (
+    "additionalProperties",
+    "items",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+)
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 
 

@@ -63,8 +63,9 @@ class KVCacheManager:
         have = len(self._blocks_of.get(request.request_id, ())) + num_hit_blocks
         return max(0, -(-total_tokens // self.block_size) - have)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, admitting: bool = False,
-                       hit_blocks: Sequence[KVCacheBlock] = ()) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, admitting: bool = False, hit_blocks: Sequence[KVCacheBlock] = ()
+    ) -> bool:
         """Make room for `num_new_tokens` more tokens of `request` (after taking `hit_blocks`, cached
         blocks that hold its next tokens); False, with nothing taken, if they don't fit."""
         needed = self.num_blocks_needed(request, num_new_tokens, len(hit_blocks))

@@ -2,8 +2,8 @@
 
 Each child (a `Role`) gets one end of a pipe to the parent (`ParentLink`). Over it the child sends
 `Report`s (ready, serving) and receives `Command`s (serve, drain, fail, stop); when the pipe reaches
-EOF the parent is gone (even by SIGKILL), and the child cleans up and exits at once. A parent-death signal is armed as a backstop.
-Messages are msgpack, like everything else that crosses a process boundary.
+EOF the parent is gone (even by SIGKILL), and the child cleans up and exits at once. A parent-death
+signal is armed as a backstop. Messages are msgpack, like everything else that crosses a process boundary.
 """
 
 from __future__ import annotations

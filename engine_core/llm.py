@@ -39,9 +39,12 @@ class LLM:
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._ids = itertools.count()
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Prompts are strings or `{"prompt_token_ids": [...]}` dicts (either may be a dict with a
         "prompt" and a "cache_salt"); outputs come back in input order."""
         if isinstance(prompts, (str, dict)):
@@ -55,17 +58,31 @@ class LLM:
         """Forget every cached prefix; returns the number of cached blocks dropped."""
         return self.engine.reset_prefix_cache()
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, through the model's chat template."""
         # (cast: mypy cannot narrow a union of list types by the type of an element)
         conversations = cast(list[list[dict]], [messages] if messages and isinstance(messages[0], dict) else messages)
-        encoded = [(None, encode_chat(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
-                                      continue_final_message=continue_final_message,
-                                      chat_template_kwargs=chat_template_kwargs))
-                   for conv in conversations]
+        encoded = [
+            (
+                None,
+                encode_chat(
+                    self.tokenizer,
+                    conv,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs,
+                ),
+            )
+            for conv in conversations
+        ]
         return self._run(encoded, self._params_per_prompt(sampling_params, len(encoded)), use_tqdm)
 
     def _params_per_prompt(self, params, count: int) -> list[SamplingParams]:
@@ -119,16 +136,23 @@ class LLM:
             bar.close()
             for request_id in slots.keys() - reasons.keys():
                 self.engine.abort_request(request_id)
-        results = [RequestOutput(str(i), prompt, ids, [])
-                   for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list, strict=True))]
+        results = [
+            RequestOutput(str(i), prompt, ids, [])
+            for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list, strict=True))
+        ]
         for rid, (index, sample) in slots.items():  # in (prompt, sample) order, as they were added
             params = params_list[index]
             if sample == 0:
                 results[index].num_cached_tokens = cached.get(rid, 0)
-            results[index].outputs.append(CompletionOutput(
-                index=sample, finish_reason=reasons[rid], token_ids=tokens[rid],
-                text=self.tokenizer.decode(tokens[rid], skip_special_tokens=params.skip_special_tokens),
-                **self._logprob_fields(logprobs[rid], params)))
+            results[index].outputs.append(
+                CompletionOutput(
+                    index=sample,
+                    finish_reason=reasons[rid],
+                    token_ids=tokens[rid],
+                    text=self.tokenizer.decode(tokens[rid], skip_special_tokens=params.skip_special_tokens),
+                    **self._logprob_fields(logprobs[rid], params),
+                )
+            )
         return results
 
     def _logprob_fields(self, entries: list[TokenLogprobs], params: SamplingParams) -> dict:
@@ -139,8 +163,10 @@ class LLM:
         for packed in entries:
             token = packed.sampled_and_top()
             cumulative += token.logprob
-            entry = {tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
-                     for rank, (tid, lp) in enumerate(zip(token.top_ids, token.top_logprobs, strict=True))}
+            entry = {
+                tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
+                for rank, (tid, lp) in enumerate(zip(token.top_ids, token.top_logprobs, strict=True))
+            }
             if token.token_id not in entry:
                 entry[token.token_id] = Logprob(token.logprob, None, self.tokenizer.decode([token.token_id]))
             per_token.append(entry)

@@ -57,8 +57,9 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: Path, model_cfg, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto") -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path, model_cfg, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
+) -> LlamaForCausalLM:
     import torch
 
     from engine_core.models import model_class

@@ -25,9 +25,13 @@ class TextFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-                 + f".{int(record.msecs):03d}Z", "level": record.levelname, "process": record.processName,
-                 "logger": record.name, "message": record.getMessage()}
+        entry = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "process": record.processName,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         entry.update(getattr(record, "fields", None) or {})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)

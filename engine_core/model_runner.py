@@ -26,7 +26,7 @@ from engine_core.sampler import SamplingBatch, sample
 from engine_core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024 ** 3
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
 
 @dataclass
@@ -61,19 +61,26 @@ class ModelRunner:
             return self.config.kv_cache_memory // per_block
         if self.device.type != "cuda":
             return DEFAULT_CPU_KV_CACHE_MEMORY // per_block
-        max_len = min(self.config.max_model_len or self.model_cfg.max_position_embeddings,
-                      self.model_cfg.max_position_embeddings)
-        profile = profile_gpu_memory(self, min(self.config.max_num_batched_tokens, max_len), max_len,
-                                     capture_graphs=not self.config.enforce_eager)
+        max_len = min(
+            self.config.max_model_len or self.model_cfg.max_position_embeddings, self.model_cfg.max_position_embeddings
+        )
+        profile = profile_gpu_memory(
+            self,
+            min(self.config.max_num_batched_tokens, max_len),
+            max_len,
+            capture_graphs=not self.config.enforce_eager,
+        )
         budget = profile.kv_cache_bytes(self.config.gpu_memory_utilization)
         if budget < 2 * per_block:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: {profile.total / 2**30:.1f} GiB x "
                 f"{self.config.gpu_memory_utilization} utilization leaves {budget / 2**30:.2f} GiB after "
                 f"{profile.in_use / 2**30:.2f} GiB in use and a {profile.activation_peak / 2**30:.2f} GiB "
-                "activation peak; raise --gpu-memory-utilization or lower --max-num-batched-tokens")
-        logger.info("KV cache gets %.2f GiB (--gpu-memory-utilization %.2f)", budget / 2**30,
-                    self.config.gpu_memory_utilization)
+                "activation peak; raise --gpu-memory-utilization or lower --max-num-batched-tokens"
+            )
+        logger.info(
+            "KV cache gets %.2f GiB (--gpu-memory-utilization %.2f)", budget / 2**30, self.config.gpu_memory_utilization
+        )
         return budget // per_block
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -97,8 +104,9 @@ class ModelRunner:
     def enable_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:
         """Route pure-decode steps through persistent buffers, replaying captured CUDA graphs when
         `capture` (CUDA only); with capture=False the same path runs eager (how the CPU tests use it)."""
-        self.decode_graphs = DecodeGraphs(self.model, self.config.max_num_seqs, max_model_len, self.block_size,
-                                          self.device, capture)
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.config.max_num_seqs, max_model_len, self.block_size, self.device, capture
+        )
         if capture:
             self.decode_graphs.capture_all()
 
@@ -121,12 +129,14 @@ class ModelRunner:
         step = _prepare(requests, counts, self.block_size)
         graphs = self.decode_graphs
         if graphs is not None and step.num_decodes == len(requests) and graphs.padded_size(len(requests)):
-            hidden = graphs.run(step.token_ids, step.positions, step.slot_mapping, step.seq_lens,
-                                [r.block_ids for r in requests])
+            hidden = graphs.run(
+                step.token_ids, step.positions, step.slot_mapping, step.seq_lens, [r.block_ids for r in requests]
+            )
         else:
             hidden = self.model(*self.to_device(step))
-        sampling = [(r, step.last_token_index[i]) for i, r in enumerate(requests)
-                    if r.num_computed_tokens == r.num_tokens]
+        sampling = [
+            (r, step.last_token_index[i]) for i, r in enumerate(requests) if r.num_computed_tokens == r.num_tokens
+        ]
         if not sampling:
             return StepResult({}, {})
         rows = torch.tensor([index for _, index in sampling], device=self.device)
@@ -140,15 +150,20 @@ class ModelRunner:
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         meta = AttentionMetadata(
-            slot_mapping=to(step.slot_mapping), num_decodes=step.num_decodes, seq_lens=to(step.seq_lens),
-            max_decode_seq_len=int(step.seq_lens[:step.num_decodes].max(initial=0)),
-            block_tables=to(step.block_tables), query_start_loc=to(step.query_start_loc))
+            slot_mapping=to(step.slot_mapping),
+            num_decodes=step.num_decodes,
+            seq_lens=to(step.seq_lens),
+            max_decode_seq_len=int(step.seq_lens[: step.num_decodes].max(initial=0)),
+            block_tables=to(step.block_tables),
+            query_start_loc=to(step.query_start_loc),
+        )
         return to(step.token_ids), to(step.positions), meta
 
 
 @dataclass
 class StepInputs:
     """One step's flattened batch on the host (decodes first), before it goes to the device."""
+
     token_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
     slot_mapping: np.ndarray  # [T]
@@ -170,15 +185,22 @@ def _prepare(requests: list[Request], counts: list[int], block_size: int) -> Ste
     for i, (request, n) in enumerate(zip(requests, counts, strict=True)):
         end = request.num_computed_tokens  # already advanced by the scheduler
         start = end - n
-        token_ids[offset:offset + n] = request.all_token_ids[start:end]
-        positions[offset:offset + n] = np.arange(start, end)
+        token_ids[offset : offset + n] = request.all_token_ids[start:end]
+        positions[offset : offset + n] = np.arange(start, end)
         seq_lens[i] = end
-        block_tables[i, :len(request.block_ids)] = request.block_ids
+        block_tables[i, : len(request.block_ids)] = request.block_ids
         offset += n
     row_of_token = np.repeat(np.arange(len(requests)), counts)
     slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
     num_decodes = sum(1 for n in counts if n == 1)
     prefill_counts = np.asarray(counts[num_decodes:], dtype=np.int64)
-    return StepInputs(token_ids, positions, slot_mapping, seq_lens, block_tables, num_decodes,
-                      query_start_loc=np.concatenate(([0], np.cumsum(prefill_counts))),
-                      last_token_index=(np.cumsum(counts) - 1).tolist())
+    return StepInputs(
+        token_ids,
+        positions,
+        slot_mapping,
+        seq_lens,
+        block_tables,
+        num_decodes,
+        query_start_loc=np.concatenate(([0], np.cumsum(prefill_counts))),
+        last_token_index=(np.cumsum(counts) - 1).tolist(),
+    )

@@ -90,8 +90,10 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
 
     def unpack(self) -> tuple[list[int], list[float]]:
         """The two columns as lists, as given to `pack`."""
-        return (np.frombuffer(self.token_ids, dtype=np.int32).tolist(),
-                np.frombuffer(self.logprobs, dtype=np.float32).tolist())
+        return (
+            np.frombuffer(self.token_ids, dtype=np.int32).tolist(),
+            np.frombuffer(self.logprobs, dtype=np.float32).tolist(),
+        )
 
     def sampled_and_top(self) -> SampledAndTop:
         """The sampled token and its logprob apart from the top k: what every reader wants."""
@@ -232,7 +234,16 @@ class ApiWorkerStats(msgspec.Struct, tag="api_stats", kw_only=True):
     timed_out: int = 0  # requests ended by the server's request timeout
 
 
-FrontendRequest = GenerateRequest | AbortRequest | TokenizeRequest | DetokenizeRequest | HealthQuery | ResetPrefixCacheRequest | MetricsQuery | ApiWorkerStats
+FrontendRequest = (
+    GenerateRequest
+    | AbortRequest
+    | TokenizeRequest
+    | DetokenizeRequest
+    | HealthQuery
+    | ResetPrefixCacheRequest
+    | MetricsQuery
+    | ApiWorkerStats
+)
 
 # ---- frontend: detok_proc -> clients ------------------------------------------------------------
 
@@ -312,7 +323,15 @@ class MetricsReport(msgspec.Struct, tag="metrics"):
     text: bytes  # Prometheus text exposition format
 
 
-FrontendResponse = GenerateOutputs | RequestError | TokenizeResult | DetokenizeResult | HealthReport | PrefixCacheResetResult | MetricsReport
+FrontendResponse = (
+    GenerateOutputs
+    | RequestError
+    | TokenizeResult
+    | DetokenizeResult
+    | HealthReport
+    | PrefixCacheResetResult
+    | MetricsReport
+)
 
 encoder = msgspec.msgpack.Encoder()
 input_decoder = msgspec.msgpack.Decoder(EngineInput)

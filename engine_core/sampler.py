@@ -47,11 +47,18 @@ class SamplingBatch:
             if any(p.min_p > 0.0 for p in params):
                 min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        return cls(requests, temperature, all_greedy, top_k, top_p, min_p,
-                   penalized=any(p.uses_penalties for p in params),
-                   biased=any(p.logit_bias for p in params),
-                   max_logprobs=max(logprobs) if logprobs else -1,
-                   grammars={row: r.grammar for row, r in enumerate(requests) if r.grammar is not None})
+        return cls(
+            requests,
+            temperature,
+            all_greedy,
+            top_k,
+            top_p,
+            min_p,
+            penalized=any(p.uses_penalties for p in params),
+            biased=any(p.logit_bias for p in params),
+            max_logprobs=max(logprobs) if logprobs else -1,
+            grammars={row: r.grammar for row, r in enumerate(requests) if r.grammar is not None},
+        )
 
 
 @dataclass
@@ -151,9 +158,12 @@ def _gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: S
     top_vals, top_ids = logprobs.topk(k, dim=-1)
     ids = torch.cat([token_ids[:, None], top_ids], dim=1).to(torch.int32).cpu().numpy()
     values = torch.cat([sampled, top_vals], dim=1).float().cpu().numpy()
-    return [None if r.params.logprobs is None else TokenLogprobs.pack(ids[row, :1 + r.params.logprobs],
-                                                                       values[row, :1 + r.params.logprobs])
-            for row, r in enumerate(batch.requests)]
+    return [
+        None
+        if r.params.logprobs is None
+        else TokenLogprobs.pack(ids[row, : 1 + r.params.logprobs], values[row, : 1 + r.params.logprobs])
+        for row, r in enumerate(batch.requests)
+    ]
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -179,6 +189,5 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         # Exponential race: argmax(p / E) with E ~ Exp(1) samples from p without a CDF search.
         sampled = (probs / _exponential_noise(batch, probs.shape, probs.device)).argmax(dim=-1)
         tokens = torch.where(temperature > 0, sampled, greedy_tokens)
-    logprobs = (_gather_logprobs(raw_logits, tokens, batch) if batch.max_logprobs >= 0
-                else [None] * len(batch.requests))
+    logprobs = _gather_logprobs(raw_logits, tokens, batch) if batch.max_logprobs >= 0 else [None] * len(batch.requests)
     return SamplerOutput(tokens.tolist(), logprobs)

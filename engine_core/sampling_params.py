@@ -49,15 +49,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (self.max_tokens is None or 1 <= self.max_tokens < TOKEN_ID_LIMIT, "max_tokens",
-             "must be at least 1 and below 2**31"),
+            (
+                self.max_tokens is None or 1 <= self.max_tokens < TOKEN_ID_LIMIT,
+                "max_tokens",
+                "must be at least 1 and below 2**31",
+            ),
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             "must not exceed max_tokens"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
-            (self.seed is None or 0 <= self.seed < 2 ** 63, "seed", "must be in [0, 2**63)"),
-            (all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
-             "values must be in [-100, 100]"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)"),
+            (
+                all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                "logit_bias",
+                "values must be in [-100, 100]",
+            ),
         ]
         for ok, field, rule in checks:
             if not ok:
@@ -73,7 +78,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         the samples differ from each other and each is reproducible."""
         if self.n == 1:
             return self
-        seed = None if self.seed is None else (self.seed + index) % 2 ** 63
+        seed = None if self.seed is None else (self.seed + index) % 2**63
         return msgspec.structs.replace(self, n=1, seed=seed)
 
     @property
@@ -82,5 +87,4 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -35,8 +35,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, max_joint_prefill_tokens: int | None = None):
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_joint_prefill_tokens: int | None = None,
+    ):
         self.kv = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         # A lone prefill may use the whole token budget; further prefills join a step only while the
@@ -82,9 +88,14 @@ class Scheduler:
 
     def stats(self) -> SchedulerStatsMessage:
         """Queue sizes, KV-cache usage and the cumulative counters now (sent with every StepOutputs)."""
-        return SchedulerStatsMessage(len(self.running), len(self.waiting), self.kv.pool.usage(),
-                                     self.num_preemptions_total, self.kv.prefix_cache_queries,
-                                     self.kv.prefix_cache_hits)
+        return SchedulerStatsMessage(
+            len(self.running),
+            len(self.waiting),
+            self.kv.pool.usage(),
+            self.num_preemptions_total,
+            self.kv.prefix_cache_queries,
+            self.kv.prefix_cache_hits,
+        )
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

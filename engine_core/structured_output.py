@@ -47,8 +47,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _XGRAMMAR_LOCATION = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")  # "[12:00:00] /project/cpp/x.cc:94: "
-_KIND_NAMES = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
-               "grammar": "grammar"}
+_KIND_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
 
 
 class GrammarError(ValueError):
@@ -67,8 +72,9 @@ class GrammarBackend:
         # The logits may be wider than the tokenizer's vocabulary (padded embeddings): the mask must
         # cover every logit, and ids the tokenizer lacks are never allowed.
         self.vocab_size = max(vocab_size, len(tokenizer))
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                  stop_token_ids=sorted(eos_token_ids) or None)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(eos_token_ids) or None
+        )
         # Half the cores at most: compilation shares the machine with the engine's own threads.
         threads = max(1, (os.cpu_count() or 2) // 2)
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
@@ -81,8 +87,10 @@ class GrammarBackend:
         if kind == "json":
             problem = unsupported_feature(json.loads(spec))
             if problem:
-                raise GrammarError(f"Invalid '{params.source}': the JSON schema uses {problem}, which "
-                                   "structured output cannot enforce.")
+                raise GrammarError(
+                    f"Invalid '{params.source}': the JSON schema uses {problem}, which "
+                    "structured output cannot enforce."
+                )
         try:
             if kind == "json":
                 return self.compiler.compile_json_schema(spec, any_whitespace=False)
@@ -95,8 +103,9 @@ class GrammarBackend:
             return self.compiler.compile_grammar(spec)
         except Exception as exc:
             message = _XGRAMMAR_LOCATION.sub("", str(exc)).strip()
-            raise GrammarError(f"Invalid '{params.source}': the {_KIND_NAMES[kind]} cannot be compiled: "
-                               f"{message}") from None
+            raise GrammarError(
+                f"Invalid '{params.source}': the {_KIND_NAMES[kind]} cannot be compiled: {message}"
+            ) from None
 
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
@@ -135,8 +144,7 @@ class StructuredOutputManager:
     """Compiles grammars in one worker thread (cached by (kind, spec), errors included) and holds the
     requests waiting for theirs. Everything but the compile itself runs on the engine thread."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: frozenset[int],
-                 cache_size: int = 256):
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: frozenset[int], cache_size: int = 256):
         self._backend_args = (model_dir, vocab_size, eos_token_ids)
         # Its one thread starts with the first job (the backend load: `start` or the first submit).
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-grammar")
@@ -235,7 +243,7 @@ def apply_grammar_bitmask(logits: torch.Tensor, grammars: dict[int, RequestGramm
     backend = grammars[rows[0]].backend
     width = (backend.vocab_size + 31) // 32
     bitmask = torch.empty((logits.shape[0], width), dtype=torch.int32)  # rows outside `rows` unused
-    backend.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars.values()], bitmask,
-                                                        indices=rows)
-    backend.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                            vocab_size=logits.shape[-1], indices=rows)
+    backend.batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars.values()], bitmask, indices=rows)
+    backend.xgr.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[-1], indices=rows
+    )

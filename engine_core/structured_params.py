@@ -46,8 +46,11 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True, 
         """Raise ParamError (naming `source`) with a message fit for an API error if the shape is wrong."""
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
-            raise ParamError(f"{self.source} must set exactly one of {', '.join(KINDS)}"
-                             + (f"; got {', '.join(given)}" if given else ""), self.source)
+            raise ParamError(
+                f"{self.source} must set exactly one of {', '.join(KINDS)}"
+                + (f"; got {', '.join(given)}" if given else ""),
+                self.source,
+            )
         if self.json is not None:
             self.json = _canonical_schema(self.json, self.source)
         if self.regex is not None and not self.regex:

@@ -18,9 +18,14 @@ def load_tokenizer(model_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-                tools: list[dict] | None = None) -> str:
+def render_chat(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
+) -> str:
     """The model's own jinja chat template applied to `messages`, as text. `tools` (OpenAI's shape)
     go to the template, or into the system message when the template ignores them (tool_prompt.py)."""
     if tokenizer.chat_template is None:
@@ -28,18 +33,23 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     kwargs = dict(chat_template_kwargs or {})
     taken = sorted(_server_arguments(type(tokenizer).apply_chat_template) & kwargs.keys())
     if taken:
-        raise ParamError(f"Invalid 'chat_template_kwargs': {', '.join(map(repr, taken))} cannot be set there "
-                         "(the server sets it, or the request has a field of its own for it).",
-                         "chat_template_kwargs")
+        raise ParamError(
+            f"Invalid 'chat_template_kwargs': {', '.join(map(repr, taken))} cannot be set there "
+            "(the server sets it, or the request has a field of its own for it).",
+            "chat_template_kwargs",
+        )
     if tools:
         if template_renders_tools(tokenizer):
             kwargs["tools"] = tools
         else:
             messages = messages_with_tools(messages, tools)
     return tokenizer.apply_chat_template(
-        messages, tokenize=False,
+        messages,
+        tokenize=False,
         add_generation_prompt=add_generation_prompt and not continue_final_message,
-        continue_final_message=continue_final_message, **kwargs)
+        continue_final_message=continue_final_message,
+        **kwargs,
+    )
 
 
 @cache

@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_7f3a", "description": "probe",
-                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "probe_tool_7f3a", "description": "probe", "parameters": {"type": "object", "properties": {}}},
+}
 _PROBE_MESSAGES = [{"role": "user", "content": "hi"}]
 _renders_tools: dict[str, bool] = {}  # chat template text -> whether it renders `tools`
 
@@ -35,12 +37,14 @@ def template_renders_tools(tokenizer) -> bool:
 
 def tool_system_prompt(tools: list[dict[str, Any]]) -> str:
     functions = [tool.get("function", tool) for tool in tools]
-    return ("You can call functions to answer. The functions available are described here as JSON:\n"
-            f"<tools>{json.dumps(functions, ensure_ascii=False)}</tools>\n"
-            "To call functions, reply with the calls alone, in exactly this form:\n"
-            '<tool_call>[{"name": "function_name", "arguments": {"argument_name": "value"}}]</tool_call>\n'
-            "Use only the functions listed, with arguments of the types their parameters give. If no "
-            "function fits the request, say so in a normal reply.")
+    return (
+        "You can call functions to answer. The functions available are described here as JSON:\n"
+        f"<tools>{json.dumps(functions, ensure_ascii=False)}</tools>\n"
+        "To call functions, reply with the calls alone, in exactly this form:\n"
+        '<tool_call>[{"name": "function_name", "arguments": {"argument_name": "value"}}]</tool_call>\n'
+        "Use only the functions listed, with arguments of the types their parameters give. If no "
+        "function fits the request, say so in a normal reply."
+    )
 
 
 def messages_with_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:

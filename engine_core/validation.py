@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 # Token ids cross processes as int32: nothing at or above this can be a token id anywhere.
-TOKEN_ID_LIMIT = 2 ** 31
+TOKEN_ID_LIMIT = 2**31
 
 
 class ParamError(ValueError):

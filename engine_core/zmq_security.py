@@ -52,6 +52,10 @@ def generate_keys(directory: str | Path) -> dict[str, Path]:
     authorized = directory / "authorized"
     authorized.mkdir(exist_ok=True)
     (authorized / "client.key").write_bytes(Path(client_public).read_bytes())
-    return {"server_public": Path(server_public), "server_secret": Path(server_secret),
-            "client_public": Path(client_public), "client_secret": Path(client_secret),
-            "authorized": authorized}
+    return {
+        "server_public": Path(server_public),
+        "server_secret": Path(server_secret),
+        "client_public": Path(client_public),
+        "client_secret": Path(client_secret),
+        "authorized": authorized,
+    }

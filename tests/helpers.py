@@ -7,8 +7,9 @@ import torch
 from engine_core.sampling_params import SamplingParams
 
 
-def run_engine(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-               check_blocks: bool = True) -> list[list[int]]:
+def run_engine(
+    engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], check_blocks: bool = True
+) -> list[list[int]]:
     """Add every prompt, step until all finish; return each request's generated token ids."""
     params_list = params if isinstance(params, list) else [params] * len(prompts)
     ids = [f"req-{i}" for i in range(len(prompts))]
@@ -32,6 +33,12 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool =
     was (the session's `hf_model` is shared): not stopping at EOS is an argument of this call only."""
     input_ids = torch.tensor([prompt])
     kwargs = {} if stop_at_eos else {"eos_token_id": None, "pad_token_id": None}  # these override the model's
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, repetition_penalty=1.0, **kwargs)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        repetition_penalty=1.0,
+        **kwargs,
+    )
+    return out[0, len(prompt) :].tolist()

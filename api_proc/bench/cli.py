@@ -13,18 +13,23 @@ from engine_core.config import add_engine_args
 
 def _add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) -> None:
     g = parser.add_argument_group("dataset")
-    g.add_argument("--dataset-name", default="random", choices=["random", "sharegpt", "prefix"],
-                   help="random token ids of exact lengths; ShareGPT conversations; a shared prefix")
-    g.add_argument("--dataset-path", default=None,
-                   help="ShareGPT JSON file (default: the bundled synthetic ShareGPT-like set)")
+    g.add_argument(
+        "--dataset-name",
+        default="random",
+        choices=["random", "sharegpt", "prefix"],
+        help="random token ids of exact lengths; ShareGPT conversations; a shared prefix",
+    )
+    g.add_argument(
+        "--dataset-path", default=None, help="ShareGPT JSON file (default: the bundled synthetic ShareGPT-like set)"
+    )
     g.add_argument("--num-prompts", type=int, default=100, help="number of requests")
     g.add_argument("--input-len", type=int, default=128, help="random/prefix: prompt tokens (unique part)")
     g.add_argument("--output-len", type=int, default=128, help="random/prefix: tokens to generate")
-    g.add_argument("--range-ratio", type=float, default=0.0,
-                   help="random: lengths uniform in [len*(1-r), len*(1+r)]")
+    g.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in [len*(1-r), len*(1+r)]")
     g.add_argument("--prefix-len", type=int, default=1024, help="prefix: tokens every request shares")
-    g.add_argument("--tokenizer", default=None,
-                   help="HF tokenizer directory, to count text prompts exactly and make text for chat")
+    g.add_argument(
+        "--tokenizer", default=None, help="HF tokenizer directory, to count text prompts exactly and make text for chat"
+    )
     if with_seed:  # offline commands have the engine's --seed, which seeds the dataset too
         g.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the arrival times")
 
@@ -60,10 +65,22 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.endpoint == "chat":
         requests = as_text(requests, tokenizer)
     rate = math.inf if args.request_rate in ("inf", "Infinity") else float(args.request_rate)
-    results, duration, model = asyncio.run(run_serve(
-        args.base_url, requests, endpoint=args.endpoint, model=args.model, request_rate=rate,
-        burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=not args.no_ignore_eos,
-        temperature=args.temperature, api_key=args.api_key, seed=args.seed, progress=not args.no_progress))
+    results, duration, model = asyncio.run(
+        run_serve(
+            args.base_url,
+            requests,
+            endpoint=args.endpoint,
+            model=args.model,
+            request_rate=rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            ignore_eos=not args.no_ignore_eos,
+            temperature=args.temperature,
+            api_key=args.api_key,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+    )
     summary = summarize(results, duration, slo)
     print(format_report(summary, f"Serving Benchmark Result ({model})"))
     errors = sorted({r.error for r in results if not r.success})
@@ -75,8 +92,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.plot:
         from api_proc.bench.plot import plot_run
 
-        plot_run(results, duration, args.plot, f"{model}: {args.dataset_name}, rate {args.request_rate}, "
-                                                f"concurrency {args.max_concurrency or 'unlimited'}")
+        plot_run(
+            results,
+            duration,
+            args.plot,
+            f"{model}: {args.dataset_name}, rate {args.request_rate}, "
+            f"concurrency {args.max_concurrency or 'unlimited'}",
+        )
     return 0
 
 
@@ -98,8 +120,10 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
     llm = _offline_llm(args)
     result = run_throughput(llm, load_dataset(args, llm.tokenizer), ignore_eos=not args.no_ignore_eos)
-    print(f"Throughput: {result['request_throughput']:.2f} requests/s, {result['total_throughput']:.1f} total "
-          f"tokens/s, {result['output_throughput']:.1f} output tokens/s ({result['elapsed_s']:.1f} s)")
+    print(
+        f"Throughput: {result['request_throughput']:.2f} requests/s, {result['total_throughput']:.1f} total "
+        f"tokens/s, {result['output_throughput']:.1f} output tokens/s ({result['elapsed_s']:.1f} s)"
+    )
     _save_json(args.save_result, result)
     return 0
 
@@ -107,10 +131,19 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 def cmd_bench_latency(args: argparse.Namespace) -> int:
     from api_proc.bench.offline import run_latency
 
-    result = run_latency(_offline_llm(args), args.batch_size, args.input_len, args.output_len, args.num_iters,
-                         args.num_iters_warmup, args.seed)
-    print(f"Batch of {args.batch_size} x {args.input_len} -> {args.output_len} tokens: mean {result['mean_s']:.3f} s, "
-          f"median {result['median_s']:.3f} s, p90 {result['p90_s']:.3f} s, p99 {result['p99_s']:.3f} s")
+    result = run_latency(
+        _offline_llm(args),
+        args.batch_size,
+        args.input_len,
+        args.output_len,
+        args.num_iters,
+        args.num_iters_warmup,
+        args.seed,
+    )
+    print(
+        f"Batch of {args.batch_size} x {args.input_len} -> {args.output_len} tokens: mean {result['mean_s']:.3f} s, "
+        f"median {result['median_s']:.3f} s, p90 {result['p90_s']:.3f} s, p99 {result['p99_s']:.3f} s"
+    )
     _save_json(args.save_result, result)
     return 0
 
@@ -124,15 +157,27 @@ def add_bench_parser(sub) -> None:
     serve.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
     serve.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
     serve.add_argument("--request-rate", default="inf", help="requests per second, or inf for all at once")
-    serve.add_argument("--burstiness", type=float, default=1.0,
-                       help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier")
+    serve.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier",
+    )
     serve.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
     serve.add_argument("--temperature", type=float, default=0.0)
-    serve.add_argument("--no-ignore-eos", action="store_true",
-                       help="let requests stop at EOS (default: ignore_eos, so outputs have the asked length)")
+    serve.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="let requests stop at EOS (default: ignore_eos, so outputs have the asked length)",
+    )
     serve.add_argument("--api-key", default=None, help="sent as Authorization: Bearer")
-    serve.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS",
-                       help="service-level objectives for goodput, e.g. ttft:500 tpot:100 e2el:5000")
+    serve.add_argument(
+        "--goodput",
+        nargs="*",
+        default=None,
+        metavar="KEY:MS",
+        help="service-level objectives for goodput, e.g. ttft:500 tpot:100 e2el:5000",
+    )
     serve.add_argument("--save-result", default=None, metavar="FILE.json", help="summary + every request's timings")
     serve.add_argument("--plot", default=None, metavar="FILE.png", help="latency CDFs, tokens/s and concurrency")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar")

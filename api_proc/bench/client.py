@@ -59,10 +59,13 @@ class RequestResult:
         return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
 
 
-def request_body(endpoint: str, model: str | None, request: BenchRequest, ignore_eos: bool,
-                 temperature: float) -> dict:
-    body = {"max_tokens": request.output_len, "stream": True, "stream_options": {"include_usage": True},
-            "temperature": temperature}
+def request_body(endpoint: str, model: str | None, request: BenchRequest, ignore_eos: bool, temperature: float) -> dict:
+    body = {
+        "max_tokens": request.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": temperature,
+    }
     if model:
         body["model"] = model
     if ignore_eos:
@@ -74,8 +77,9 @@ def request_body(endpoint: str, model: str | None, request: BenchRequest, ignore
     return body
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: dict, request: BenchRequest, run_start: float,
-               headers: dict) -> RequestResult:
+async def send(
+    session: aiohttp.ClientSession, url: str, body: dict, request: BenchRequest, run_start: float, headers: dict
+) -> RequestResult:
     result = RequestResult(prompt_len=request.prompt_len)
     sent = time.perf_counter()
     result.start = sent - run_start

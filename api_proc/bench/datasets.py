@@ -35,8 +35,14 @@ class BenchRequest:
     output_len: int
 
 
-def random_requests(num: int, input_len: int, output_len: int, range_ratio: float = 0.0, seed: int = 0,
-                    vocab_range: tuple[int, int] = (100, 30000)) -> list[BenchRequest]:
+def random_requests(
+    num: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+    vocab_range: tuple[int, int] = (100, 30000),
+) -> list[BenchRequest]:
     """Random token ids; lengths uniform in [len * (1 - r), len * (1 + r)]."""
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError("--range-ratio must be in [0, 1)")
@@ -53,13 +59,23 @@ def random_requests(num: int, input_len: int, output_len: int, range_ratio: floa
     return out
 
 
-def prefix_requests(num: int, prefix_len: int, input_len: int, output_len: int, seed: int = 0,
-                    vocab_range: tuple[int, int] = (100, 30000)) -> list[BenchRequest]:
+def prefix_requests(
+    num: int,
+    prefix_len: int,
+    input_len: int,
+    output_len: int,
+    seed: int = 0,
+    vocab_range: tuple[int, int] = (100, 30000),
+) -> list[BenchRequest]:
     """`num` requests sharing one random prefix of `prefix_len` tokens, plus `input_len` unique ones."""
     rng = random.Random(seed)
     prefix = [rng.randrange(*vocab_range) for _ in range(prefix_len)]
-    return [BenchRequest(prefix + [rng.randrange(*vocab_range) for _ in range(input_len)], prefix_len + input_len,
-                         output_len) for _ in range(num)]
+    return [
+        BenchRequest(
+            prefix + [rng.randrange(*vocab_range) for _ in range(input_len)], prefix_len + input_len, output_len
+        )
+        for _ in range(num)
+    ]
 
 
 def _count(tokenizer, text: str) -> int:

@@ -20,19 +20,20 @@ from engine_core.identity import DEFAULT_SERVED_MODEL_NAME
 MODEL_NAME = DEFAULT_SERVED_MODEL_NAME  # the name the default model is served as
 
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def http(method: str, url: str, body: bytes | dict | None = None, timeout: float = 60.0,
-         headers: dict | None = None) -> tuple[int, dict | str]:
+def http(
+    method: str, url: str, body: bytes | dict | None = None, timeout: float = 60.0, headers: dict | None = None
+) -> tuple[int, dict | str]:
     """(status, parsed JSON or text) for one raw HTTP request; never raises on an error status."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             status, raw = response.status, response.read()
@@ -77,8 +78,14 @@ def alive(pid: int) -> bool:
 
 
 class PagodaServer:
-    def __init__(self, tmp_path: Path, *extra_args: str, ready_timeout: float = 120.0,
-                 remove_dir_on_stop: bool = False, source_dir: Path | None = None):
+    def __init__(
+        self,
+        tmp_path: Path,
+        *extra_args: str,
+        ready_timeout: float = 120.0,
+        remove_dir_on_stop: bool = False,
+        source_dir: Path | None = None,
+    ):
         """`source_dir`: run the server from this checkout (e.g. an older commit's worktree) instead of
         the installed code."""
         self.tmp_path = tmp_path
@@ -94,9 +101,24 @@ class PagodaServer:
             env["PYTHONPATH"] = str(source_dir)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes to it until stop()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "api_proc.cli", "serve", "--port", str(self.port), "--kv-cache-memory",
-             "256MiB", "--frontend", self.frontend, *extra_args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=source_dir)
+            [
+                sys.executable,
+                "-m",
+                "api_proc.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                "--kv-cache-memory",
+                "256MiB",
+                "--frontend",
+                self.frontend,
+                *extra_args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=source_dir,
+        )
         self.wait_healthy(ready_timeout)
 
     def wait_healthy(self, timeout: float) -> None:
@@ -122,8 +144,10 @@ class PagodaServer:
     def child_named(self, name: str) -> int:
         for pid in self.children():
             try:
-                if name in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") or \
-                        Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                if (
+                    name in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                    or Path(f"/proc/{pid}/comm").read_text().strip() == name
+                ):
                     return pid
             except OSError:
                 continue

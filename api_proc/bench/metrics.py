@@ -29,8 +29,11 @@ def _stats(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "median": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}}
     array = np.asarray(values) * 1000.0  # milliseconds
-    return {"mean": float(array.mean()), "median": float(np.median(array)),
-            **{f"p{p}": float(np.percentile(array, p)) for p in PERCENTILES}}
+    return {
+        "mean": float(array.mean()),
+        "median": float(np.median(array)),
+        **{f"p{p}": float(np.percentile(array, p)) for p in PERCENTILES},
+    }
 
 
 def summarize(results: list[RequestResult], duration: float, slo: dict[str, float] | None = None) -> dict:
@@ -38,9 +41,14 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
     input_tokens = sum(r.prompt_len for r in done)
     output_tokens = sum(r.output_len for r in done)
     summary = {
-        "completed": len(done), "failed": len(results) - len(done), "duration_s": duration,
-        "request_throughput": len(done) / duration, "input_tokens": input_tokens, "output_tokens": output_tokens,
-        "input_throughput": input_tokens / duration, "output_throughput": output_tokens / duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "input_throughput": input_tokens / duration,
+        "output_throughput": output_tokens / duration,
         "total_throughput": (input_tokens + output_tokens) / duration,
         "ttft_ms": _stats([r.ttft for r in done]),
         "tpot_ms": _stats([r.tpot for r in done if r.tpot is not None]),
@@ -69,8 +77,12 @@ def format_report(summary: dict, title: str) -> str:
     row("Input token throughput (tok/s):", summary["input_throughput"])
     row("Output token throughput (tok/s):", summary["output_throughput"])
     row("Total token throughput (tok/s):", summary["total_throughput"])
-    for key, name in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st)"),
-                      ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
+    for key, name in (
+        ("ttft_ms", "Time to First Token"),
+        ("tpot_ms", "Time per Output Token (excl. 1st)"),
+        ("itl_ms", "Inter-token Latency"),
+        ("e2el_ms", "End-to-end Latency"),
+    ):
         lines.append(f"{'-' * 10} {name} {'-' * 10}")
         stats = summary[key]
         short = key.split("_")[0].upper()

@@ -19,8 +19,10 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     n = int(body["max_tokens"])
     if n < 0:
-        return web.json_response({"error": {"message": "max_tokens", "type": "invalid_request_error",
-                                            "param": "max_tokens", "code": None}}, status=400)
+        return web.json_response(
+            {"error": {"message": "max_tokens", "type": "invalid_request_error", "param": "max_tokens", "code": None}},
+            status=400,
+        )
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     for start in range(0, n, 16):  # a few chunks per write, as a busy server's socket would carry them

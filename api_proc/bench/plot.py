@@ -18,8 +18,11 @@ def plot_run(results: list[RequestResult], duration: float, path: str, title: st
     done = [r for r in results if r.success]
     fig, (cdf, rate, flight) = plt.subplots(3, 1, figsize=(9, 11))
     fig.suptitle(title)
-    for label, values in (("TTFT", [r.ttft for r in done]), ("TPOT", [r.tpot for r in done if r.tpot]),
-                          ("E2E latency", [r.e2el for r in done])):
+    for label, values in (
+        ("TTFT", [r.ttft for r in done]),
+        ("TPOT", [r.tpot for r in done if r.tpot]),
+        ("E2E latency", [r.e2el for r in done]),
+    ):
         if values:
             xs = np.sort(np.asarray(values) * 1000.0)
             cdf.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)

@@ -34,11 +34,21 @@ async def served_model(session: aiohttp.ClientSession, base_url: str, headers: d
         return (await response.json())["data"][0]["id"]
 
 
-async def run_serve(base_url: str, requests: list[BenchRequest], *, endpoint: str = "completions",
-                    model: str | None = None, request_rate: float = math.inf, burstiness: float = 1.0,
-                    max_concurrency: int | None = None, ignore_eos: bool = True, temperature: float = 0.0,
-                    api_key: str | None = None, seed: int = 0, progress: bool = True
-                    ) -> tuple[list[RequestResult], float, str]:
+async def run_serve(
+    base_url: str,
+    requests: list[BenchRequest],
+    *,
+    endpoint: str = "completions",
+    model: str | None = None,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+    api_key: str | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[RequestResult], float, str]:
     """Send every request; returns (results in dataset order, wall seconds, model name)."""
     base_url = normalize_base_url(base_url)
     url = base_url + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions")

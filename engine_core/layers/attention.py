@@ -31,7 +31,7 @@ class Attention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
         self.key_cache: torch.Tensor | None = None  # bound by the model runner
         self.value_cache: torch.Tensor | None = None
@@ -41,15 +41,36 @@ class Attention(nn.Module):
         kernels.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
         nd = meta.num_decodes  # one token each, so also the number of decode tokens
         if nd == q.shape[0]:
-            return kernels.paged_decode_attention(q, self.key_cache, self.value_cache, meta.block_tables,
-                                                  meta.seq_lens, self.scale, self.sliding_window,
-                                                  meta.max_decode_seq_len)
+            return kernels.paged_decode_attention(
+                q,
+                self.key_cache,
+                self.value_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                self.scale,
+                self.sliding_window,
+                meta.max_decode_seq_len,
+            )
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = kernels.paged_decode_attention(q[:nd], self.key_cache, self.value_cache,
-                                                       meta.block_tables[:nd], meta.seq_lens[:nd], self.scale,
-                                                       self.sliding_window, meta.max_decode_seq_len)
-        out[nd:] = kernels.paged_prefill_attention(q[nd:], self.key_cache, self.value_cache,
-                                                    meta.block_tables[nd:], meta.query_start_loc,
-                                                    meta.seq_lens[nd:], self.scale, self.sliding_window)
+            out[:nd] = kernels.paged_decode_attention(
+                q[:nd],
+                self.key_cache,
+                self.value_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                self.scale,
+                self.sliding_window,
+                meta.max_decode_seq_len,
+            )
+        out[nd:] = kernels.paged_prefill_attention(
+            q[nd:],
+            self.key_cache,
+            self.value_cache,
+            meta.block_tables[nd:],
+            meta.query_start_loc,
+            meta.seq_lens[nd:],
+            self.scale,
+            self.sliding_window,
+        )
         return out

@@ -28,8 +28,11 @@ def _weight(in_features: int, out_features: int, dtype) -> torch.Tensor:
 
 
 def _onednn_usable() -> bool:
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and not onednn_linear_disabled())
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and not onednn_linear_disabled()
+    )
 
 
 def onednn_rows(count: int) -> int:
@@ -86,4 +89,4 @@ class MergedLinear(Linear):
 
     def shard(self, index: int, param: torch.Tensor) -> torch.Tensor:
         """The rows of `param` (weight or bias) that belong to the `index`-th merged linear."""
-        return param[self.offsets[index]:self.offsets[index] + self.out_sizes[index]]
+        return param[self.offsets[index] : self.offsets[index] + self.out_sizes[index]]

@@ -12,7 +12,7 @@ import kernels
 
 def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    return 1.0 / (theta ** exponents)
+    return 1.0 / (theta**exponents)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -31,8 +31,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None,
-                 is_neox_style: bool = True):
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None, is_neox_style: bool = True
+    ):
         super().__init__()
         inv_freq = _inv_freq(head_dim, theta)
         scaling = scaling or {}

@@ -1,7 +1,8 @@
 """Compiled CPU kernels: C sources built once with the system C compiler and loaded with ctypes.
 
 Built on first use into `build_dir` (the engine sets it to `$PAGODA_CACHE/kernels/`; keyed by the
-source, compiler flags and machine), in about a second. Where no compiler works, `available()` is False and the torch reference is used.
+source, compiler flags and machine), in about a second. Where no compiler works, `available()` is
+False and the torch reference is used.
 """
 
 from __future__ import annotations
@@ -27,8 +28,16 @@ _COMMON_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
 # Not `-ffast-math` itself: when it links a shared library, GCC 12 adds crtfastmath.o, whose constructor
 # turns on flush-to-zero for the whole process that loads it (every float in it, torch's and Python's
 # included, then loses its subnormals). These are -ffast-math's code-generation flags without that.
-_FAST_MATH = ["-fno-math-errno", "-ffinite-math-only", "-fno-signed-zeros", "-fno-trapping-math",
-              "-fassociative-math", "-freciprocal-math", "-fno-rounding-math", "-fcx-limited-range"]
+_FAST_MATH = [
+    "-fno-math-errno",
+    "-ffinite-math-only",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-freciprocal-math",
+    "-fno-rounding-math",
+    "-fcx-limited-range",
+]
 _LIBRARIES = {
     "paged_attention": [*_FAST_MATH, "-fopenmp"],  # libgomp: torch's own, already loaded
     "elementwise": ["-fno-fast-math", "-ffp-contract=off"],
@@ -47,8 +56,9 @@ build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # ker
 def _build(name: str) -> Path:
     source_path = _DIR / f"{name}.c"
     flags = _COMMON_FLAGS + _LIBRARIES[name]
-    key = hashlib.sha256(source_path.read_bytes() + " ".join(flags).encode() + platform.machine().encode()
-                         + _cpu_signature()).hexdigest()[:16]
+    key = hashlib.sha256(
+        source_path.read_bytes() + " ".join(flags).encode() + platform.machine().encode() + _cpu_signature()
+    ).hexdigest()[:16]
     target = build_dir / f"{name}-{key}.so"
     if not target.exists():
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -57,16 +67,18 @@ def _build(name: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            subprocess.run([compiler, *flags, str(source_path), "-o", str(built), "-lm"], check=True,
-                           capture_output=True)
+            subprocess.run(
+                [compiler, *flags, str(source_path), "-o", str(built), "-lm"], check=True, capture_output=True
+            )
             built.rename(target)  # atomic: concurrent builders never load a half-written library
     return target
 
 
 def _cpu_signature() -> bytes:
     try:
-        return next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
-                    "").encode()
+        return next(
+            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
+        ).encode()
     except OSError:
         return b""
 
@@ -106,9 +118,16 @@ def _scratch(numel: int) -> torch.Tensor:
     return _workspace
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
     """Same contract as `kernels.torch_ref.attention.paged_decode_attention` (float32, CPU)."""
     lib = _load()
     if lib is None or query.dtype != torch.float32 or not key_cache.is_contiguous():
@@ -128,9 +147,24 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     out = torch.empty_like(query)
     workspace = _scratch(threads * num_heads * max_len)
     lib["paged_decode_attention_f32"](
-        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-        seq_lens.data_ptr(), out.data_ptr(), workspace.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-        block_size, block_tables.shape[1], max_len, sliding_window or 0, scale, threads)
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        workspace.data_ptr(),
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        block_tables.shape[1],
+        max_len,
+        sliding_window or 0,
+        scale,
+        threads,
+    )
     return out
 
 
@@ -139,32 +173,68 @@ def _rows_contiguous(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
 
 
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, is_neox_style: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox_style: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `kernels.torch_ref.layers.rotary_embedding`; rotates `query` and `key` in place."""
     lib = _load()
-    if (lib is None or not (_rows_contiguous(query) and _rows_contiguous(key))
-            or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()):
+    if (
+        lib is None
+        or not (_rows_contiguous(query) and _rows_contiguous(key))
+        or cos_sin_cache.dtype != torch.float32
+        or not cos_sin_cache.is_contiguous()
+    ):
         from kernels.torch_ref.layers import rotary_embedding as reference
 
         return reference(positions, query, key, cos_sin_cache, is_neox_style)
     positions = positions.to(torch.int64).contiguous()
-    lib["rotary_embedding_f32"](positions.data_ptr(), query.data_ptr(), key.data_ptr(), cos_sin_cache.data_ptr(),
-                                query.shape[0], query.shape[1], key.shape[1], query.shape[2],
-                                cos_sin_cache.shape[1], query.stride(0), key.stride(0), int(is_neox_style))
+    lib["rotary_embedding_f32"](
+        positions.data_ptr(),
+        query.data_ptr(),
+        key.data_ptr(),
+        cos_sin_cache.data_ptr(),
+        query.shape[0],
+        query.shape[1],
+        key.shape[1],
+        query.shape[2],
+        cos_sin_cache.shape[1],
+        query.stride(0),
+        key.stride(0),
+        int(is_neox_style),
+    )
     return query, key
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Same contract as `kernels.torch_ref.attention.reshape_and_cache` (float32, CPU)."""
     lib = _load()
-    if (lib is None or not (_rows_contiguous(key) and _rows_contiguous(value))
-            or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
+    if (
+        lib is None
+        or not (_rows_contiguous(key) and _rows_contiguous(value))
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+    ):
         from kernels.torch_ref.attention import reshape_and_cache as reference
 
         return reference(key, value, key_cache, value_cache, slot_mapping)
     slot_mapping = slot_mapping.to(torch.int64).contiguous()
-    lib["reshape_and_cache_f32"](key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-                                 slot_mapping.data_ptr(), key.shape[0], key.shape[1] * key.shape[2],
-                                 key.stride(0), value.stride(0))
+    lib["reshape_and_cache_f32"](
+        key.data_ptr(),
+        value.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        key.shape[0],
+        key.shape[1] * key.shape[2],
+        key.stride(0),
+        value.stride(0),
+    )

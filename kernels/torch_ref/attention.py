@@ -10,8 +10,13 @@ import torch
 import torch.nn.functional as F
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write `key`/`value` `[T, Hkv, D]` into the cache slots `slot_mapping` `[T]`; slots < 0 are skipped."""
     if (slot_mapping < 0).any():
         keep = slot_mapping >= 0
@@ -31,8 +36,9 @@ def _gather_sequences(cache: torch.Tensor, block_tables: torch.Tensor, max_len: 
     return gathered.view(batch, num_blocks * block_size, *cache.shape[2:])[:, :max_len]
 
 
-def _key_mask(query_pos: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
-              sliding_window: int | None) -> torch.Tensor:
+def _key_mask(
+    query_pos: torch.Tensor, seq_lens: torch.Tensor, max_len: int, sliding_window: int | None
+) -> torch.Tensor:
     """Boolean `[B, Q, max_len]`: key j is visible to the query at position p iff j <= p (and within
     the sliding window) and j < seq_len."""
     key_pos = torch.arange(max_len, device=seq_lens.device)
@@ -42,10 +48,18 @@ def _key_mask(query_pos: torch.Tensor, seq_lens: torch.Tensor, max_len: int,
     return visible
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None, max_seq_len: int | None = None, *,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seq_len: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query token per sequence: `query` `[B, H, D]` attends to the sequence's first `seq_lens[b]`
     cached tokens (its own K/V already written). Returns `[B, H, D]` (written into `out` if given).
     Batched, no per-sequence loop. `max_seq_len` (= max(seq_lens)) saves a device sync when the caller knows it."""
@@ -57,18 +71,27 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     # Rows past a sequence's end are never-written cache memory: zero them, or NaN there poisons the sum.
     hidden = ~mask[:, :, :, None]  # [B, 1, L, 1], broadcast over kv heads and head_dim
     keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
-    result = F.scaled_dot_product_attention(query[:, :, None, :], keys, values, attn_mask=mask[:, None],
-                                            scale=scale, enable_gqa=True).view(batch, num_heads, head_dim)
+    result = F.scaled_dot_product_attention(
+        query[:, :, None, :], keys, values, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    ).view(batch, num_heads, head_dim)
     if out is None:
         return result
     out.copy_(result)
     return out
 
 
-def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float, sliding_window: int | None = None, *,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention for a variable-length batch of query chunks over a paged prefix.
 
     Sequence b owns query rows `query_start_loc[b]:query_start_loc[b+1]`, which are its last tokens:
@@ -82,14 +105,14 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
         start, end, seq_len = starts[b], starts[b + 1], lens[b]
         q_len = end - start
         # 4-D [1, heads, len, D] inputs: torch's CPU flash kernel takes them (3-D falls back to math).
-        keys = _gather_sequences(key_cache, block_tables[b:b + 1], seq_len).transpose(1, 2)
-        values = _gather_sequences(value_cache, block_tables[b:b + 1], seq_len).transpose(1, 2)
+        keys = _gather_sequences(key_cache, block_tables[b : b + 1], seq_len).transpose(1, 2)
+        values = _gather_sequences(value_cache, block_tables[b : b + 1], seq_len).transpose(1, 2)
         q = query[None, start:end].transpose(1, 2)
         if q_len == seq_len and sliding_window is None:
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
-            mask = _key_mask(query_pos, seq_lens[b:b + 1], seq_len, sliding_window)[:, None]
+            mask = _key_mask(query_pos, seq_lens[b : b + 1], seq_len, sliding_window)[:, None]
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
     return out

@@ -50,25 +50,41 @@ def _output(out: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _attention_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+def _attention_inputs(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """Checked inputs of both attention kernels: (query with a contiguous head_dim, the output buffer,
     (rows, num_heads, head_dim, block_size, num_kv_heads, query heads per KV head))."""
     _check_cache(key_cache, value_cache)
     rows, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     query = query if query.stride(-1) == 1 else query.contiguous()
-    return query, _output(out, query), (rows, num_heads, head_dim, block_size, num_kv_heads,
-                                        num_heads // num_kv_heads)
+    return query, _output(out, query), (rows, num_heads, head_dim, block_size, num_kv_heads, num_heads // num_kv_heads)
 
 
 # ---- reshape_and_cache ------------------------------------------------------------------------------
 
+
 @triton.jit
-def _reshape_and_cache_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                              stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                              num_kv_heads, head_dim,
-                              BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    num_kv_heads,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:  # slot < 0: a padding token, nothing to write
@@ -82,8 +98,13 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr
         tl.store(value_cache_ptr + dst, v, mask=mask)
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write `key`/`value` `[T, Hkv, D]` into the cache slots `slot_mapping` `[T]`; slots < 0 are skipped."""
     _check_cache(key_cache, value_cache)
     key = key if key.stride(-1) == 1 else key.contiguous()
@@ -92,18 +113,45 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), num_kv_heads, head_dim,
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=_NUM_WARPS)
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        num_kv_heads,
+        head_dim,
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=_NUM_WARPS,
+    )
 
 
 # ---- shared attention pieces --------------------------------------------------------------------------
 
+
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_row_ptr, pos, load_mask, d, d_mask, kv_head,
-                  stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr):
+def _load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    block_row_ptr,
+    pos,
+    load_mask,
+    d,
+    d_mask,
+    kv_head,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+):
     """K and V `[BLOCK_N, BLOCK_D]` for token positions `pos` of one sequence (whose block-table row is
     `block_row_ptr`); masked tokens read nothing and come back as 0, so never-written slots stay out."""
     block = tl.load(block_row_ptr + pos // BLOCK_SIZE, mask=load_mask, other=0).to(tl.int64)
@@ -132,13 +180,35 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 # ---- decode -------------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                         part_m_ptr, part_l_ptr, part_acc_ptr,
-                         stride_qb, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch,
-                         qk_scale, window, num_heads, num_splits, head_dim,
-                         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    qk_scale,
+    window,
+    num_heads,
+    num_splits,
+    head_dim,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Program (sequence, kv head, split): the GROUP query heads of one KV head over this split's share
     of the sequence's visible key tiles; writes partial (max, sum, acc) per head, neutral if no work."""
     seq = tl.program_id(0)
@@ -158,16 +228,31 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     head = kv_head * GROUP + g
     g_mask = g < GROUP
     d_mask = d < head_dim
-    q = tl.load(q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qb + head[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for tile in range(tile_lo, tile_hi):
         pos = tile * BLOCK_N + n
         visible = (pos >= kv_start) & (pos < seq_len)
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, pos, visible, d,
-                             d_mask, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        k, v = _load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            block_tables_ptr + seq * stride_bt,
+            pos,
+            visible,
+            d,
+            d_mask,
+            kv_head,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(visible[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
@@ -179,8 +264,19 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
 
 
 @triton.jit
-def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_ob, stride_oh,
-                          num_heads, num_splits, head_dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def _decode_reduce_kernel(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    num_heads,
+    num_splits,
+    head_dim,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Program (sequence, head): combine the split partials into the normalised output."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -191,8 +287,9 @@ def _decode_reduce_kernel(part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, stride_
     part = (seq * num_heads + head) * num_splits + s
     m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
     row_sum = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * head_dim + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
-                  other=0.0)
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * head_dim + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
+    )
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty (seq_len 0): all weights 0
     weight = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
@@ -208,10 +305,18 @@ def _decode_num_splits(batch: int, num_kv_heads: int, max_len: int, block_n: int
     return max(1, min(wanted, triton.cdiv(max_len, block_n), _MAX_SPLITS))
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None = None, max_seq_len: int | None = None, *,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    max_seq_len: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query token per sequence: `query` `[B, H, D]` attends to the sequence's first `seq_lens[b]`
     cached tokens (its own K/V already written). Returns `[B, H, D]` (into `out` if given).
 
@@ -229,28 +334,83 @@ def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_c
     part_acc = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, part_m, part_l, part_acc,
-        query.stride(0), query.stride(1), block_tables.stride(0),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        scale * _LOG2E, sliding_window or _NO_WINDOW, num_heads, num_splits, head_dim,
-        GROUP=group, BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, DOT_PRECISION=_dot_precision(query.dtype), num_warps=_NUM_WARPS)
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        part_m,
+        part_l,
+        part_acc,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        scale * _LOG2E,
+        sliding_window or _NO_WINDOW,
+        num_heads,
+        num_splits,
+        head_dim,
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=_NUM_WARPS,
+    )
     _decode_reduce_kernel[(batch, num_heads)](
-        part_m, part_l, part_acc, out, out.stride(0), out.stride(1), num_heads, num_splits, head_dim,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=_NUM_WARPS)
+        part_m,
+        part_l,
+        part_acc,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        num_splits,
+        head_dim,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d,
+        num_warps=_NUM_WARPS,
+    )
     return out
 
 
 # ---- prefill ------------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr,
-                    seq_lens_ptr, tile_seq_ptr, tile_index_ptr,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_cb, stride_cs, stride_ch,
-                    qk_scale, window, head_dim,
-                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, TOKENS_PER_TILE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    tile_seq_ptr,
+    tile_index_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    qk_scale,
+    window,
+    head_dim,
+    GROUP: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Program (query tile, kv head): TOKENS_PER_TILE query tokens x the GROUP heads of one KV head, packed
     as rows (token-major), flash-attention over the key tiles that some row can see."""
     tile = tl.program_id(0)
@@ -270,8 +430,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     d_mask = d < head_dim
     q_pos = context + token
     io_mask = row_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=io_mask, other=0.0)
+    q = tl.load(
+        q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=io_mask, other=0.0
+    )
 
     # Keys some row can see: from the first row's window start to the last row's own position.
     first_token = q_tile * TOKENS_PER_TILE
@@ -284,23 +445,45 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     for kv_tile_start in range((kv_lo // BLOCK_N) * BLOCK_N, kv_hi, BLOCK_N):
         pos = kv_tile_start + n
         in_range = (pos >= kv_lo) & (pos < kv_hi)
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr + seq * stride_bt, pos, in_range, d,
-                             d_mask, kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        k, v = _load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            block_tables_ptr + seq * stride_bt,
+            pos,
+            in_range,
+            d,
+            d_mask,
+            kv_head,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            BLOCK_SIZE,
+        )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = (in_range[None, :] & (pos[None, :] <= q_pos[:, None])
-                   & (pos[None, :] > q_pos[:, None] - window))
+        visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only on padding rows, which are not stored
-    tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(
+        out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
 
 
-def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float, sliding_window: int | None = None, *,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Causal attention for a variable-length batch of query chunks over a paged prefix.
 
     Sequence b owns query rows `query_start_loc[b]:query_start_loc[b+1]`, which are its last tokens:
@@ -326,11 +509,33 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     tile_index = tile_index[order].to(device=query.device, dtype=torch.int32)
 
     _prefill_kernel[(len(tile_seq), num_kv_heads)](
-        query, key_cache, value_cache, out, block_tables, query_start_loc, seq_lens, tile_seq, tile_index,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        scale * _LOG2E, sliding_window or _NO_WINDOW, head_dim,
-        GROUP=group, BLOCK_SIZE=block_size, TOKENS_PER_TILE=tokens_per_tile, BLOCK_M=block_m,
-        BLOCK_N=64 if head_dim <= 128 else 32, BLOCK_D=triton.next_power_of_2(head_dim),
-        DOT_PRECISION=_dot_precision(query.dtype), num_warps=_NUM_WARPS if head_dim <= 128 else 2 * _NUM_WARPS)
+        query,
+        key_cache,
+        value_cache,
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        tile_seq,
+        tile_index,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        scale * _LOG2E,
+        sliding_window or _NO_WINDOW,
+        head_dim,
+        GROUP=group,
+        BLOCK_SIZE=block_size,
+        TOKENS_PER_TILE=tokens_per_tile,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=_NUM_WARPS if head_dim <= 128 else 2 * _NUM_WARPS,
+    )
     return out

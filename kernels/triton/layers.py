@@ -25,8 +25,23 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, w_ptr, n_inner, x_s0, x_s1, r_s0, r_s1, o_s0, o_s1,
-                     hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    out_ptr,
+    w_ptr,
+    n_inner,
+    x_s0,
+    x_s1,
+    r_s0,
+    r_s1,
+    o_s0,
+    o_s1,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     # One program per row. Rows are indexed as [outer, inner] so a [T, heads, D] view of a fused QKV
     # output (the q/k norms) needs no copy: row r is (r // n_inner, r % n_inner).
     row = tl.program_id(0).to(tl.int64)
@@ -63,8 +78,21 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, x_s0, o_s0, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _rotate_heads(ptr, token, head0, n_heads, s0, s1, s2, cos, sin, half,
-                  IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotate_heads(
+    ptr,
+    token,
+    head0,
+    n_heads,
+    s0,
+    s1,
+    s2,
+    cos,
+    sin,
+    half,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     """Rotate heads [head0, head0 + BLOCK_H) of one token of a [T, heads, D] tensor in place."""
     heads = head0 + tl.arange(0, BLOCK_H)
     pair = tl.arange(0, BLOCK_HALF)
@@ -86,9 +114,25 @@ def _rotate_heads(ptr, token, head0, n_heads, s0, s1, s2, cos, sin, half,
 
 
 @triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, n_q_heads, n_k_heads, q_s0, q_s1, q_s2,
-                   k_s0, k_s1, k_s2, cache_s0, half,
-                   IS_NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotary_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cache_ptr,
+    n_q_heads,
+    n_k_heads,
+    q_s0,
+    q_s1,
+    q_s2,
+    k_s0,
+    k_s1,
+    k_s2,
+    cache_s0,
+    half,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     # Grid: (tokens, head blocks). The token's cos/sin row is loaded once and used for a block of q
     # heads and the same block of k heads (a no-op past the last k head). Dims >= 2 * half are never
     # touched: that is partial rotary.
@@ -101,10 +145,8 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cache_ptr, n_q_heads, n_k_heads, q_s0,
     dtype = q_ptr.dtype.element_ty
     cos = _round(tl.load(cache_row + pair, mask=pair < half, other=0.0).to(tl.float32), dtype)[None, :]
     sin = _round(tl.load(cache_row + half + pair, mask=pair < half, other=0.0).to(tl.float32), dtype)[None, :]
-    _rotate_heads(q_ptr, token, head0, n_q_heads, q_s0, q_s1, q_s2, cos, sin, half,
-                  IS_NEOX, BLOCK_H, BLOCK_HALF)
-    _rotate_heads(k_ptr, token, head0, n_k_heads, k_s0, k_s1, k_s2, cos, sin, half,
-                  IS_NEOX, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(q_ptr, token, head0, n_q_heads, q_s0, q_s1, q_s2, cos, sin, half, IS_NEOX, BLOCK_H, BLOCK_HALF)
+    _rotate_heads(k_ptr, token, head0, n_k_heads, k_s0, k_s1, k_s2, cos, sin, half, IS_NEOX, BLOCK_H, BLOCK_HALF)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -134,14 +176,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     o3 = out.view(x3.shape)  # same [outer, inner] row indexing as x3
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
-        x3, x3, o3, weight.contiguous(), x3.shape[1], x3.stride(0), x3.stride(1), 0, 0,
-        o3.stride(0), o3.stride(1), hidden, eps,
-        HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block))
+        x3,
+        x3,
+        o3,
+        weight.contiguous(),
+        x3.shape[1],
+        x3.stride(0),
+        x3.stride(1),
+        0,
+        0,
+        o3.stride(0),
+        o3.stride(1),
+        hidden,
+        eps,
+        HAS_RESIDUAL=False,
+        BLOCK=block,
+        num_warps=_norm_warps(block),
+    )
     return out
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass, IN PLACE: the sum is written into `residual`'s
     storage and the normed value into `x`'s (a copy's, if either lacks a unit stride on its last dim);
     returns those two tensors. `x` and `residual` must have the same shape and not overlap."""
@@ -151,9 +208,23 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     x3, r3 = _as_rows(x), _as_rows(residual)
     block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
-        x3, r3, x3, weight.contiguous(), x3.shape[1], x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-        x3.stride(0), x3.stride(1), hidden, eps,
-        HAS_RESIDUAL=True, BLOCK=block, num_warps=_norm_warps(block))
+        x3,
+        r3,
+        x3,
+        weight.contiguous(),
+        x3.shape[1],
+        x3.stride(0),
+        x3.stride(1),
+        r3.stride(0),
+        r3.stride(1),
+        x3.stride(0),
+        x3.stride(1),
+        hidden,
+        eps,
+        HAS_RESIDUAL=True,
+        BLOCK=block,
+        num_warps=_norm_warps(block),
+    )
     # Views of the originals unless _as_rows had to copy.
     return x3.reshape(x.shape), r3.reshape(residual.shape)
 
@@ -176,8 +247,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, is_neox_style: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox_style: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate `query` `[T, H, D]` and `key` `[T, Hkv, D]` IN PLACE by their `positions` `[T]`; returns them.
 
     Both may be strided views (e.g. of a fused QKV output) and must share a dtype. `cos_sin_cache`
@@ -198,7 +274,20 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     # spilling registers on 64-head models.
     block_h = min(triton.next_power_of_2(max_heads), max(2048 // block_half, 1))
     grid = (tokens, triton.cdiv(max_heads, block_h))
-    _rotary_kernel[grid](positions, query, key, cache, query.shape[1], key.shape[1],
-                         *query.stride(), *key.stride(), cache.stride(0), half,
-                         IS_NEOX=is_neox_style, BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4)
+    _rotary_kernel[grid](
+        positions,
+        query,
+        key,
+        cache,
+        query.shape[1],
+        key.shape[1],
+        *query.stride(),
+        *key.stride(),
+        cache.stride(0),
+        half,
+        IS_NEOX=is_neox_style,
+        BLOCK_H=block_h,
+        BLOCK_HALF=block_half,
+        num_warps=4,
+    )
     return query, key

@@ -22,10 +22,29 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 def server(start_server, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("access-keys") / "keys.txt"
     key_file.write_text("# second user key\nfile-key-0123456789\n")
-    return start_server("--api-key", USER_KEY, "--api-key-file", str(key_file), "--admin-key", ADMIN_KEY,
-                        "--max-tokens-cap", "12", "--max-n", "2", "--max-prompt-tokens", "60",
-                        "--max-pending-requests", "3", "--max-body-size", "64KiB",
-                        "--allowed-origin", ORIGIN, "--log-format", "json", "--log-requests")
+    return start_server(
+        "--api-key",
+        USER_KEY,
+        "--api-key-file",
+        str(key_file),
+        "--admin-key",
+        ADMIN_KEY,
+        "--max-tokens-cap",
+        "12",
+        "--max-n",
+        "2",
+        "--max-prompt-tokens",
+        "60",
+        "--max-pending-requests",
+        "3",
+        "--max-body-size",
+        "64KiB",
+        "--allowed-origin",
+        ORIGIN,
+        "--log-format",
+        "json",
+        "--log-requests",
+    )
 
 
 def _open(server, method: str, path: str, body: dict | None = None, headers: dict | None = None):
@@ -41,8 +60,12 @@ def _counter(server, name: str, **labels: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = http("GET", server.base_url + "/metrics")[1]
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def _completion(max_tokens: int = 8, **extra) -> dict:
@@ -50,22 +73,36 @@ def _completion(max_tokens: int = 8, **extra) -> dict:
 
 
 def test_no_key_or_a_wrong_key_gets_401_on_every_route(server):
-    routes = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-              ("POST", "/tokenize"), ("GET", "/version"), ("POST", "/reset_prefix_cache"),
-              ("GET", "/no/such/route"), ("GET", "/v1/../reset_prefix_cache"), ("GET", "/v1")]
+    routes = [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/tokenize"),
+        ("GET", "/version"),
+        ("POST", "/reset_prefix_cache"),
+        ("GET", "/no/such/route"),
+        ("GET", "/v1/../reset_prefix_cache"),
+        ("GET", "/v1"),
+    ]
     for headers in ({}, {"Authorization": "Bearer wrong-key-0123456789"}, {"Authorization": USER_KEY}):
         for method, path in routes:
             status, body = http(method, server.base_url + path, {} if method == "POST" else None, headers=headers)
             assert status == 401, (method, path, headers, body)
             assert body["error"]["code"] == "invalid_api_key" and body["error"]["type"] == "invalid_request_error"
-    assert "Incorrect API key" in http("GET", server.base_url + "/v1/models",
-                                       headers={"Authorization": "Bearer wrong-key-0123456789"})[1]["error"]["message"]
+    assert (
+        "Incorrect API key"
+        in http("GET", server.base_url + "/v1/models", headers={"Authorization": "Bearer wrong-key-0123456789"})[1][
+            "error"
+        ]["message"]
+    )
 
 
 def test_keys_open_their_routes_and_only_those(server):
     assert http("GET", server.base_url + "/health")[0] == 200  # probes are public by default
     assert http("GET", server.base_url + "/v1/models", headers=USER)[0] == 200
-    assert http("GET", server.base_url + "/v1/models", headers={"Authorization": "Bearer file-key-0123456789"})[0] == 200
+    assert (
+        http("GET", server.base_url + "/v1/models", headers={"Authorization": "Bearer file-key-0123456789"})[0] == 200
+    )
     assert http("GET", server.base_url + "/no/such/route", headers=USER)[0] == 404
     status, body = http("POST", server.base_url + "/reset_prefix_cache", headers=USER)
     assert status == 403 and body["error"]["code"] == "admin_key_required"
@@ -94,8 +131,12 @@ def test_limits_answer_with_their_status(server):
     assert status == 413 and "error" in body
     assert _counter(server, "pagoda:request_rejected_total", status_code="413") == rejected + 1
     # Without max_tokens the cap is the default: generation stops at 12 tokens.
-    status, body = http("POST", url, {"model": MODEL_NAME, "prompt": "Count: 1, 2, 3,", "max_tokens": None,
-                                      "ignore_eos": True}, headers=USER)
+    status, body = http(
+        "POST",
+        url,
+        {"model": MODEL_NAME, "prompt": "Count: 1, 2, 3,", "max_tokens": None, "ignore_eos": True},
+        headers=USER,
+    )
     assert status == 200 and body["usage"]["completion_tokens"] == 12
 
 
@@ -123,8 +164,9 @@ def test_queue_full_gets_429_with_retry_after_then_recovers(server):
     assert statuses[-1] == 200
     # every 429 counted: the one above and those of the retries
     assert _counter(server, "pagoda:request_rejected_total", status_code="429") == rejected + 1 + statuses.count(429)
-    assert wait_until(lambda: _counter(server, "pagoda:request_aborted_total") == aborted + 3, 10.0), \
-        _counter(server, "pagoda:request_aborted_total") - aborted  # the three streams that were cut, no more
+    assert wait_until(lambda: _counter(server, "pagoda:request_aborted_total") == aborted + 3, 10.0), (
+        _counter(server, "pagoda:request_aborted_total") - aborted
+    )  # the three streams that were cut, no more
 
 
 def test_request_timeout_gives_504_and_frees_the_engine(tmp_path):
@@ -156,8 +198,11 @@ def _check_timeout(server):
 
 
 def test_cors_preflight_and_headers(server):
-    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-                 "Access-Control-Request-Headers": "authorization, content-type"}
+    preflight = {
+        "Origin": ORIGIN,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
 
     def headers_of(method, path, body=None, headers=None):
         connection, response = _open(server, method, path, body, headers)
@@ -168,16 +213,24 @@ def test_cors_preflight_and_headers(server):
     status, response = headers_of("OPTIONS", "/v1/chat/completions", headers=preflight)  # browsers send no key
     assert status == 204 and response.getheader("Access-Control-Allow-Origin") == ORIGIN
     assert "Authorization" in response.getheader("Access-Control-Allow-Headers")
-    assert headers_of("OPTIONS", "/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})[0] == 403
-    assert headers_of("GET", "/v1/models", headers={**USER, "Origin": ORIGIN})[1].getheader(
-        "Access-Control-Allow-Origin") == ORIGIN
+    assert (
+        headers_of("OPTIONS", "/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})[0] == 403
+    )
+    assert (
+        headers_of("GET", "/v1/models", headers={**USER, "Origin": ORIGIN})[1].getheader("Access-Control-Allow-Origin")
+        == ORIGIN
+    )
     streamed = headers_of("POST", "/v1/completions", _completion(stream=True), {**USER, "Origin": ORIGIN})[1]
     assert streamed.getheader("Content-Type").startswith("text/event-stream")
     assert streamed.getheader("Access-Control-Allow-Origin") == ORIGIN
     status, denied = headers_of("GET", "/v1/models", headers={"Origin": ORIGIN})  # errors carry CORS headers too
     assert status == 401 and denied.getheader("Access-Control-Allow-Origin") == ORIGIN
-    assert headers_of("GET", "/v1/models", headers={**USER, "Origin": "https://x.y"})[1].getheader(
-        "Access-Control-Allow-Origin") is None
+    assert (
+        headers_of("GET", "/v1/models", headers={**USER, "Origin": "https://x.y"})[1].getheader(
+            "Access-Control-Allow-Origin"
+        )
+        is None
+    )
 
 
 def _request_lines(server) -> list[dict]:
@@ -193,9 +246,19 @@ def test_one_json_log_line_per_request(server):
     before = len(_request_lines(server))
     status, body = http("POST", server.base_url + "/v1/completions", _completion(max_tokens=5, n=2), headers=USER)
     assert status == 200
-    connection, response = _open(server, "POST", "/v1/chat/completions",
-                                 {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a story"}],
-                                  "max_tokens": 12, "stream": True, "ignore_eos": True}, USER)
+    connection, response = _open(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "Tell me a story"}],
+            "max_tokens": 12,
+            "stream": True,
+            "ignore_eos": True,
+        },
+        USER,
+    )
     response.readline()
     connection.close()  # the client goes away mid-stream
     assert wait_until(lambda: len(_request_lines(server)) >= before + 2, 30.0, 0.2), server.log()[-2000:]
@@ -260,8 +323,9 @@ def test_deadline_holds_even_when_deltas_are_already_queued():
     from api_proc.server import ApiServer, ApiSettings
 
     async def run() -> int:
-        server = ApiServer(ApiSettings(frontend_addr="ipc:///nonexistent/frontend.sock", served_model_names=["m"],
-                                       request_timeout=0.2))
+        server = ApiServer(
+            ApiSettings(frontend_addr="ipc:///nonexistent/frontend.sock", served_model_names=["m"], request_timeout=0.2)
+        )
 
         async def ready_deltas():  # never suspends: every item is already there
             for i in range(1000):

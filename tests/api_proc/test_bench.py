@@ -44,8 +44,9 @@ def test_datasets_are_deterministic_and_exact():
 
 def test_against_live_pagoda_counts_are_consistent(server):
     requests = random_requests(16, 24, 6, range_ratio=0.5, seed=2)
-    results, duration, _ = asyncio.run(run_serve(server.base_url + "/v1", requests, max_concurrency=8,
-                                                 request_rate=50.0, progress=False))
+    results, duration, _ = asyncio.run(
+        run_serve(server.base_url + "/v1", requests, max_concurrency=8, request_rate=50.0, progress=False)
+    )
     summary = summarize(results, duration, parse_goodput(["ttft:100000"]))
     assert summary["completed"] == 16 and summary["failed"] == 0
     assert summary["output_tokens"] == sum(r.output_len for r in requests) == sum(r.output_len for r in results)
@@ -64,10 +65,35 @@ def test_server_errors_are_failures_not_crashes(server):
 
 def test_cli_saves_results_and_plots(server, tmp_path):
     out, png = tmp_path / "run.json", tmp_path / "run.png"
-    run = subprocess.run([sys.executable, "-m", "api_proc.cli", "bench", "serve", "--base-url", server.base_url,
-                          "--endpoint", "chat", "--dataset-name", "sharegpt", "--num-prompts", "4",
-                          "--max-concurrency", "2", "--tokenizer", str(server.model_dir()), "--save-result", str(out),
-                          "--plot", str(png), "--no-progress"], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "api_proc.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            server.base_url,
+            "--endpoint",
+            "chat",
+            "--dataset-name",
+            "sharegpt",
+            "--num-prompts",
+            "4",
+            "--max-concurrency",
+            "2",
+            "--tokenizer",
+            str(server.model_dir()),
+            "--save-result",
+            str(out),
+            "--plot",
+            str(png),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr
     assert "Successful requests:" in run.stdout and "Median TTFT (ms):" in run.stdout
     saved = json.loads(out.read_text())
@@ -79,14 +105,56 @@ def test_offline_throughput_and_latency_commands(tmp_path, default_model_dir):
     from api_proc.cli import main
 
     out = tmp_path / "throughput.json"
-    assert main(["bench", "throughput", "--model", str(default_model_dir), "--kv-cache-memory", "128MiB",
-                 "--dataset-name", "prefix", "--prefix-len", "32", "--input-len", "8", "--output-len", "4",
-                 "--num-prompts", "6", "--save-result", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                "--model",
+                str(default_model_dir),
+                "--kv-cache-memory",
+                "128MiB",
+                "--dataset-name",
+                "prefix",
+                "--prefix-len",
+                "32",
+                "--input-len",
+                "8",
+                "--output-len",
+                "4",
+                "--num-prompts",
+                "6",
+                "--save-result",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["requests"] == 6 and result["output_tokens"] == 24 and result["input_tokens"] == 6 * 40
     out = tmp_path / "latency.json"
-    assert main(["bench", "latency", "--model", str(default_model_dir), "--kv-cache-memory", "128MiB",
-                 "--batch-size", "2", "--input-len", "16", "--output-len", "4", "--num-iters", "2",
-                 "--save-result", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "latency",
+                "--model",
+                str(default_model_dir),
+                "--kv-cache-memory",
+                "128MiB",
+                "--batch-size",
+                "2",
+                "--input-len",
+                "16",
+                "--output-len",
+                "4",
+                "--num-iters",
+                "2",
+                "--save-result",
+                str(out),
+            ]
+        )
+        == 0
+    )
     latency = json.loads(out.read_text())
     assert len(latency["latencies_s"]) == 2 and 0 < latency["median_s"] <= max(latency["latencies_s"])

@@ -19,9 +19,12 @@ def _parse(tmp_path: Path, yaml_text: str, *argv: str):
 
 
 def test_every_kind_of_flag_from_the_file(tmp_path):
-    args = _parse(tmp_path, "port: 9001\nmax_num_seqs: 7\nserved-model-name: [a, b]\nno-prefix-caching: true\n"
-                            "enforce-eager: true\nshutdown-timeout: 5\ndtype: float32\nkv-cache-memory: 1GiB\n"
-                            "log-level: DEBUG\nmax-model-len: null\n")
+    args = _parse(
+        tmp_path,
+        "port: 9001\nmax_num_seqs: 7\nserved-model-name: [a, b]\nno-prefix-caching: true\n"
+        "enforce-eager: true\nshutdown-timeout: 5\ndtype: float32\nkv-cache-memory: 1GiB\n"
+        "log-level: DEBUG\nmax-model-len: null\n",
+    )
     assert (args.port, args.max_num_seqs, args.served_model_name) == (9001, 7, ["a", "b"])
     assert args.enable_prefix_caching is False and args.enforce_eager is True
     assert (args.shutdown_timeout, args.dtype, args.kv_cache_memory) == (5.0, "float32", "1GiB")
@@ -48,16 +51,19 @@ def test_flags_added_by_other_modules_work_too(tmp_path):
     assert _parse(tmp_path, "api-key: [k1, k2]\n").api_key == ["k1", "k2"]
 
 
-@pytest.mark.parametrize("text, message", [
-    ("max-num-seq: 3\nfoo: 1\n", "unknown keys: max-num-seq (did you mean max-num-seqs?), foo"),
-    ("dtype: float8\n", "dtype: invalid choice 'float8'"),
-    ("port: eighty\n", "port: invalid value 'eighty'"),
-    ("enforce-eager: 1\n", "enforce-eager: expected true or false"),
-    ("port: [1, 2]\n", "port: expected a single value"),
-    ("- port\n", "expected a mapping"),
-    ("api-key: 0x5f3759df\n", "quote the value of --api-key"),
-    ("admin-key: [012345670]\n", "quote the value of --admin-key"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("max-num-seq: 3\nfoo: 1\n", "unknown keys: max-num-seq (did you mean max-num-seqs?), foo"),
+        ("dtype: float8\n", "dtype: invalid choice 'float8'"),
+        ("port: eighty\n", "port: invalid value 'eighty'"),
+        ("enforce-eager: 1\n", "enforce-eager: expected true or false"),
+        ("port: [1, 2]\n", "port: expected a single value"),
+        ("- port\n", "expected a mapping"),
+        ("api-key: 0x5f3759df\n", "quote the value of --api-key"),
+        ("admin-key: [012345670]\n", "quote the value of --admin-key"),
+    ],
+)
 def test_bad_files_are_usage_errors_naming_the_key(tmp_path, capsys, text, message):
     with pytest.raises(SystemExit) as exit_info:
         _parse(tmp_path, text)
@@ -69,8 +75,15 @@ def test_the_shipped_example_is_valid():
     assert args.port == 8000 and args.host == "127.0.0.1"
 
 
-@pytest.mark.parametrize("flag,value", [("--max-connections", "-1"), ("--header-timeout", "nan"),
-                                        ("--body-timeout", "inf"), ("--keepalive-timeout", "-5")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--max-connections", "-1"),
+        ("--header-timeout", "nan"),
+        ("--body-timeout", "inf"),
+        ("--keepalive-timeout", "-5"),
+    ],
+)
 def test_connection_limits_refuse_values_that_would_disable_or_break_them(flag, value, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", flag, value])

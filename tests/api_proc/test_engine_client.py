@@ -31,8 +31,9 @@ def _collect(deltas) -> tuple[str, list[int], list[protocol.GenerateDelta]]:
 
 def _still_serves(direct: EngineClient) -> None:
     """A request after the one under test gets its two tokens, ended by max_tokens."""
-    _, tokens, deltas = _collect(direct.generate("still serving", SamplingParams(max_tokens=2, ignore_eos=True),
-                                                 timeout=30))
+    _, tokens, deltas = _collect(
+        direct.generate("still serving", SamplingParams(max_tokens=2, ignore_eos=True), timeout=30)
+    )
     assert len(tokens) == 2 and deltas[-1].finish_reason == "length"
 
 
@@ -61,10 +62,10 @@ def test_chat_and_token_prompts_match_http(direct, client, tokenizer):
 
 def test_same_validation_as_http(direct):
     with pytest.raises(EngineError) as info:
-        list(direct.generate("hello", SamplingParams(max_tokens=10 ** 6), timeout=30))
+        list(direct.generate("hello", SamplingParams(max_tokens=10**6), timeout=30))
     assert info.value.status == 400 and info.value.code == "context_length_exceeded"
     with pytest.raises(EngineError) as info:
-        list(direct.generate(prompt_token_ids=[1, 10 ** 8], params=GREEDY, timeout=30))
+        list(direct.generate(prompt_token_ids=[1, 10**8], params=GREEDY, timeout=30))
     assert info.value.status == 400 and info.value.param == "prompt"
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
@@ -107,8 +108,12 @@ def test_async_client_runs_requests_concurrently(server, direct):
 def _aborted(direct: EngineClient) -> float:
     """vllm:request_success{finished_reason="abort"}: samples ended by their client's abort."""
     text = direct.metrics().decode()
-    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == "abort")
+    return next(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == "abort"
+    )
 
 
 def test_leaving_early_or_a_timeout_aborts_the_request(direct):

@@ -28,9 +28,21 @@ TOKENS_CAP = 24
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = PagodaServer(tmp_path_factory.mktemp("hostile"), "--api-key", KEY, "--header-timeout", str(HEADER_TIMEOUT),
-                       "--body-timeout", str(BODY_TIMEOUT), "--max-connections", str(MAX_CONNECTIONS),
-                       "--max-tokens-cap", str(TOKENS_CAP), "--max-n", "4")
+    srv = PagodaServer(
+        tmp_path_factory.mktemp("hostile"),
+        "--api-key",
+        KEY,
+        "--header-timeout",
+        str(HEADER_TIMEOUT),
+        "--body-timeout",
+        str(BODY_TIMEOUT),
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+        "--max-tokens-cap",
+        str(TOKENS_CAP),
+        "--max-n",
+        "4",
+    )
     yield srv
     srv.stop()
     assert KEY not in srv.log()  # nothing of the key, ever
@@ -79,6 +91,7 @@ def _json_of(response: bytes) -> tuple[int, dict]:
 
 # ---- 1. nesting -----------------------------------------------------------------------------------
 
+
 def _nested_schema(levels: int) -> dict:
     schema: dict = {"type": "string"}
     for _ in range(levels):
@@ -96,8 +109,12 @@ def test_deep_nesting_is_a_400_naming_the_field(server):
         ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": {deep_object}}}]}}', "messages"),
         ("/tokenize", f'{{"prompt": {deep_list}}}', "prompt"),
         ("/tokenize", f'{{"messages": [{{"role": "user", "content": {deep_object}}}]}}', "messages"),
-        ("/v1/chat/completions", chat + f'"response_format": {{"type": "json_schema", "json_schema": '
-                                        f'{{"name": "deep", "schema": {deep_schema}}}}}}}', "response_format"),
+        (
+            "/v1/chat/completions",
+            chat + f'"response_format": {{"type": "json_schema", "json_schema": '
+            f'{{"name": "deep", "schema": {deep_schema}}}}}}}',
+            "response_format",
+        ),
         # A schema given as a string is parsed by our code, not by the body's parser: the same limit holds.
         ("/v1/chat/completions", chat + f'"guided_json": {json.dumps(deep_schema)}}}', "guided_json"),
     ]
@@ -112,6 +129,7 @@ def test_deep_nesting_is_a_400_naming_the_field(server):
 
 
 # ---- 2. one huge prompt -------------------------------------------------------------------------
+
 
 def _rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as status:
@@ -128,7 +146,7 @@ def test_a_huge_prompt_is_refused_before_tokenizing_and_others_keep_flowing(serv
     assert _post(server, "/v1/completions", _completion())[0] == 200
     rss_before = _rss_mb(detok)
     # 31 MB ("a " x 15 Mi), gzipped to ~30 KB: refused from its length, without tokenizing it.
-    huge = gzip.compress(json.dumps(_completion(prompt="a " * (15 * 2 ** 20))).encode())
+    huge = gzip.compress(json.dumps(_completion(prompt="a " * (15 * 2**20))).encode())
     status, answer = _post(server, "/v1/completions", huge, {"Content-Encoding": "gzip"})
     assert _assert_openai_error(status, answer, "prompt")["code"] == "context_length_exceeded"
 
@@ -202,29 +220,56 @@ def test_long_inputs_on_the_background_thread_get_exact_answers(server, tokenize
 
 # ---- 3. null is absent ----------------------------------------------------------------------------
 
+
 def test_null_means_the_same_as_absent(server):
     # max_tokens: null is OpenAI's default (16), not "unbounded" (which the cap of 24 would then allow).
     for body in (_completion(max_tokens=None, ignore_eos=True), {"prompt": "Count:", "ignore_eos": True}):
         status, answer = _post(server, "/v1/completions", body)
         assert status == 200 and answer["usage"]["completion_tokens"] == 16, answer
-    nulls = {name: None for name in ("n", "stream", "stop", "seed", "presence_penalty", "frequency_penalty",
-                                     "logit_bias", "user", "logprobs", "response_format", "top_p", "echo",
-                                     "stream_options", "min_p", "stop_token_ids", "top_k")}
+    nulls = {
+        name: None
+        for name in (
+            "n",
+            "stream",
+            "stop",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "user",
+            "logprobs",
+            "response_format",
+            "top_p",
+            "echo",
+            "stream_options",
+            "min_p",
+            "stop_token_ids",
+            "top_k",
+        )
+    }
     plain = _post(server, "/v1/completions", _completion(temperature=0, max_tokens=6))
     with_nulls = _post(server, "/v1/completions", _completion(temperature=0, max_tokens=6, **nulls))
     assert plain[0] == with_nulls[0] == 200 and plain[1]["choices"] == with_nulls[1]["choices"]
-    chat_nulls = {"tools": None, "tool_choice": None, "max_completion_tokens": None, "top_logprobs": None,
-                  "stream_options": {"include_usage": None}, "temperature": None, "seed": 3}
+    chat_nulls = {
+        "tools": None,
+        "tool_choice": None,
+        "max_completion_tokens": None,
+        "top_logprobs": None,
+        "stream_options": {"include_usage": None},
+        "temperature": None,
+        "seed": 3,
+    }
     assert _post(server, "/v1/chat/completions", _chat(**chat_nulls))[0] == 200
 
 
 # ---- 4. bodies that do not decode ------------------------------------------------------------------
 
+
 def test_bodies_that_do_not_match_their_encoding_or_grow_too_large(server):
     status, answer = _post(server, "/v1/completions", json.dumps(_completion()).encode(), {"Content-Encoding": "gzip"})
     assert _assert_openai_error(status, answer)["code"] == "invalid_body_encoding"
     # A gzip bomb: 40 MB of JSON whitespace in 40 KB. The 32 MiB body limit holds after decompression.
-    bomb = gzip.compress(b"{" + b" " * (40 * 2 ** 20) + b"}")
+    bomb = gzip.compress(b"{" + b" " * (40 * 2**20) + b"}")
     status, answer = _post(server, "/v1/completions", bomb, {"Content-Encoding": "gzip"})
     assert status == 413 and answer["error"]["code"] == "body_too_large"
     assert _post(server, "/v1/completions", _completion())[0] == 200
@@ -237,7 +282,7 @@ SECRET = b"SECRETSECRET" * 1000
 
 NOT_HTTP = {
     "content-length and transfer-encoding": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
-                                            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
     "long header": b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + SECRET + b"\r\n\r\n",
     "long url": b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
     "unknown method": b"FOO / HTTP/1.1\r\nHost: x\r\n\r\n",
@@ -264,6 +309,7 @@ def test_requests_that_are_not_http_get_json_no_echo_and_little_log(server):
 
 # ---- 6. slow clients --------------------------------------------------------------------------------
 
+
 def test_slow_headers_and_stalled_bodies_are_cut_off(server):
     # Headers sent one byte at a time, for longer than the header timeout allows.
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
@@ -287,7 +333,7 @@ def test_slow_headers_and_stalled_bodies_are_cut_off(server):
     assert _raw(server, b"") == b""
     # A body shorter than its Content-Length, and a chunked body that never ends.
     start = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
-    for head in (b"\r\nContent-Length: 100\r\n\r\n{\"prompt\":", b"\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n"):
+    for head in (b'\r\nContent-Length: 100\r\n\r\n{"prompt":', b'\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{"pro\r\n'):
         status, body = _json_of(_raw(server, start + head))
         assert status == 408 and body["error"]["code"] == "request_timeout"
     # A body dripped a byte at a time, each within the idle timeout: far below the minimum rate.
@@ -314,8 +360,10 @@ def test_a_long_quiet_stream_is_not_cut_off(server):
     engine = server.child_named("pagoda-engine")
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
         body = json.dumps(_completion(max_tokens=TOKENS_CAP, ignore_eos=True, stream=True)).encode()
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
         first = s.recv(200)
         assert first.startswith(b"HTTP/1.1 200")
         os.kill(engine, signal.SIGSTOP)
@@ -347,8 +395,10 @@ def test_the_connection_cap_reclaims_idle_connections_and_refuses_when_all_are_b
             s.close()
     # Connections all busy with requests (each handler waits for the rest of its body): a new one gets a
     # 503 at once and is closed, holding nothing.
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
-            b"Authorization: Bearer " + KEY.encode() + b"\r\n\r\n{\"prompt\":")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b'\r\n\r\n{"prompt":'
+    )
     busy = [socket.create_connection(("127.0.0.1", server.port), timeout=30) for _ in range(MAX_CONNECTIONS)]
     try:
         for s in busy:
@@ -364,6 +414,7 @@ def test_the_connection_cap_reclaims_idle_connections_and_refuses_when_all_are_b
 
 # ---- 7. what cannot be honoured, and the request log --------------------------------------------------
 
+
 def test_what_cannot_be_honoured_is_refused_naming_the_field(server):
     remote = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"$ref": "http://example.com/s.json"}}}
     cases = [
@@ -378,8 +429,11 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(server):
         ("/v1/chat/completions", _chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
         ("/v1/chat/completions", _chat(chat_template_kwargs={"chat_template": "{{ 1 }}"}), "chat_template_kwargs"),
         ("/v1/chat/completions", _chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
-        ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"tokenize": True}},
-         "chat_template_kwargs"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {"tokenize": True}},
+            "chat_template_kwargs",
+        ),
         ("/v1/completions", _completion(logit_bias={"\u00b2": 1}), "logit_bias"),
         ("/v1/completions", _completion(logit_bias={"9" * 5000: 1}), "logit_bias"),
     ]
@@ -406,25 +460,34 @@ def test_every_generation_request_leaves_a_log_line(server):
 def test_a_request_that_fails_is_logged_as_500(caplog):
     from api_proc.request_log import RequestRecord, logged
 
-    with caplog.at_level("INFO", logger="pagoda.requests"), pytest.raises(RuntimeError), \
-            logged(RequestRecord("cmpl-1", "completions")):
+    with (
+        caplog.at_level("INFO", logger="pagoda.requests"),
+        pytest.raises(RuntimeError),
+        logged(RequestRecord("cmpl-1", "completions")),
+    ):
         raise RuntimeError("a bug")
     assert [r.fields["status"] for r in caplog.records] == [500]
 
 
 # ---- fuzz ------------------------------------------------------------------------------------------
 
-EDGE_NUMBERS = st.sampled_from([0, -1, 1, 2, 49151, 49152, 2 ** 31 - 1, 2 ** 31, 2 ** 63, 2 ** 64, 10 ** 30, 0.5, 1e308])
+EDGE_NUMBERS = st.sampled_from([0, -1, 1, 2, 49151, 49152, 2**31 - 1, 2**31, 2**63, 2**64, 10**30, 0.5, 1e308])
 KEYS = st.text(max_size=8) | st.sampled_from(["-1", "49152", "2147483648", "type", "json_schema", "schema", "$ref"])
 # A placeholder for an array nested `d` deep, written into the body text after json.dumps (which
 # could not write a value deeper than Python's recursion limit itself).
 DEEP = st.integers(1, 3_000).map(lambda depth: f"__deep_{depth}__")
 _DEEP_TEXT = re.compile(r'"__deep_(\d+)__"')
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | EDGE_NUMBERS
-    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12) | DEEP,
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | EDGE_NUMBERS
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+    | DEEP,
     lambda children: st.lists(children, max_size=4) | st.dictionaries(KEYS, children, max_size=4),
-    max_leaves=10)
+    max_leaves=10,
+)
 
 
 def _body(value) -> bytes:
@@ -456,11 +519,18 @@ def _fuzz(server, path: str, base: dict, mutations: dict) -> None:
 def test_fuzzed_request_fields_never_get_a_5xx(server, route):
     from api_proc.openai_schema import ChatCompletionRequest, CompletionRequest
 
-    path, base, schema = {"completions": ("/v1/completions", _completion(), CompletionRequest),
-                          "chat": ("/v1/chat/completions", _chat(), ChatCompletionRequest)}[route]
+    path, base, schema = {
+        "completions": ("/v1/completions", _completion(), CompletionRequest),
+        "chat": ("/v1/chat/completions", _chat(), ChatCompletionRequest),
+    }[route]
 
-    @settings(max_examples=80, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=80,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     @given(st.dictionaries(st.sampled_from(_fields(schema)), JSON_VALUES, min_size=1, max_size=3))
     def check(mutations):
         _fuzz(server, path, base, mutations)
@@ -469,8 +539,13 @@ def test_fuzzed_request_fields_never_get_a_5xx(server, route):
     assert _post(server, path, base)[0] == 200  # and the server still serves
 
 
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(JSON_VALUES)
 def test_fuzzed_whole_bodies_never_get_a_5xx(server, body):
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):

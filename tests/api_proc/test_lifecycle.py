@@ -31,9 +31,12 @@ from engine_core.sampling_params import SamplingParams
 def test_health_is_503_until_the_engine_is_ready(tmp_path):
     port = free_port()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
-    process = subprocess.Popen([sys.executable, "-m", "api_proc.cli", "serve", "--port", str(port),
-                                "--kv-cache-memory", "128MiB"], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "api_proc.cli", "serve", "--port", str(port), "--kv-cache-memory", "128MiB"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     statuses = []  # every answer of /health, from the first one the HTTP side gives
 
     def healthy() -> bool:
@@ -54,8 +57,7 @@ def test_health_is_503_until_the_engine_is_ready(tmp_path):
     assert list(tmp_path.iterdir()) == []  # runtime directory removed
 
 
-def _stream_in_thread(server: PagodaServer, max_tokens: int,
-                      outcome: dict) -> tuple[threading.Thread, threading.Event]:
+def _stream_in_thread(server: PagodaServer, max_tokens: int, outcome: dict) -> tuple[threading.Thread, threading.Event]:
     """A streamed completion of exactly `max_tokens` tokens, read in a thread; the event is set once its
     first chunk has come (the request is running). `outcome` gets "tokens" (the usage reported at the end)
     or "error" (what the stream raised)."""
@@ -64,9 +66,15 @@ def _stream_in_thread(server: PagodaServer, max_tokens: int,
     def read() -> None:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0)
         try:
-            for chunk in client.completions.create(model=MODEL_NAME, prompt="Once upon a time", max_tokens=max_tokens,
-                                                   temperature=0, stream=True, stream_options={"include_usage": True},
-                                                   extra_body={"ignore_eos": True}):
+            for chunk in client.completions.create(
+                model=MODEL_NAME,
+                prompt="Once upon a time",
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            ):
                 first_chunk.set()
                 if chunk.usage is not None:
                     outcome["tokens"] = chunk.usage.completion_tokens
@@ -107,8 +115,9 @@ def test_kill_9_of_the_parent_leaves_nothing_behind(tmp_path):
     assert {"pagoda-engine", "pagoda-detok", "pagoda-api"} <= set(process_names(server).values())
     server.process.kill()
     server.process.wait()
-    assert wait_until(lambda: not any(alive(pid) for pid in children), 2.0), \
-        [Path(f"/proc/{p}/comm").read_text() for p in children if alive(p)]
+    assert wait_until(lambda: not any(alive(pid) for pid in children), 2.0), [
+        Path(f"/proc/{p}/comm").read_text() for p in children if alive(p)
+    ]
     assert wait_until(lambda: server.runtime_dirs() == [], 1.0)
     assert not (tmp_path / "frontend.sock").exists()
     server.stop()
@@ -151,33 +160,46 @@ def test_disconnects_free_the_request_and_curve_tcp_frontend(tmp_path):
     keys = tmp_path / "keys"
     subprocess.run([sys.executable, "-m", "api_proc.cli", "keys", str(keys)], check=True, capture_output=True)
     tcp_port = free_port()
-    server = PagodaServer(tmp_path, "--api-workers", "2", "--frontend", f"tcp://127.0.0.1:{tcp_port}",
-                          "--curve-keys", str(keys))
+    server = PagodaServer(
+        tmp_path, "--api-workers", "2", "--frontend", f"tcp://127.0.0.1:{tcp_port}", "--curve-keys", str(keys)
+    )
     try:
         assert len([p for p in server.children() if Path(f"/proc/{p}/comm").read_text().strip() == "pagoda-api"]) == 2
-        direct = EngineClient(f"tcp://127.0.0.1:{tcp_port}",
-                              curve=(str(keys / "server.key"), str(keys / "client.key_secret")))
+        direct = EngineClient(
+            f"tcp://127.0.0.1:{tcp_port}", curve=(str(keys / "server.key"), str(keys / "client.key_secret"))
+        )
         deltas = list(direct.generate("Hi", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), timeout=30))
         assert len([t for d in deltas for t in protocol.unpack_tokens(d.tokens)]) == 3
-        _, over_http = http("POST", server.base_url + "/v1/completions",
-                            {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+        _, over_http = http(
+            "POST",
+            server.base_url + "/v1/completions",
+            {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+        )
         assert "".join(d.text for d in deltas) == over_http["choices"][0]["text"]
         for stream in (True, False):
-            body = (b'{"prompt": "Tell me a story", "max_tokens": 1500, "ignore_eos": true, "stream": '
-                    + (b"true" if stream else b"false") + b"}")
+            body = (
+                b'{"prompt": "Tell me a story", "max_tokens": 1500, "ignore_eos": true, "stream": '
+                + (b"true" if stream else b"false")
+                + b"}"
+            )
             with socket.create_connection(("127.0.0.1", server.port)) as sock:
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                             + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
                 assert wait_until(lambda: direct.health().num_running == 1, 10.0, 0.1)
             # the socket is closed: within a step or so the engine has nothing running and no blocks
             assert wait_until(lambda: direct.health().num_running == 0, 5.0, 0.1), stream
             assert wait_until(lambda: direct.health().kv_cache_usage == 0.0, 2.0, 0.1)
         direct.close()
         stranger_keys = tmp_path / "stranger"
-        subprocess.run([sys.executable, "-m", "api_proc.cli", "keys", str(stranger_keys)], check=True,
-                       capture_output=True)
-        stranger = EngineClient(f"tcp://127.0.0.1:{tcp_port}",
-                                curve=(str(keys / "server.key"), str(stranger_keys / "client.key_secret")))
+        subprocess.run(
+            [sys.executable, "-m", "api_proc.cli", "keys", str(stranger_keys)], check=True, capture_output=True
+        )
+        stranger = EngineClient(
+            f"tcp://127.0.0.1:{tcp_port}", curve=(str(keys / "server.key"), str(stranger_keys / "client.key_secret"))
+        )
         with pytest.raises(TimeoutError):
             stranger.health(timeout=2.0)
         stranger.close()

@@ -10,16 +10,29 @@ from prometheus_client.parser import text_string_to_metric_families
 from api_proc.bench.local_server import MODEL_NAME, PagodaServer, wait_until
 
 VLLM_METRICS = {  # name -> type, as vLLM exports them
-    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
-    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter", "vllm:num_preemptions": "counter",
-    "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
-    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
-    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
-    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+    "vllm:num_requests_running": "gauge",
+    "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter",
+    "vllm:num_preemptions": "counter",
+    "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+    "vllm:request_success": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
 }
-PER_SAMPLE_HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
-                         "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens",
-                         "vllm:request_generation_tokens"]
+PER_SAMPLE_HISTOGRAMS = [
+    "vllm:time_to_first_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+]
 LONG_PROMPT = "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg " * 3
 
 
@@ -35,8 +48,9 @@ class Scrape:
 
     def value(self, name: str, **labels: str) -> float:
         """The sum of the samples called `name` whose labels include `labels`."""
-        return sum(s.value for s in self.samples
-                   if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            s.value for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
 
 
 def delta(before: Scrape, after: Scrape, name: str, **labels: str) -> float:
@@ -66,8 +80,11 @@ def test_vllm_names_types_labels_and_every_process(server, client):
             assert sample.labels["model_name"] == MODEL_NAME and sample.labels["engine"] == "0", sample
     reasons = {s.labels["finished_reason"] for s in scrape.families["vllm:request_success"].samples}
     assert reasons == {"stop", "length", "abort"}
-    ttft_buckets = [s.labels["le"] for s in scrape.families["vllm:time_to_first_token_seconds"].samples
-                    if s.name.endswith("_bucket")]
+    ttft_buckets = [
+        s.labels["le"]
+        for s in scrape.families["vllm:time_to_first_token_seconds"].samples
+        if s.name.endswith("_bucket")
+    ]
     assert ttft_buckets[:3] == ["0.001", "0.005", "0.01"] and ttft_buckets[-2:] == ["2560.0", "+Inf"]
     assert {s.labels["status_code"] for s in scrape.families["pagoda:request_rejected"].samples} == {"413", "429"}
     processes = {s.labels["process"]: s.labels["pid"] for s in scrape.families["process_cpu_seconds"].samples}
@@ -80,8 +97,15 @@ def test_counters_and_histograms_move_by_what_the_requests_returned(server, clie
     before = Scrape(server)
     samples = []  # (finish_reason, prompt_tokens, completion_tokens) per sample
     usages = []  # (usage, n) per request
-    batch = client.completions.create(model=MODEL_NAME, prompt="Name a colour:", max_tokens=6, n=2,
-                                      temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    batch = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Name a colour:",
+        max_tokens=6,
+        n=2,
+        temperature=1.0,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
     usages.append((batch.usage, 2))
     samples += [c.finish_reason for c in batch.choices]
     for _ in range(2):  # the second one finds the first one's prompt blocks in the prefix cache
@@ -89,9 +113,16 @@ def test_counters_and_histograms_move_by_what_the_requests_returned(server, clie
         usages.append((single.usage, 1))
         samples.append(single.choices[0].finish_reason)
     assert single.usage.prompt_tokens_details.cached_tokens > 0
-    chunks = list(client.chat.completions.create(
-        model=MODEL_NAME, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=48,
-        temperature=0, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=48,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     usages.append((chunks[-1].usage, 1))
     samples += [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     after = Scrape(server)
@@ -114,24 +145,34 @@ def test_counters_and_histograms_move_by_what_the_requests_returned(server, clie
     # reported (the n=2 prompt is shorter than a block, so its samples cannot hit).
     assert delta(before, after, "vllm:num_preemptions_total") == 0
     assert delta(before, after, "vllm:prefix_cache_queries_total") == prompt_tokens
-    assert delta(before, after, "vllm:prefix_cache_hits_total") == \
-        sum(u.prompt_tokens_details.cached_tokens for u, _ in usages) > 0
+    assert (
+        delta(before, after, "vllm:prefix_cache_hits_total")
+        == sum(u.prompt_tokens_details.cached_tokens for u, _ in usages)
+        > 0
+    )
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert after.value(gauge) == 0, gauge
 
 
 def test_client_disconnect_counts_as_abort_and_frees_everything(server, client):
     before = Scrape(server)
-    stream = client.completions.create(model=MODEL_NAME, prompt="Tell me a long story.", max_tokens=1000,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt="Tell me a long story.", max_tokens=1000, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))  # generating now: the first token has come
     running = Scrape(server)
     assert running.value("vllm:num_requests_running") == 1 and running.value("vllm:kv_cache_usage_perc") > 0
     stream.close()  # the client goes away mid-response
 
-    after = scrape_until(server, lambda s: delta(before, s, "pagoda:request_aborted_total") == 1
-                       and delta(before, s, "vllm:request_success_total", finished_reason="abort") == 1
-                       and s.value("vllm:num_requests_running") == 0 and s.value("vllm:kv_cache_usage_perc") == 0)
+    after = scrape_until(
+        server,
+        lambda s: (
+            delta(before, s, "pagoda:request_aborted_total") == 1
+            and delta(before, s, "vllm:request_success_total", finished_reason="abort") == 1
+            and s.value("vllm:num_requests_running") == 0
+            and s.value("vllm:kv_cache_usage_perc") == 0
+        ),
+    )
     assert delta(before, after, "pagoda:request_aborted_total") == 1
     assert delta(before, after, "vllm:request_success_total", finished_reason="abort") == 1
     assert delta(before, after, "vllm:request_success_total") == 1  # as "abort" only

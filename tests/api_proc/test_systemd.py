@@ -94,8 +94,9 @@ def test_ready_watchdog_follows_the_engine_loop_then_stopping(tmp_path, monkeypa
         assert b"NOTIFY_SOCKET" not in Path(f"/proc/{engine}/environ").read_bytes()
 
         os.kill(engine, signal.SIGSTOP)  # HTTP still answers; the engine loop does not run
-        assert wait_until(lambda: listener.seconds_since_last("WATCHDOG=1") > 3.0, 15.0), \
+        assert wait_until(lambda: listener.seconds_since_last("WATCHDOG=1") > 3.0, 15.0), (
             "watchdog pings went on while the engine was stopped"
+        )
         assert http("GET", server.base_url + "/v1/models")[0] == 200  # pings depend on the engine, not HTTP
         resumed_from = len(listener.received)
         os.kill(engine, signal.SIGCONT)
@@ -117,8 +118,10 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     port = free_port()
     frontend = f"ipc://{tmp_path}/frontend.sock"
     config = tmp_path / "pagoda.yaml"
-    config.write_text(f"port: {port}\nserved-model-name: [file-a, file-b]\nmax_num_seqs: 2\n"
-                      f"max-model-len: 512\nkv-cache-memory: 256MiB\nfrontend: {frontend}\nshutdown-timeout: 1\n")
+    config.write_text(
+        f"port: {port}\nserved-model-name: [file-a, file-b]\nmax_num_seqs: 2\n"
+        f"max-model-len: 512\nkv-cache-memory: 256MiB\nfrontend: {frontend}\nshutdown-timeout: 1\n"
+    )
     (tmp_path / "run").mkdir()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
     command = [sys.executable, "-m", "api_proc.cli", "serve", "--config", str(config)]
@@ -128,8 +131,9 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     result = subprocess.run(command[:-1] + [str(bad)], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "unknown key: max-num-seq (did you mean max-num-seqs?)" in result.stderr
 
-    process = subprocess.Popen(command + ["--max-model-len", "384"], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        command + ["--max-model-len", "384"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     base_url = f"http://127.0.0.1:{port}"
     threads = []
     try:
@@ -141,8 +145,9 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
         # max-num-seqs: 2 from the file: of three long requests, two run and one waits (until the
         # file's 1 s shutdown timeout ends them)
         request = {"model": "file-a", "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True}
-        threads = [threading.Thread(target=http, args=("POST", base_url + "/v1/completions", request))
-                   for _ in range(3)]
+        threads = [
+            threading.Thread(target=http, args=("POST", base_url + "/v1/completions", request)) for _ in range(3)
+        ]
         for thread in threads:
             thread.start()
         direct = EngineClient(frontend)

@@ -11,11 +11,20 @@ from api_proc.openai_schema import ApiError
 from api_proc.tool_parsing import CallArrayScanner, ToolCallStream, parse_tagged_calls, tool_response
 from api_proc.tools import plan_tools
 
-TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {
-             "type": "object", "properties": {"q": {"type": "string"}, "filters": {"type": "object"}}}}},
-         {"type": "function", "function": {"name": "noop"}}]
-CALLS = ('[{"name": "search", "arguments": {"q": "say \\"}], [{\\" ok \\\\", "filters": '
-         '{"tags": ["x", {"deep": [1, 2]}], "n": null}}}, {"name": "noop", "arguments": {}}]')
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}, "filters": {"type": "object"}}},
+        },
+    },
+    {"type": "function", "function": {"name": "noop"}},
+]
+CALLS = (
+    '[{"name": "search", "arguments": {"q": "say \\"}], [{\\" ok \\\\", "filters": '
+    '{"tags": ["x", {"deep": [1, 2]}], "n": null}}}, {"name": "noop", "arguments": {}}]'
+)
 EXPECTED = [("search", json.dumps(json.loads(CALLS)[0]["arguments"])), ("noop", "{}")]
 
 
@@ -58,7 +67,7 @@ def test_scanner_reports_a_name_only_once_complete():
     scanner = CallArrayScanner()
     assert scanner.feed('[{"name": "sea') == []
     assert scanner.feed('rch", "arguments": {"q"') == [("name", 0, "search"), ("arguments", 0, '{"q"')]
-    assert scanner.feed(': 1}}]') == [("arguments", 0, ": 1}")]
+    assert scanner.feed(": 1}}]") == [("arguments", 0, ": 1}")]
 
 
 def test_a_truncated_forced_call_keeps_what_it_has():
@@ -76,16 +85,19 @@ def test_named_call_streams_the_output_as_arguments():
     assert last == {"tool_calls": [{"index": 0, "function": {"arguments": '"x"}'}}]} and reason == "tool_calls"
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('<tool_call>[{"name": "search", "arguments": {"q": "x"}}]</tool_call>', [("search", '{"q": "x"}')]),
-    ('  <tool_call>{"name": "noop", "arguments": {}}</tool_call>\n', [("noop", "{}")]),
-    ('<tool_call>[{"name": "search", "arguments": "{\\"q\\": 1}"}]', [("search", '{"q": 1}')]),  # no close tag
-    ('<tool_call>[{"name": "unknown", "arguments": {}}]</tool_call>', None),
-    ('<tool_call>[{"name": "noop", "arguments": [1]}]</tool_call>', None),
-    ('<tool_call>[{"name": "noop", "arguments": {}}]</tool_call> and more', None),
-    ('<tool_call>[{"name": "noop", "arguments": {}}', None),
-    ('I would call <tool_call>[{"name": "noop", "arguments": {}}]</tool_call>', None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('<tool_call>[{"name": "search", "arguments": {"q": "x"}}]</tool_call>', [("search", '{"q": "x"}')]),
+        ('  <tool_call>{"name": "noop", "arguments": {}}</tool_call>\n', [("noop", "{}")]),
+        ('<tool_call>[{"name": "search", "arguments": "{\\"q\\": 1}"}]', [("search", '{"q": 1}')]),  # no close tag
+        ('<tool_call>[{"name": "unknown", "arguments": {}}]</tool_call>', None),
+        ('<tool_call>[{"name": "noop", "arguments": [1]}]</tool_call>', None),
+        ('<tool_call>[{"name": "noop", "arguments": {}}]</tool_call> and more', None),
+        ('<tool_call>[{"name": "noop", "arguments": {}}', None),
+        ('I would call <tool_call>[{"name": "noop", "arguments": {}}]</tool_call>', None),
+    ],
+)
 def test_tagged_calls_parse_only_when_they_are_the_whole_answer(text, expected):
     assert parse_tagged_calls(text, plan_tools(TOOLS, "auto")) == expected
 
@@ -122,9 +134,22 @@ def test_plan_checks_and_schemas():
         plan_tools([{"type": "function", "function": {"name": "f", "parameters": "object"}}], "auto")
     named = plan_tools(TOOLS, {"type": "function", "function": {"name": "noop"}}).constraint()
     assert json.loads(named.json) == {"type": "object", "properties": {}} and named.source == "tools"
-    refs = [{"type": "function", "function": {"name": "f", "parameters": {
-        "$defs": {"U": {"enum": ["c", "f"]}}, "type": "object", "properties": {"u": {"$ref": "#/$defs/U"}}}}}]
+    refs = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {
+                    "$defs": {"U": {"enum": ["c", "f"]}},
+                    "type": "object",
+                    "properties": {"u": {"$ref": "#/$defs/U"}},
+                },
+            },
+        }
+    ]
     schema = json.loads(plan_tools(refs, "required", parallel_tool_calls=False).constraint().json)
     assert schema["maxItems"] == 1
-    assert schema["items"]["anyOf"][0]["properties"]["arguments"]["properties"]["u"]["$ref"] == \
-        "#/items/anyOf/0/properties/arguments/$defs/U"
+    assert (
+        schema["items"]["anyOf"][0]["properties"]["arguments"]["properties"]["u"]["$ref"]
+        == "#/items/anyOf/0/properties/arguments/$defs/U"
+    )

@@ -11,13 +11,16 @@ from detok_proc.metrics import DetokMetrics, buckets_1_2_5
 from engine_core import protocol
 
 MODEL = "my-model"
-GONE_PID = 2 ** 22 + 12345  # above Linux's largest pid: a worker that has exited
+GONE_PID = 2**22 + 12345  # above Linux's largest pid: a worker that has exited
 
 
 def values(metrics: DetokMetrics) -> dict[tuple[str, tuple], float]:
     text = metrics.render().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_worker_snapshots_are_summed_and_the_latest_one_per_worker_wins():
@@ -50,5 +53,4 @@ def test_engine_stats_are_read_at_scrape_time_and_token_buckets_follow_the_conte
     assert got[("vllm:prefix_cache_hits_total", labels)] == 64
     assert buckets_1_2_5(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
     les = [dict(labels)["le"] for (name, labels) in got if name == "vllm:request_prompt_tokens_bucket"]
-    assert les == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "2000.0",
-                   "+Inf"]
+    assert les == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "2000.0", "+Inf"]

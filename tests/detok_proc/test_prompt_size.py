@@ -22,9 +22,13 @@ from engine_core.sampling_params import SamplingParams
 # Control characters excepted: this model's tokenizer drops some of them (a text of them encodes to
 # nothing), which is the one way around the bound, and no use to anyone (prompt_size.py).
 _PRINTABLE = st.characters(blacklist_categories=("Cc", "Cs"))
-TEXTS = (st.text(_PRINTABLE, max_size=300) | st.text(alphabet=" \n\t#=-", max_size=300)
-         | st.lists(st.sampled_from(["the", " ", "\n", "########", "é", "日本", "🙂", "\u0301", "#" * 80]),
-                    max_size=80).map("".join))
+TEXTS = (
+    st.text(_PRINTABLE, max_size=300)
+    | st.text(alphabet=" \n\t#=-", max_size=300)
+    | st.lists(st.sampled_from(["the", " ", "\n", "########", "é", "日本", "🙂", "\u0301", "#" * 80]), max_size=80).map(
+        "".join
+    )
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -76,10 +80,33 @@ def test_prompt_bytes_counts_every_string_a_template_may_render():
     params = SamplingParams()
     assert prompt_bytes(protocol.GenerateRequest(request_id="a", params=params, prompt="x" * 10)) == 10
     assert prompt_bytes(protocol.GenerateRequest(request_id="a", params=params, prompt="日本")) == 6  # UTF-8
-    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "tool_calls": [
-        {"function": {"name": "f", "arguments": "{}"}}]}]
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+    ]
     chat = protocol.ChatOptions(tools=[{"type": "function"}], chat_template_kwargs={"k": "vv"})
     request = protocol.GenerateRequest(request_id="b", params=params, messages=messages, chat=chat)
-    expected = sum(map(len, ["role", "user", "content", "hello", "role", "assistant", "tool_calls", "function",
-                             "name", "f", "arguments", "{}", "type", "function", "k", "vv"]))
+    expected = sum(
+        map(
+            len,
+            [
+                "role",
+                "user",
+                "content",
+                "hello",
+                "role",
+                "assistant",
+                "tool_calls",
+                "function",
+                "name",
+                "f",
+                "arguments",
+                "{}",
+                "type",
+                "function",
+                "k",
+                "vv",
+            ],
+        )
+    )
     assert prompt_bytes(request) == expected

@@ -21,7 +21,8 @@ class CoreClient:
     def __init__(self, tmp_path, config: EngineConfig):
         in_addr, out_addr = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
         self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, in_addr, out_addr), daemon=True)
+            target=run_engine_core, args=(config, in_addr, out_addr), daemon=True
+        )
         self.process.start()
         self.ctx = zmq.Context()
         self.push = self.ctx.socket(zmq.PUSH)
@@ -66,8 +67,9 @@ class CoreClient:
 
 @pytest.fixture(scope="module")
 def core(tmp_path_factory, default_model_dir):
-    client = CoreClient(tmp_path_factory.mktemp("core"), EngineConfig(model=str(default_model_dir),
-                                                                       kv_cache_memory=256 * 1024 ** 2))
+    client = CoreClient(
+        tmp_path_factory.mktemp("core"), EngineConfig(model=str(default_model_dir), kv_cache_memory=256 * 1024**2)
+    )
     ready = client.recv()
     assert isinstance(ready, protocol.EngineReady) and ready.block_size == 16
     assert ready.max_model_len == (ready.num_blocks - 1) * 16  # a 256 MiB pool holds less than 8192 tokens
@@ -90,13 +92,14 @@ def test_requests_over_sockets_match_the_offline_engine(core, default_model_dir,
     core.send(protocol.AddRequest("too-long", protocol.pack_tokens([5] * 6000), greedy))
     tokens, reasons = core.collect({"r0", "r1", "r2", "too-long"})
     assert reasons["too-long"].startswith("rejected:") and "context" in reasons["too-long"]
-    offline = LLM(str(default_model_dir)).generate([{"prompt_token_ids": p} for p in prompts], greedy,
-                                                   use_tqdm=False)
+    offline = LLM(str(default_model_dir)).generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     assert [tokens[f"r{i}"] for i in range(3)] == [o.outputs[0].token_ids for o in offline]
 
 
 def test_abort_reports_and_frees(core):
-    core.send(protocol.AddRequest("long", protocol.pack_tokens([5] * 30), SamplingParams(max_tokens=2000, ignore_eos=True)))
+    core.send(
+        protocol.AddRequest("long", protocol.pack_tokens([5] * 30), SamplingParams(max_tokens=2000, ignore_eos=True))
+    )
     first = core.recv()
     assert isinstance(first, protocol.StepOutputs) and first.deltas[0].request_id == "long"
     core.send(protocol.AbortRequests(["long", "never-existed"]))
@@ -141,7 +144,7 @@ def test_idle_engine_uses_no_cpu(core):
 @pytest.fixture
 def own_core(tmp_path, default_model_dir):
     """A core of its own, for a test that ends it (the module's shared one must outlive every test)."""
-    client = CoreClient(tmp_path, EngineConfig(model=str(default_model_dir), kv_cache_memory=64 * 1024 ** 2))
+    client = CoreClient(tmp_path, EngineConfig(model=str(default_model_dir), kv_cache_memory=64 * 1024**2))
     assert isinstance(client.recv(), protocol.EngineReady)
     yield client
     client.close()

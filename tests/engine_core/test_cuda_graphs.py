@@ -14,8 +14,16 @@ from engine_core.engine import EngineCore
 from engine_core.gpu_memory import GiB, MemoryProfile, profile_step
 from engine_core.sampling_params import SamplingParams
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 5, 8,",
-           "Dear Sir or Madam,", "The best way to learn a language is", "Water boils at", "import numpy as np"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "1, 2, 3, 5, 8,",
+    "Dear Sir or Madam,",
+    "The best way to learn a language is",
+    "Water boils at",
+    "import numpy as np",
+]
 
 
 def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
@@ -34,8 +42,9 @@ def _run_staggered(engine: EngineCore, prompts: list[list[int]], max_tokens: lis
     while pending or engine.has_unfinished_requests():
         if step % 3 == 0:
             for index, prompt in pending[:2]:
-                engine.add_request(f"r{index}", prompt, SamplingParams(temperature=0, ignore_eos=True,
-                                                                       max_tokens=max_tokens[index]))
+                engine.add_request(
+                    f"r{index}", prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens[index])
+                )
             pending = pending[2:]
         step += 1
         for delta in engine.step():
@@ -52,14 +61,23 @@ def test_padded_decode_buffers_give_the_eager_tokens(default_model_dir, tokenize
     max_tokens = [3, 30, 7, 18, 1, 25, 12, 9, 14, 4, 22, 6, 11, 2, 19, 8]
     results = []
     for graphs in (False, True):
-        engine = EngineCore(EngineConfig(model=str(default_model_dir), num_kv_blocks=16, max_model_len=256,
-                                         max_num_seqs=max_num_seqs, enable_prefix_caching=False))
+        engine = EngineCore(
+            EngineConfig(
+                model=str(default_model_dir),
+                num_kv_blocks=16,
+                max_model_len=256,
+                max_num_seqs=max_num_seqs,
+                enable_prefix_caching=False,
+            )
+        )
         if graphs:
             engine.runner.enable_decode_graphs(engine.max_model_len, capture=False)
             padded_sizes = []
             run = engine.runner.decode_graphs.run
             engine.runner.decode_graphs.run = lambda ids, *a, sizes=padded_sizes, run=run: (
-                sizes.append(len(ids)), run(ids, *a))[1]
+                sizes.append(len(ids)),
+                run(ids, *a),
+            )[1]
         results.append(_run_staggered(engine, prompts, max_tokens))
     assert [len(r) for r in results[1]] == max_tokens
     assert results[1] == results[0]
@@ -69,19 +87,21 @@ def test_padded_decode_buffers_give_the_eager_tokens(default_model_dir, tokenize
 def test_pad_rows_point_at_the_null_block_after_a_larger_batch(default_model_dir):
     """Rows past the batch must be one-token sequences on block 0, never a previous batch's slots (a
     replayed pad row writes its K/V: into a reused block, that would corrupt another request)."""
-    engine = EngineCore(EngineConfig(model=str(default_model_dir), num_kv_blocks=40, max_model_len=128,
-                                     max_num_seqs=8))
+    engine = EngineCore(EngineConfig(model=str(default_model_dir), num_kv_blocks=40, max_model_len=128, max_num_seqs=8))
     graphs = DecodeGraphs(engine.runner.model, 8, engine.max_model_len, 16, torch.device("cpu"), capture=False)
     seen = []
     real_model = graphs.model
-    graphs.model = lambda ids, pos, meta: (seen.append((meta.slot_mapping.clone(), meta.seq_lens.clone(),
-                                                        meta.block_tables.clone())), real_model(ids, pos, meta))[1]
+    graphs.model = lambda ids, pos, meta: (
+        seen.append((meta.slot_mapping.clone(), meta.seq_lens.clone(), meta.block_tables.clone())),
+        real_model(ids, pos, meta),
+    )[1]
 
     def decode(batch: int):
         rows = np.arange(batch)
         blocks = [[1 + 2 * row, 2 + 2 * row] for row in rows]  # 20 tokens each: second block partly used
-        return graphs.run(rows + 5, np.full(batch, 19), np.array([b[1] * 16 + 3 for b in blocks]),
-                          np.full(batch, 20), blocks)
+        return graphs.run(
+            rows + 5, np.full(batch, 19), np.array([b[1] * 16 + 3 for b in blocks]), np.full(batch, 20), blocks
+        )
 
     assert decode(8).shape[0] == 8
     out = decode(3)
@@ -99,8 +119,9 @@ def test_kv_cache_budget_subtracts_everything_else():
 
 
 def test_profile_step_runs_the_largest_step_the_scheduler_can_make(default_model_dir):
-    engine = EngineCore(EngineConfig(model=str(default_model_dir), num_kv_blocks=16, max_num_batched_tokens=300,
-                                     max_num_seqs=4))
+    engine = EngineCore(
+        EngineConfig(model=str(default_model_dir), num_kv_blocks=16, max_num_batched_tokens=300, max_num_seqs=4)
+    )
     runner = engine.runner
     profile_step(runner, 300)
     assert runner.num_blocks == -(-300 // 16) + 1

@@ -17,8 +17,11 @@ def _reads_of_the_environment(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.environ.get", "os.getenv"):
             arguments = node.args
-        elif isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ" \
-                and isinstance(node.ctx, ast.Load):
+        elif (
+            isinstance(node, ast.Subscript)
+            and ast.unparse(node.value) == "os.environ"
+            and isinstance(node.ctx, ast.Load)
+        ):
             arguments = [node.slice]
         else:
             continue
@@ -27,8 +30,12 @@ def _reads_of_the_environment(path: Path) -> list[str]:
 
 
 def test_only_the_environment_module_reads_pagoda_variables():
-    readers = {str(path.relative_to(ROOT)): names for package in PACKAGES
-               for path in (ROOT / package).rglob("*.py") if (names := _reads_of_the_environment(path))}
+    readers = {
+        str(path.relative_to(ROOT)): names
+        for package in PACKAGES
+        for path in (ROOT / package).rglob("*.py")
+        if (names := _reads_of_the_environment(path))
+    }
     assert readers == {}, readers
     assert _reads_of_the_environment(ROOT / "engine_core" / "environment.py") == []  # through _get, by name
 

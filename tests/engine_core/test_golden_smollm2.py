@@ -34,7 +34,7 @@ def golden_prompts(tokenizer) -> list[list[int]]:
     """10 prompts from 1 to ~1,500 tokens."""
     texts = [
         "The capital of France is",
-        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
         PARAGRAPHS[0],
         " ".join(PARAGRAPHS[:3]) + " In summary,",
         "Question: Why is the sky blue?\nAnswer:",
@@ -70,7 +70,7 @@ def test_hf_reference_stops_at_eos_only_when_asked_and_leaves_the_model_as_it_wa
     stopped = hf_greedy(hf_model, prompt, NEW_TOKENS)
     assert len(stopped) < NEW_TOKENS and stopped[-1] == hf_model.generation_config.eos_token_id
     full = hf_greedy(hf_model, prompt, NEW_TOKENS, stop_at_eos=False)
-    assert len(full) == NEW_TOKENS and full[:len(stopped)] == stopped
+    assert len(full) == NEW_TOKENS and full[: len(stopped)] == stopped
     assert hf_model.generation_config.to_dict() == config  # the session's model is shared by later tests
     assert hf_greedy(hf_model, prompt, NEW_TOKENS) == stopped
 
@@ -88,7 +88,8 @@ def _generate(llm: LLM, prompts, one_at_a_time: bool = False) -> list[list[int]]
 
 def _assert_same(ours, reference):
     for i, (a, b) in enumerate(zip(ours, reference, strict=True)):
-        assert a == b, f"prompt {i}: first difference at token {next(j for j, (x, y) in enumerate(zip(a + [-1], b + [-2], strict=False)) if x != y)}"
+        first_difference = next(j for j, (x, y) in enumerate(zip(a + [-1], b + [-2], strict=False)) if x != y)
+        assert a == b, f"prompt {i}: first difference at token {first_difference}"
 
 
 def test_one_at_a_time(default_model_dir, prompts, hf_reference):

@@ -11,9 +11,11 @@ from engine_core.json_limits import MAX_JSON_DEPTH, text_exceeds_depth, too_deep
 
 # Strings full of brackets, quotes and backslashes: none of them may count as nesting.
 TRICKY_TEXT = st.text(alphabet='[]{}"\\ab', max_size=12)
-VALUES = st.recursive(st.none() | st.integers() | TRICKY_TEXT,
-                      lambda children: st.lists(children, max_size=3)
-                      | st.dictionaries(TRICKY_TEXT, children, max_size=3), max_leaves=40)
+VALUES = st.recursive(
+    st.none() | st.integers() | TRICKY_TEXT,
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(TRICKY_TEXT, children, max_size=3),
+    max_leaves=40,
+)
 
 
 def _depth(value) -> int:

@@ -55,13 +55,22 @@ def test_allocation_that_does_not_fit_takes_nothing():
 
 # ---- random schedules ------------------------------------------------------------------------------
 
-actions = st.lists(st.tuples(st.sampled_from(["add", "step", "abort", "reset"]), st.integers(1, 90),
-                             st.integers(1, 12)), min_size=1, max_size=60)
+actions = st.lists(
+    st.tuples(st.sampled_from(["add", "step", "abort", "reset"]), st.integers(1, 90), st.integers(1, 12)),
+    min_size=1,
+    max_size=60,
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(actions=actions, num_blocks=st.integers(8, 40), budget=st.integers(1, 64), max_seqs=st.integers(1, 6),
-       caching=st.booleans(), alphabet=st.integers(1, 3))
+@given(
+    actions=actions,
+    num_blocks=st.integers(8, 40),
+    budget=st.integers(1, 64),
+    max_seqs=st.integers(1, 6),
+    caching=st.booleans(),
+    alphabet=st.integers(1, 3),
+)
 def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max_seqs, caching, alphabet):
     """Drive the real scheduler and block manager with random arrivals (prompts over a tiny alphabet, so
     prefixes are shared and cached blocks get hit and evicted), steps (every scheduled request that
@@ -114,6 +123,7 @@ def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max
 
 # ---- prefix caching ----------------------------------------------------------------------------------
 
+
 def _admit(manager, request):
     hits = manager.computed_blocks(request)
     request.num_computed_tokens = 0
@@ -151,8 +161,10 @@ def test_freed_cached_blocks_stay_cached_until_evicted_lru_tail_first():
 
 def test_cache_salt_separates_tenants():
     manager = KVCacheManager(30, block_size=4)
-    prompts = {name: Request(name, list(range(9)), SamplingParams(), cache_salt=salt)
-               for name, salt in [("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1"), ("d", None)]}
+    prompts = {
+        name: Request(name, list(range(9)), SamplingParams(), cache_salt=salt)
+        for name, salt in [("a", "tenant-1"), ("b", "tenant-2"), ("c", "tenant-1"), ("d", None)]
+    }
     hits = {name: _admit(manager, r) for name, r in prompts.items()}
     assert hits == {"a": 0, "b": 0, "c": 2, "d": 0}
     assert not set(prompts["a"].block_ids) & set(prompts["b"].block_ids)

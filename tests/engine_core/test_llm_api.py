@@ -37,8 +37,10 @@ def test_prompt_forms_and_order(llm):
 
 
 def test_per_prompt_params_and_length_finish(llm):
-    params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+    ]
     outs = llm.generate(["a", "b"], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 7]
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
@@ -63,9 +65,9 @@ def test_bad_requests_are_rejected_and_engine_keeps_working(llm):
     with pytest.raises(ValueError, match="context"):
         llm.generate({"prompt_token_ids": [5] * 9000}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="token ids"):
-        llm.generate({"prompt_token_ids": [10 ** 6]}, GREEDY, use_tqdm=False)
+        llm.generate({"prompt_token_ids": [10**6]}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="stop_token_ids"):
-        llm.generate("x", SamplingParams(stop_token_ids=[10 ** 6]), use_tqdm=False)
+        llm.generate("x", SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="prompt 1"):  # the good first prompt is not left queued
@@ -90,14 +92,31 @@ def test_abort_frees_everything(llm):
 
 def test_cli_generate(default_model_dir):
     env = dict(os.environ)
-    result = subprocess.run([sys.executable, "-m", "api_proc.cli", "generate", "--chat",
-                             "--model", str(default_model_dir), "What is the capital of France?"],
-                            capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "api_proc.cli",
+            "generate",
+            "--chat",
+            "--model",
+            str(default_model_dir),
+            "What is the capital of France?",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "The capital of France is Paris."
 
 
 def test_cli_reports_bad_model_cleanly(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "api_proc.cli", "generate", "--model", str(tmp_path), "x"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "api_proc.cli", "generate", "--model", str(tmp_path), "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "config.json" in result.stderr

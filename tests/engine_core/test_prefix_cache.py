@@ -16,10 +16,17 @@ from engine_core.llm import LLM
 from engine_core.sampling_params import SamplingParams
 from tests.helpers import run_engine
 
-SYSTEM = ("You are a careful assistant. Answer briefly and truthfully. If you do not know, say so. "
-          "Use plain words, avoid jargon, and keep every answer under fifty words. ") * 2
-QUESTIONS = ["What is the capital of Spain?", "Name a prime number.", "Why is the sky blue?",
-             "What do bees make?", "How many legs has a spider?"]
+SYSTEM = (
+    "You are a careful assistant. Answer briefly and truthfully. If you do not know, say so. "
+    "Use plain words, avoid jargon, and keep every answer under fifty words. "
+) * 2
+QUESTIONS = [
+    "What is the capital of Spain?",
+    "Name a prime number.",
+    "Why is the sky blue?",
+    "What do bees make?",
+    "How many legs has a spider?",
+]
 
 
 def _prompts(tokenizer) -> list[list[int]]:
@@ -28,14 +35,20 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 @pytest.mark.parametrize("mode", ["plain", "chunked", "preempting"])
 def test_greedy_outputs_identical_with_caching_on_and_off(default_model_dir, tokenizer, mode):
-    engine_args = {"plain": {}, "chunked": {"max_num_batched_tokens": 48},
-                   "preempting": {"num_kv_blocks": 14, "max_num_batched_tokens": 512}}[mode]
+    engine_args = {
+        "plain": {},
+        "chunked": {"max_num_batched_tokens": 48},
+        "preempting": {"num_kv_blocks": 14, "max_num_batched_tokens": 512},
+    }[mode]
     prompts = _prompts(tokenizer)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outputs = {}
     for caching in (False, True):
-        engine = EngineCore(EngineConfig(model=str(default_model_dir), kv_cache_memory=64 * 1024 ** 2,
-                                         enable_prefix_caching=caching, **engine_args))
+        engine = EngineCore(
+            EngineConfig(
+                model=str(default_model_dir), kv_cache_memory=64 * 1024**2, enable_prefix_caching=caching, **engine_args
+            )
+        )
         first = run_engine(engine, prompts[:1], params)  # warms the cache with the shared prefix
         rest = run_engine(engine, prompts[1:], params)
         outputs[caching] = first + rest
@@ -68,7 +81,7 @@ def test_n_samples_share_the_prompt_blocks(default_model_dir, tokenizer):
 
 
 def test_cached_blocks_hold_the_kv_of_a_fresh_recompute(default_model_dir, tokenizer):
-    cfg = dict(model=str(default_model_dir), kv_cache_memory=64 * 1024 ** 2)
+    cfg = dict(model=str(default_model_dir), kv_cache_memory=64 * 1024**2)
     cached_engine = EngineCore(EngineConfig(enable_prefix_caching=True, max_num_batched_tokens=40, **cfg))
     prompts = _prompts(tokenizer)
     run_engine(cached_engine, prompts, SamplingParams(max_tokens=8, temperature=0))  # chunked, shared, cached
@@ -76,7 +89,7 @@ def test_cached_blocks_hold_the_kv_of_a_fresh_recompute(default_model_dir, token
     fresh.add_request("probe", prompts[3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     fresh.step()  # the whole prompt in one step; the request is still running, its blocks readable
     probe = fresh.scheduler.requests["probe"]
-    hashes = cached_engine.kv_manager.block_hashes(probe)[:len(prompts[3]) // 16]  # computed prompt blocks
+    hashes = cached_engine.kv_manager.block_hashes(probe)[: len(prompts[3]) // 16]  # computed prompt blocks
     compared = 0
     for index, block_hash in enumerate(hashes):
         block = cached_engine.kv_manager.pool.lookup(block_hash)
@@ -93,8 +106,11 @@ def test_cached_blocks_hold_the_kv_of_a_fresh_recompute(default_model_dir, token
 @pytest.fixture(scope="module")
 def small_cached_engine(default_model_dir):
     """A real engine with a pool small enough that cached blocks get evicted."""
-    return EngineCore(EngineConfig(model=str(default_model_dir), num_kv_blocks=40, max_num_batched_tokens=64,
-                                   enable_prefix_caching=True))
+    return EngineCore(
+        EngineConfig(
+            model=str(default_model_dir), num_kv_blocks=40, max_num_batched_tokens=64, enable_prefix_caching=True
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +122,13 @@ _STEMS = [list(range(1000, 1040)), list(range(2000, 2024)), list(range(1000, 102
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(events=st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(0, 2), st.integers(0, 40),
-                                 st.integers(1, 6)), min_size=4, max_size=25))
+@given(
+    events=st.lists(
+        st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(0, 2), st.integers(0, 40), st.integers(1, 6)),
+        min_size=4,
+        max_size=25,
+    )
+)
 def test_random_traffic_keeps_refcounts_and_cached_kv_exact(small_cached_engine, fresh_engine, events):
     """Random arrivals of prompts sharing stems, steps, aborts and evictions on the real model: ref
     counts never go negative and match their holders, every block is free at the end, and sampled
@@ -138,12 +159,15 @@ def test_random_traffic_keeps_refcounts_and_cached_kv_exact(small_cached_engine,
         fresh_engine.add_request("probe", stem, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
         fresh_engine.step()
         probe = fresh_engine.scheduler.requests["probe"]
-        for index, block_hash in enumerate(engine.kv_manager.block_hashes(probe)[:len(stem) // 16]):
+        for index, block_hash in enumerate(engine.kv_manager.block_hashes(probe)[: len(stem) // 16]):
             block = pool.lookup(block_hash)
             if block is not None:
-                torch.testing.assert_close(engine.runner.kv_cache[:, :, block.block_id],
-                                           fresh_engine.runner.kv_cache[:, :, probe.block_ids[index]],
-                                           rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(
+                    engine.runner.kv_cache[:, :, block.block_id],
+                    fresh_engine.runner.kv_cache[:, :, probe.block_ids[index]],
+                    rtol=1e-4,
+                    atol=1e-4,
+                )
                 compared += 1
         fresh_engine.abort_request("probe")
     assert compared >= len(_STEMS[0]) // 16  # at least the first stem's full blocks

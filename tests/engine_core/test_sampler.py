@@ -49,8 +49,14 @@ def test_penalties_only_touch_their_own_rows():
 
 def test_greedy_and_min_tokens():
     rows = [[0.0, 5.0, 1.0, 0, 0, 0, 0, 0], [9.0, 1.0, 0, 0, 0, 0, 0, 0], [9.0, 1.0, 0, 0, 0, 0, 0, 0]]
-    out = sample(rows, [req([1], temperature=0), req([1], temperature=0, max_tokens=4),
-                        req([1], temperature=0, min_tokens=2, max_tokens=4)])
+    out = sample(
+        rows,
+        [
+            req([1], temperature=0),
+            req([1], temperature=0, max_tokens=4),
+            req([1], temperature=0, min_tokens=2, max_tokens=4),
+        ],
+    )
     assert out.token_ids == [1, 0, 1]  # EOS (0) is masked for the min_tokens request only
 
 
@@ -68,8 +74,13 @@ def test_logit_bias_moves_only_its_rows_tokens_and_not_logprobs():
 def test_top_k_top_p_min_p_restrict_the_support():
     torch.manual_seed(0)
     row = [math.log(p) for p in (0.5, 0.3, 0.1, 0.05, 0.03, 0.01, 0.005, 0.005)]
-    cases = [(dict(top_k=2), {0, 1}), (dict(top_p=0.75), {0, 1}), (dict(top_p=0.85), {0, 1, 2}),
-             (dict(min_p=0.15), {0, 1, 2}), (dict(top_k=3, top_p=0.7), {0, 1})]
+    cases = [
+        (dict(top_k=2), {0, 1}),
+        (dict(top_p=0.75), {0, 1}),
+        (dict(top_p=0.85), {0, 1, 2}),
+        (dict(min_p=0.15), {0, 1, 2}),
+        (dict(top_k=3, top_p=0.7), {0, 1}),
+    ]
     for params, allowed in cases:
         seen = set()
         for _ in range(300):
@@ -96,6 +107,7 @@ def test_logprobs_are_of_the_raw_distribution():
 
 # ---- on the real model ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
     from engine_core.llm import LLM
@@ -103,8 +115,12 @@ def llm(default_model_dir):
     return LLM(str(default_model_dir))
 
 
-PROMPTS = ["The best way to learn a language is", "Once upon a time, in a small village,",
-           "Here is a recipe for pancakes:", "The three laws of motion are"]
+PROMPTS = [
+    "The best way to learn a language is",
+    "Once upon a time, in a small village,",
+    "Here is a recipe for pancakes:",
+    "The three laws of motion are",
+]
 
 
 def _tokens(outputs):
@@ -127,8 +143,14 @@ def test_top_k_1_equals_greedy(llm):
     assert top1 == greedy
 
 
-def penalized_by_definition(logits: torch.Tensor, prompt: list[int], outputs: list[int], repetition_penalty=1.0,
-                            presence_penalty=0.0, frequency_penalty=0.0) -> torch.Tensor:
+def penalized_by_definition(
+    logits: torch.Tensor,
+    prompt: list[int],
+    outputs: list[int],
+    repetition_penalty=1.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+) -> torch.Tensor:
     """One row of logits penalised token by token, as vLLM defines the penalties: every token seen in the
     prompt or the output has a positive logit divided by `repetition_penalty`, a negative one multiplied
     by it; then (OpenAI's presence and frequency penalties) every token of the output loses
@@ -142,9 +164,15 @@ def penalized_by_definition(logits: torch.Tensor, prompt: list[int], outputs: li
     return out
 
 
-@pytest.mark.parametrize("penalties", [
-    {"repetition_penalty": 1.8}, {"presence_penalty": 1.0}, {"frequency_penalty": 0.5},
-    {"repetition_penalty": 0.9, "presence_penalty": 0.5, "frequency_penalty": 0.5}])
+@pytest.mark.parametrize(
+    "penalties",
+    [
+        {"repetition_penalty": 1.8},
+        {"presence_penalty": 1.0},
+        {"frequency_penalty": 0.5},
+        {"repetition_penalty": 0.9, "presence_penalty": 0.5, "frequency_penalty": 0.5},
+    ],
+)
 def test_penalized_greedy_output_follows_the_definitions(llm, hf_model, tokenizer, penalties):
     """Each greedy token under penalties is the argmax of the model's logits penalised by the definitions
     above (the logits from HF transformers, fp32, as the golden tests compare), and the penalties did
@@ -157,14 +185,14 @@ def test_penalized_greedy_output_follows_the_definitions(llm, hf_model, tokenize
         # some output token repeats: presence (once per token) and frequency (per occurrence) differ
         assert max(Counter(penalized).values()) > 1, tokenizer.decode(penalized)
     with torch.no_grad():  # row i: the logits the i-th output token was chosen from
-        logits = hf_model(torch.tensor([prompt + penalized])).logits[0, len(prompt) - 1:-1].float()
+        logits = hf_model(torch.tensor([prompt + penalized])).logits[0, len(prompt) - 1 : -1].float()
     decided = 0
     for i, token in enumerate(penalized):
         expected = penalized_by_definition(logits[i], prompt, penalized[:i], **penalties)
         request = Request("r", prompt, params, eos_token_ids=frozenset({2}))
         for t in penalized[:i]:
             request.append_token(t)
-        torch.testing.assert_close(apply_penalties(logits[i:i + 1].clone(), [request])[0], expected)
+        torch.testing.assert_close(apply_penalties(logits[i : i + 1].clone(), [request])[0], expected)
         assert expected.argmax().item() == token, (i, tokenizer.decode([token]), tokenizer.decode([expected.argmax()]))
         decided += logits[i].argmax().item() != token
     assert decided > 0, "the penalties changed no token: this prompt cannot tell them from none"

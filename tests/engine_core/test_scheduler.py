@@ -10,13 +10,15 @@ from engine_core.scheduler import Scheduler
 
 def make(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_model_len=200):
     """Prefix caching off: these prompts share prefixes, and these tests are about everything else."""
-    return Scheduler(KVCacheManager(num_blocks, block_size, watermark=0.0, enable_caching=False), budget,
-                     max_seqs, max_model_len)
+    return Scheduler(
+        KVCacheManager(num_blocks, block_size, watermark=0.0, enable_caching=False), budget, max_seqs, max_model_len
+    )
 
 
 def request(rid, prompt_len, max_tokens=4, **kw):
-    return Request(rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, **kw),
-                   eos_token_ids=frozenset({2}))
+    return Request(
+        rid, list(range(10, 10 + prompt_len)), SamplingParams(max_tokens=max_tokens, **kw), eos_token_ids=frozenset({2})
+    )
 
 
 def run_step(scheduler, token=7):
@@ -122,8 +124,7 @@ def test_max_num_seqs_and_token_budget():
 
 
 def test_joint_prefill_limit_groups_a_burst_in_arrival_order_but_not_a_lone_prompt():
-    s = Scheduler(KVCacheManager(256, 4, watermark=0.0, enable_caching=False), 64, 16, 200,
-                  max_joint_prefill_tokens=16)
+    s = Scheduler(KVCacheManager(256, 4, watermark=0.0, enable_caching=False), 64, 16, 200, max_joint_prefill_tokens=16)
     s.add_request(request("long", 40))
     out, _ = run_step(s)
     assert out.num_scheduled_tokens == [40]  # alone: the whole prompt in one step, past the joint limit

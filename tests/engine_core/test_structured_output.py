@@ -20,10 +20,14 @@ PERSON = {
         "name": {"type": "string", "minLength": 1, "maxLength": 30},
         "age": {"type": "integer", "minimum": 18, "maximum": 99},
         "role": {"enum": ["admin", "editor", "viewer"]},
-        "address": {"type": "object",
-                    "properties": {"city": {"type": "string", "maxLength": 20},
-                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+        },
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "minItems": 1, "maxItems": 3},
         "scores": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "maxItems": 4},
         "active": {"type": "boolean"},
@@ -49,8 +53,9 @@ def llm(default_model_dir):
 
 
 def constrained(n: int, seed: int, max_tokens: int = 256, **spec) -> SamplingParams:
-    return SamplingParams(n=n, seed=seed, temperature=1.0, max_tokens=max_tokens,
-                          structured_outputs=StructuredOutputsParams(**spec))
+    return SamplingParams(
+        n=n, seed=seed, temperature=1.0, max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**spec)
+    )
 
 
 def completions(outputs):
@@ -71,28 +76,42 @@ def test_fifty_sampled_json_outputs_all_validate_and_end_at_once(llm):
 
 def test_regex_choice_and_grammar_outputs_always_match(llm):
     regex = r"[A-Z][a-z]{2,8}-[0-9]{2,4}(\.[0-9]{1,2})?"
-    outs = completions(llm.generate(["Product code:"] * 2, [constrained(10, s, 40, regex=regex) for s in (1, 2)],
-                                    use_tqdm=False))
+    outs = completions(
+        llm.generate(["Product code:"] * 2, [constrained(10, s, 40, regex=regex) for s in (1, 2)], use_tqdm=False)
+    )
     assert all(re.fullmatch(regex, c.text) and c.finish_reason == "stop" for c in outs)
     assert len({c.text for c in outs}) > 5
 
     cities = ["Paris", "London", "Rome", "New York", "São Paulo"]
-    outs = completions(llm.chat([[{"role": "user", "content": "Name a city."}]] * 2,
-                                [constrained(10, s, 16, choice=cities) for s in (1, 2)], use_tqdm=False))
+    outs = completions(
+        llm.chat(
+            [[{"role": "user", "content": "Name a city."}]] * 2,
+            [constrained(10, s, 16, choice=cities) for s in (1, 2)],
+            use_tqdm=False,
+        )
+    )
     assert all(c.text in cities and c.finish_reason == "stop" for c in outs)
 
-    outs = completions(llm.generate(["Arithmetic:"] * 2, [constrained(10, s, 80, grammar=ARITHMETIC) for s in (1, 2)],
-                                    use_tqdm=False))
+    outs = completions(
+        llm.generate(["Arithmetic:"] * 2, [constrained(10, s, 80, grammar=ARITHMETIC) for s in (1, 2)], use_tqdm=False)
+    )
     for c in outs:
         tree = ast.parse(c.text, mode="eval")  # parses as an expression of + - * over integers
-        assert all(isinstance(node, (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult))
-                   for node in ast.walk(tree)), c.text
+        assert all(
+            isinstance(node, (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult))
+            for node in ast.walk(tree)
+        ), c.text
         assert c.finish_reason == "stop"
 
 
 def test_json_object_and_logprobs_under_a_mask(llm):
-    params = SamplingParams(temperature=1.0, seed=7, max_tokens=120, logprobs=2,
-                            structured_outputs=StructuredOutputsParams(json_object=True))
+    params = SamplingParams(
+        temperature=1.0,
+        seed=7,
+        max_tokens=120,
+        logprobs=2,
+        structured_outputs=StructuredOutputsParams(json_object=True),
+    )
     out = llm.chat(ASK, params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)  # (this seed ends at ~50 tokens)
     assert len(out.logprobs) == len(out.token_ids)  # raw logprobs, as without a constraint
@@ -123,39 +142,54 @@ def test_preemption_keeps_the_grammar_state(llm, default_model_dir):
         jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
 
 
-@pytest.mark.parametrize("spec, fragment", [
-    ({"regex": "(ab"}, "the regex cannot be compiled: Regex parsing error"),
-    ({"grammar": "root ::= missing_rule"}, 'Rule "missing_rule" is not defined'),
-    ({"json": {"type": "strng"}}, "the JSON schema cannot be compiled"),
-    ({"json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, "'uniqueItems' at $"),
-    ({"json": {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}},
-     "'multipleOf' at $.properties.n"),
-])
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ({"regex": "(ab"}, "the regex cannot be compiled: Regex parsing error"),
+        ({"grammar": "root ::= missing_rule"}, 'Rule "missing_rule" is not defined'),
+        ({"json": {"type": "strng"}}, "the JSON schema cannot be compiled"),
+        ({"json": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, "'uniqueItems' at $"),
+        (
+            {"json": {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}},
+            "'multipleOf' at $.properties.n",
+        ),
+    ],
+)
 def test_bad_specs_are_refused_before_any_compute(llm, spec, fragment):
     with pytest.raises(ValueError, match=re.escape(fragment)):
-        llm.generate(["x", "y"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**spec)),
-                     use_tqdm=False)
+        llm.generate(
+            ["x", "y"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**spec)), use_tqdm=False
+        )
     engine = llm.engine
     assert not engine.has_unfinished_requests() and engine.structured.num_pending == 0
-    assert len(llm.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0].token_ids) == 2
+    assert (
+        len(llm.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids)
+        == 2
+    )
 
 
 def test_shape_errors_are_value_errors_at_construction():
-    for kwargs, message in [({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"),
-                            ({"choice": []}, "at least one"), ({"choice": ["a", ""]}, "non-empty"),
-                            ({"json": "{not json"}, "not valid JSON"), ({"json": "[1]"}, "JSON object")]:
+    for kwargs, message in [
+        ({}, "exactly one"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one"),
+        ({"choice": []}, "at least one"),
+        ({"choice": ["a", ""]}, "non-empty"),
+        ({"json": "{not json"}, "not valid JSON"),
+        ({"json": "[1]"}, "JSON object"),
+    ]:
         with pytest.raises(ValueError, match=message):
             StructuredOutputsParams(**kwargs)
 
 
 def test_grammars_are_compiled_once_and_matchers_freed(llm):
     structured = llm.engine.structured
-    spec = StructuredOutputsParams(json={"type": "object", "properties": {"once": {"type": "boolean"}},
-                                         "required": ["once"]})
+    spec = StructuredOutputsParams(
+        json={"type": "object", "properties": {"once": {"type": "boolean"}}, "required": ["once"]}
+    )
     before = structured.num_compiles
-    llm.generate(["a", "b", "c"], SamplingParams(temperature=1.0, seed=1, max_tokens=16, structured_outputs=spec),
-                 use_tqdm=False)
+    llm.generate(
+        ["a", "b", "c"], SamplingParams(temperature=1.0, seed=1, max_tokens=16, structured_outputs=spec), use_tqdm=False
+    )
     llm.generate("d", SamplingParams(max_tokens=16, structured_outputs=spec), use_tqdm=False)
     assert structured.num_compiles == before + 1
     bad = StructuredOutputsParams(regex="[z-a]")
@@ -165,8 +199,16 @@ def test_grammars_are_compiled_once_and_matchers_freed(llm):
     assert structured.num_compiles == before + 1  # a refusal is cached too
 
     engine = llm.engine
-    engine.add_request("held", [1, 2, 3], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
-        json={"type": "object", "properties": {"fresh_key_1": {"type": "integer"}}})))
+    engine.add_request(
+        "held",
+        [1, 2, 3],
+        SamplingParams(
+            max_tokens=8,
+            structured_outputs=StructuredOutputsParams(
+                json={"type": "object", "properties": {"fresh_key_1": {"type": "integer"}}}
+            ),
+        ),
+    )
     assert engine.abort_request("held") and not engine.has_unfinished_requests()  # aborted while compiling
     engine.add_request("kept", [1, 2, 3], SamplingParams(max_tokens=50, structured_outputs=spec))
     engine.step()
@@ -178,16 +220,25 @@ def test_grammars_are_compiled_once_and_matchers_freed(llm):
 
 @pytest.mark.parametrize("option", [{"min_tokens": 20}, {"ignore_eos": True}])
 def test_min_tokens_and_ignore_eos_yield_to_the_grammar(llm, option):
-    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, **option,
-                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    params = SamplingParams(
+        temperature=1.0,
+        seed=3,
+        max_tokens=30,
+        **option,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+    )
     out = llm.generate("Answer:", params, use_tqdm=False)[0].outputs[0]
     assert out.text in ("yes", "no") and out.finish_reason == "stop" and out.token_ids[-1] == EOS
 
 
 def test_unsupported_keywords_are_found_where_they_are():
-    schema = {"type": "object", "properties": {
-        "not": {"type": "string"},  # a property named like a keyword is not the keyword
-        "list": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"not": {"const": 1}}]}}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "not": {"type": "string"},  # a property named like a keyword is not the keyword
+            "list": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"not": {"const": 1}}]}},
+        },
+    }
     assert unsupported_feature(schema) == "'not' at $.properties.list.items.anyOf[1]"
     assert unsupported_feature({"$defs": {"x": {"if": {}}}, "$ref": "#/$defs/x"}) == "'if' at $.$defs.x"
     assert unsupported_feature({"allOf": [{"type": "integer"}]}) is None
@@ -196,17 +247,27 @@ def test_unsupported_keywords_are_found_where_they_are():
     assert unsupported_feature(PERSON) is None
 
 
-@pytest.mark.parametrize("schema, violating", [
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
-    ({"not": {"type": "string"}}, '"a"'),
-    ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}, "9"),
-    ({"type": "number", "multipleOf": 2}, "3"),
-    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}, "minContains": 2}, "[3, 1]"),
-    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-                {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, '{"a": 1}'),
-    ({"type": "string", "format": "idn-email"}, '"~ ~"'),
-    ({"type": "string", "format": "regex"}, '"("'),
-])
+@pytest.mark.parametrize(
+    "schema, violating",
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+        ({"not": {"type": "string"}}, '"a"'),
+        ({"type": "integer", "if": {"minimum": 5}, "then": {"maximum": 6}}, "9"),
+        ({"type": "number", "multipleOf": 2}, "3"),
+        ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}, "minContains": 2}, "[3, 1]"),
+        (
+            {
+                "allOf": [
+                    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                    {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]},
+                ]
+            },
+            '{"a": 1}',
+        ),
+        ({"type": "string", "format": "idn-email"}, '"~ ~"'),
+        ({"type": "string", "format": "regex"}, '"("'),
+    ],
+)
 def test_refused_keywords_are_ones_the_backend_lets_through(llm, schema, violating):
     """Why json_schema_support refuses them: compiled anyway, xgrammar accepts a violating value. If
     this fails after an xgrammar upgrade, the keyword is enforced now and can leave the list."""

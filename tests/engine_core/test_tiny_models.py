@@ -12,14 +12,32 @@ from engine_core.engine import EngineCore
 from engine_core.sampling_params import SamplingParams
 from tests.helpers import hf_greedy, run_engine
 
-COMMON = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-              initializer_range=0.25, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.25,
+    tie_word_embeddings=False,
+)
 
 CASES = {
-    "llama3": (transformers.LlamaConfig, dict(
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "llama3": (
+        transformers.LlamaConfig,
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        ),
+    ),
     "llama-tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=8)),
     "mistral": (transformers.MistralConfig, dict(sliding_window=24)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
@@ -76,8 +94,9 @@ def test_bfloat16_runs_and_mostly_agrees_with_float32(tmp_path):
     _, model_dir = _build(tmp_path, "llama3")
     prompts = [[5, 17, 300, 41] * k for k in (1, 5, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    bf16 = run_engine(EngineCore(EngineConfig(model=str(model_dir), dtype="bfloat16", num_kv_blocks=32)),
-                      prompts, params)
+    bf16 = run_engine(
+        EngineCore(EngineConfig(model=str(model_dir), dtype="bfloat16", num_kv_blocks=32)), prompts, params
+    )
     fp32 = run_engine(EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=32)), prompts, params)
     assert all(len(t) == 8 for t in bf16)
     assert [t[0] for t in bf16] == [t[0] for t in fp32]  # first tokens survive bf16 rounding

@@ -7,9 +7,16 @@ import copy
 from engine_core.tokenizer import render_chat
 from engine_core.tool_prompt import template_renders_tools
 
-TOOLS = [{"type": "function", "function": {
-    "name": "get_forecast", "description": "Weather forecast",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_forecast",
+            "description": "Weather forecast",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -27,9 +34,15 @@ def test_smollm2_template_ignores_tools_so_they_go_into_the_system_message(token
 
 def test_tool_history_is_written_in_the_trained_format(tokenizer):
     history = ASK + [
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
-            "name": "get_forecast", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_forecast", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
     text = render_chat(tokenizer, history, tools=TOOLS)
     call = '<tool_call>[{"name": "get_forecast", "arguments": {"city": "Paris"}}]</tool_call>'
     assert f"<|im_start|>assistant\n{call}" in text
@@ -38,8 +51,10 @@ def test_tool_history_is_written_in_the_trained_format(tokenizer):
 
 def test_a_template_that_renders_tools_gets_them(tokenizer):
     with_tools = copy.deepcopy(tokenizer)
-    with_tools.chat_template = ("{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}"
-                                "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    with_tools.chat_template = (
+        "{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}"
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    )
     assert template_renders_tools(with_tools)
     text = render_chat(with_tools, ASK, tools=TOOLS, add_generation_prompt=False)
     assert text.startswith("TOOLS:[") and "get_forecast" in text and text.endswith("user: Weather in Paris?\n")

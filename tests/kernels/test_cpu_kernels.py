@@ -35,10 +35,10 @@ def test_compiled_cpu_decode_attention_matches_reference(head_dim, block_size, g
     kc, vc, bt, _, _ = scatter_to_cache(seq_lens, block_size, 2, head_dim, gen)
     q = torch.randn(len(seq_lens), 2 * groups, head_dim, generator=gen)
     lens = torch.tensor(seq_lens)
-    ours = cpu.paged_decode_attention(q, kc, vc, bt, lens, head_dim ** -0.5, sliding_window)
-    ref = reference(q, kc, vc, bt, lens, head_dim ** -0.5, sliding_window)
+    ours = cpu.paged_decode_attention(q, kc, vc, bt, lens, head_dim**-0.5, sliding_window)
+    ref = reference(q, kc, vc, bt, lens, head_dim**-0.5, sliding_window)
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
-    one = cpu.paged_decode_attention(q[3:4], kc, vc, bt[3:4], lens[3:4], head_dim ** -0.5, sliding_window)
+    one = cpu.paged_decode_attention(q[3:4], kc, vc, bt[3:4], lens[3:4], head_dim**-0.5, sliding_window)
     torch.testing.assert_close(one, ref[3:4], atol=2e-5, rtol=1e-4)
 
 
@@ -47,8 +47,11 @@ def _fused_qkv(tokens, num_heads, num_kv_heads, head_dim, gen):
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    return (q.reshape(tokens, num_heads, head_dim), k.reshape(tokens, num_kv_heads, head_dim),
-            v.reshape(tokens, num_kv_heads, head_dim))
+    return (
+        q.reshape(tokens, num_heads, head_dim),
+        k.reshape(tokens, num_kv_heads, head_dim),
+        v.reshape(tokens, num_kv_heads, head_dim),
+    )
 
 
 @pytest.mark.parametrize("neox", [True, False])

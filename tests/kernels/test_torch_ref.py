@@ -21,10 +21,10 @@ def test_paged_decode_attention(head_dim, block_size, groups, sliding_window):
     num_kv_heads = 2
     kc, vc, bt, keys, values = scatter_to_cache(seq_lens, block_size, num_kv_heads, head_dim, gen)
     q = torch.randn(len(seq_lens), num_kv_heads * groups, head_dim, generator=gen)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = ref_attention.paged_decode_attention(q, kc, vc, bt, torch.tensor(seq_lens), scale, sliding_window)
     for b, n in enumerate(seq_lens):
-        ref = naive_attention(q[b:b + 1], keys[b], values[b], n - 1, scale, sliding_window)[0]
+        ref = naive_attention(q[b : b + 1], keys[b], values[b], n - 1, scale, sliding_window)[0]
         torch.testing.assert_close(out[b].double(), ref, atol=2e-5, rtol=1e-4)
     assert not out.isnan().any()
 
@@ -39,12 +39,12 @@ def test_paged_prefill_attention_over_prefix(head_dim, block_size, groups, slidi
     kc, vc, bt, keys, values = scatter_to_cache(seq_lens, block_size, num_kv_heads, head_dim, gen)
     q = torch.randn(sum(query_lens), num_kv_heads * groups, head_dim, generator=gen)
     qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist())
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     out[:] = ref_attention.paged_prefill_attention(q, kc, vc, bt, qsl, torch.tensor(seq_lens), scale, sliding_window)
     for b, (n, ql) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        ref = naive_attention(q[qsl[b]:qsl[b + 1]], keys[b], values[b], n - ql, scale, sliding_window)
-        torch.testing.assert_close(out[qsl[b]:qsl[b + 1]].double(), ref, atol=2e-5, rtol=1e-4)
+        ref = naive_attention(q[qsl[b] : qsl[b + 1]], keys[b], values[b], n - ql, scale, sliding_window)
+        torch.testing.assert_close(out[qsl[b] : qsl[b + 1]].double(), ref, atol=2e-5, rtol=1e-4)
     assert not out.isnan().any()
 
 
@@ -82,5 +82,6 @@ def test_norms_and_activation():
     torch.testing.assert_close(new_res, x + res)
     torch.testing.assert_close(normed, layers.rms_norm(x + res, w, 1e-6))
     gate_up = torch.randn(4, 32)
-    torch.testing.assert_close(layers.silu_and_mul(gate_up), torch.nn.functional.silu(gate_up[:, :16]) * gate_up[:, 16:])
-
+    torch.testing.assert_close(
+        layers.silu_and_mul(gate_up), torch.nn.functional.silu(gate_up[:, :16]) * gate_up[:, 16:]
+    )

@@ -41,8 +41,15 @@ def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual.float(), expected.float(), **tol)
 
 
-def make_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               gen: torch.Generator, spare_columns: int = 1):
+def make_cache(
+    seq_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    spare_columns: int = 1,
+):
     """NaN-filled caches holding random K/V for each sequence in random, non-contiguous blocks (never
     block 0, the null block that pads block tables, which have `spare_columns` extra columns)."""
     num_blocks = [-(-n // block_size) for n in seq_lens]
@@ -61,8 +68,9 @@ def make_cache(seq_lens: list[int], block_size: int, num_kv_heads: int, head_dim
     return key_cache, value_cache, block_tables
 
 
-def strided_query(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  gen: torch.Generator) -> torch.Tensor:
+def strided_query(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
     """`[T, H, D]` view of the Q part of a fused `[T, H + 2 * Hkv, D]` tensor (token stride != H * D)."""
     fused = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
     return fused[:, :num_heads]
@@ -78,7 +86,7 @@ def test_reshape_and_cache(dtype, head_dim, num_kv_heads):
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:20]
     slots[[3, 11, 12]] = -1  # padding tokens: must not be written anywhere
     fused = torch.randn(20, 3 * num_kv_heads, head_dim, generator=gen).to(dtype)
-    key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads:2 * num_kv_heads]  # strided views
+    key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads : 2 * num_kv_heads]  # strided views
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
     ref.reshape_and_cache(key, value, expected_k, expected_v, slots)
     tri.reshape_and_cache(key, value, key_cache, value_cache, slots)
@@ -99,13 +107,15 @@ def test_paged_decode_attention(head_dim, block_size, num_kv_heads, group, dtype
     seq_lens = [1, block_size, 0, 2 * block_size + 5, 3 * block_size, 150]
     key_cache, value_cache, block_tables = make_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
     query = strided_query(len(seq_lens), num_kv_heads * group, num_kv_heads, head_dim, dtype, gen)
-    lens, scale = torch.tensor(seq_lens), head_dim ** -0.5
+    lens, scale = torch.tensor(seq_lens), head_dim**-0.5
     out = torch.full(query.shape, NAN, dtype=dtype)
-    result = tri.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale,
-                                        max_seq_len=max_seq_len, out=out)
+    result = tri.paged_decode_attention(
+        query, key_cache, value_cache, block_tables, lens, scale, max_seq_len=max_seq_len, out=out
+    )
     assert result is out
-    expected = ref.paged_decode_attention(query.float(), key_cache.float(), value_cache.float(), block_tables,
-                                          lens, scale)
+    expected = ref.paged_decode_attention(
+        query.float(), key_cache.float(), value_cache.float(), block_tables, lens, scale
+    )
     real = lens > 0
     assert_matches(out[real], expected[real])
     assert out[~real].eq(0).all()  # the padding row: zeros, no NaN
@@ -118,9 +128,17 @@ def test_paged_decode_attention_sliding_window(sliding_window):
     seq_lens = [1, 19, 20, 21, 64, 150]
     key_cache, value_cache, block_tables = make_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
     query = strided_query(len(seq_lens), num_kv_heads * group, num_kv_heads, head_dim, dtype, gen)
-    lens, scale = torch.tensor(seq_lens), head_dim ** -0.5
-    out = tri.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale, sliding_window,
-                                     out=torch.full(query.shape, NAN, dtype=dtype))
+    lens, scale = torch.tensor(seq_lens), head_dim**-0.5
+    out = tri.paged_decode_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        lens,
+        scale,
+        sliding_window,
+        out=torch.full(query.shape, NAN, dtype=dtype),
+    )
     expected = ref.paged_decode_attention(query, key_cache, value_cache, block_tables, lens, scale, sliding_window)
     assert_matches(out, expected)
 
@@ -129,13 +147,22 @@ def run_prefill(seq_lens, query_lens, head_dim, block_size, num_kv_heads, group,
     key_cache, value_cache, block_tables = make_cache(seq_lens, block_size, num_kv_heads, head_dim, dtype, gen)
     query = strided_query(sum(query_lens), num_kv_heads * group, num_kv_heads, head_dim, dtype, gen)
     query_start_loc = torch.tensor([0] + query_lens).cumsum(0)
-    lens, scale = torch.tensor(seq_lens), head_dim ** -0.5
+    lens, scale = torch.tensor(seq_lens), head_dim**-0.5
     out = torch.full(query.shape, NAN, dtype=dtype)
-    result = tri.paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc, lens, scale,
-                                         sliding_window, out=out)
+    result = tri.paged_prefill_attention(
+        query, key_cache, value_cache, block_tables, query_start_loc, lens, scale, sliding_window, out=out
+    )
     assert result is out
-    expected = ref.paged_prefill_attention(query.float(), key_cache.float(), value_cache.float(), block_tables,
-                                           query_start_loc, lens, scale, sliding_window)
+    expected = ref.paged_prefill_attention(
+        query.float(),
+        key_cache.float(),
+        value_cache.float(),
+        block_tables,
+        query_start_loc,
+        lens,
+        scale,
+        sliding_window,
+    )
     assert_matches(out, expected)
 
 
@@ -157,9 +184,16 @@ def test_paged_prefill_attention_sliding_window():
 
 def test_empty_inputs_are_no_ops():
     key_cache = torch.full((2, 16, 1, 64), NAN)
-    tri.reshape_and_cache(torch.empty(0, 1, 64), torch.empty(0, 1, 64), key_cache, key_cache.clone(),
-                          torch.empty(0, dtype=torch.long))
+    tri.reshape_and_cache(
+        torch.empty(0, 1, 64), torch.empty(0, 1, 64), key_cache, key_cache.clone(), torch.empty(0, dtype=torch.long)
+    )
     assert key_cache.isnan().all()
-    out = tri.paged_decode_attention(torch.empty(0, 2, 64), key_cache, key_cache, torch.zeros(0, 1, dtype=torch.long),
-                                     torch.empty(0, dtype=torch.long), 0.125)
+    out = tri.paged_decode_attention(
+        torch.empty(0, 2, 64),
+        key_cache,
+        key_cache,
+        torch.zeros(0, 1, dtype=torch.long),
+        torch.empty(0, dtype=torch.long),
+        0.125,
+    )
     assert out.shape == (0, 2, 64)

@@ -24,9 +24,11 @@ from tests.kernels.devices import make_generator
 pytestmark = pytest.mark.usefixtures("on_device")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5),
-       torch.float16: dict(atol=1e-3, rtol=1e-3),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 
 
 @contextlib.contextmanager
@@ -68,14 +70,19 @@ def random_weight(hidden: int, dtype: torch.dtype, gen: torch.Generator) -> torc
     return (1 + 0.5 * torch.randn(hidden, generator=gen)).to(dtype)  # not ones: the multiply must happen
 
 
-def fused_qkv(tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_qkv(
+    tokens: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v as strided views of one fused projection output, the way the model makes them."""
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-    return (qkv, q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim),
-            v.reshape(tokens, kv_heads, head_dim))
+    return (
+        qkv,
+        q.reshape(tokens, heads, head_dim),
+        k.reshape(tokens, kv_heads, head_dim),
+        v.reshape(tokens, kv_heads, head_dim),
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -162,9 +169,10 @@ def test_rotary_embedding_in_place_on_fused_qkv_views(dtype, neox, head_dim, rot
     if dtype != torch.bfloat16:  # same ops, same rounding points, no reduction: exact (see module doc)
         assert torch.equal(out_q, expected_q) and torch.equal(out_k, expected_k)
     q_size = q.shape[1] * head_dim
-    assert torch.equal(qkv[:, q_size + k.shape[1] * head_dim:], original_qkv[:, q_size + k.shape[1] * head_dim:]), \
+    assert torch.equal(qkv[:, q_size + k.shape[1] * head_dim :], original_qkv[:, q_size + k.shape[1] * head_dim :]), (
         "v must be untouched"
-    for now, before in ((q, original_qkv[:, :q_size]), (k, original_qkv[:, q_size:q_size + k.shape[1] * head_dim])):
+    )
+    for now, before in ((q, original_qkv[:, :q_size]), (k, original_qkv[:, q_size : q_size + k.shape[1] * head_dim])):
         before = before.reshape(now.shape)
         assert torch.equal(now[..., rot_dim:], before[..., rot_dim:]), "dims past rot_dim must be untouched"
         moved = (now[1:, :, :rot_dim] != before[1:, :, :rot_dim]).any(-1)
@@ -200,6 +208,7 @@ def test_zero_rows_return_empty_outputs():
     normed, residual = tri.fused_add_rms_norm(x, x.clone(), w, 1e-6)
     assert normed.shape == residual.shape == (0, 576)
     assert tri.silu_and_mul(torch.empty(0, 200)).shape == (0, 100)
-    q, k = tri.rotary_embedding(torch.empty(0, dtype=torch.long), torch.empty(0, 4, 64), torch.empty(0, 2, 64),
-                                cos_sin_cache(64, 16))
+    q, k = tri.rotary_embedding(
+        torch.empty(0, dtype=torch.long), torch.empty(0, 4, 64), torch.empty(0, 2, 64), cos_sin_cache(64, 16)
+    )
     assert q.shape == (0, 4, 64) and k.shape == (0, 2, 64)
