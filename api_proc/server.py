@@ -115,7 +115,7 @@ async def openai_errors(request: web.Request, handler):
         return error_response(
             ApiError(503, "The tokenizer process did not answer in time.", error_type="server_error", code="timeout")
         )
-    except Exception as exc:
+    except Exception as exc:  # a bug must still answer in OpenAI's shape, not plain text
         logger.exception("unhandled error in %s %s", request.method, request.path)
         return error_response(ApiError(500, f"Internal server error: {type(exc).__name__}", error_type="server_error"))
 

@@ -27,7 +27,7 @@ async def merge(streams: list[AsyncIterator[GenerateDelta]]) -> AsyncIterator[tu
                 async for delta in stream:
                     queue.put_nowait((index, delta))
             queue.put_nowait(_DONE)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
             queue.put_nowait(exc)
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]

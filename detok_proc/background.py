@@ -78,7 +78,7 @@ class BackgroundWork:
                 continue
             try:
                 result, error = job(), None
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - handed to the loop, which answers the client
                 result, error = None, exc
             self._done.append((key, result, error))
             release_freed_memory()  # the tokenizer's temporary buffers of this job are freed by now

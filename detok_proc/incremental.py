@@ -57,7 +57,7 @@ class IncrementalDetokenizer:
     def _step(self, token_id: int) -> str | None:
         try:
             return self._stream.step(self._tokenizer, token_id)
-        except Exception:
+        except Exception:  # noqa: BLE001 - tokenizers raises "Invalid prefix encountered" on some
             # byte-fallback sequences; start a fresh stream rather than fail the request (as vLLM does)
             self._stream = DecodeStream(skip_special_tokens=self._skip_special_tokens)
             return self._stream.step(self._tokenizer, token_id)

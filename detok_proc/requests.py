@@ -64,7 +64,7 @@ def prompt_token_ids(tokenizer, request: protocol.PromptRequest, vocab_size: int
                 )
             except ParamError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # jinja raises many kinds; all are the client's input
                 raise RequestInvalid(f"the chat template could not render these messages: {exc}", param) from exc
             # The template already holds any BOS/special tokens: do not add them again.
             ids = encode_within(tokenizer, text, token_limit, add_special_tokens=False)

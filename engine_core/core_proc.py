@@ -166,7 +166,7 @@ def run_engine_core(
                 max_model_len=proc.engine.max_model_len,
             )
         proc.run()
-    except Exception as exc:
+    except Exception as exc:  # report any failure to the clients, then exit non-zero
         logger.exception("engine core failed")
         proc._send(protocol.EngineDead(f"{type(exc).__name__}: {exc}"))
         proc.close()

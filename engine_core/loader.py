@@ -53,7 +53,7 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 yield name, f.get_tensor(name)
 
 

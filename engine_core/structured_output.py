@@ -101,7 +101,7 @@ class GrammarBackend:
             if kind == "choice":
                 return self.compiler.compile_grammar(choice_grammar(json.loads(spec)))
             return self.compiler.compile_grammar(spec)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - xgrammar reports every bad spec as some exception
             message = _XGRAMMAR_LOCATION.sub("", str(exc)).strip()
             raise GrammarError(
                 f"Invalid '{params.source}': the {_KIND_NAMES[kind]} cannot be compiled: {message}"

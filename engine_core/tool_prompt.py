@@ -30,7 +30,7 @@ def template_renders_tools(tokenizer) -> bool:
             with_tool = tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=[_PROBE_TOOL], tokenize=False)
             without = tokenizer.apply_chat_template(_PROBE_MESSAGES, tokenize=False)
             _renders_tools[template] = "probe_tool_7f3a" in with_tool and with_tool != without
-        except Exception:
+        except Exception:  # noqa: BLE001 - a template that fails on tools does not render them
             _renders_tools[template] = False
     return _renders_tools[template]
 
