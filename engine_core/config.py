@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine_core.quantization import CHOICES as QUANTIZATION_CHOICES
+
 if TYPE_CHECKING:  # torch is imported lazily: the server's parent and frontends never load it
     import torch
 
@@ -51,6 +53,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card this process may use, KV pool included
     enforce_eager: bool = False  # CUDA: no graph capture for decode steps
     load_format: str = "auto"  # auto = the checkpoint's safetensors; dummy = random weights (benchmarks)
+    quantization: str = "auto"  # auto = what the checkpoint says; none; a format; int8/int4 = at load
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set (tests)
     max_num_batched_tokens: int = 2048
     max_joint_prefill_tokens: int = 256  # see Scheduler: how many prefill tokens several requests may share a step with
@@ -67,6 +70,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens, max_joint_prefill_tokens and max_num_seqs must be positive")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("load_format must be auto or dummy")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
@@ -113,6 +118,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="dummy = random weights of the model's shape, no checkpoint needed (benchmarks)",
     )
     g.add_argument(
+        "--quantization",
+        "-q",
+        default="auto",
+        choices=QUANTIZATION_CHOICES,
+        help="auto = what the checkpoint says (GPTQ, AWQ, compressed-tensors, FP8, GGUF); none = refuse a "
+        "quantized checkpoint; int8 / int4 = quantize a full-precision checkpoint at load (see docs/quantization.md)",
+    )
+    g.add_argument(
         "--enforce-eager",
         action="store_true",
         help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
@@ -157,6 +170,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
+        quantization=args.quantization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_joint_prefill_tokens=args.max_joint_prefill_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # imported lazily: resolving a model directory must not load 
     import torch
 
     from engine_core.models.llama import LlamaForCausalLM
+    from engine_core.quantization.base import QuantizationMethod
 
 logger = logging.getLogger(__name__)
 
@@ -58,22 +59,97 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model_dir: Path, model_cfg, dtype: torch.dtype, device: torch.device, load_format: str = "auto"
+    model_dir: Path,
+    model_cfg,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    quantization: QuantizationMethod | None = None,
 ) -> LlamaForCausalLM:
+    """Build the model and fill it from the checkpoint; with a `quantization` method its linears are
+    assembled from quantized tensors (or quantized as they stream by) without a full-precision copy."""
+    import contextlib
+
+    import torch
+
+    from engine_core.layers.linear import deferred_weights
+    from engine_core.models import model_class
+    from engine_core.quantization.assembly import LinearAssembler
+
+    cls = model_class(model_cfg.architecture)
+    with torch.device(device), deferred_weights() if quantization is not None else contextlib.nullcontext():
+        model = cls(model_cfg, dtype)
+    assembler = None if quantization is None else LinearAssembler(quantization, device)
+    if load_format == "dummy":
+        if assembler is not None:
+            model.load_weights(_dummy_weights(model_cfg, dtype), assembler)
+        else:
+            fill_dummy_weights(model)
+    else:
+        model.load_weights(iterate_weights(model_dir), assembler)
+    model.eval()
+    _pack_linears(model)
+    return model
+
+
+def weight_bytes(model) -> int:
+    """Bytes the model's weights hold in memory (quantized and packed layouts as stored)."""
+    from engine_core.layers.linear import Linear
+
+    total = 0
+    linear_params: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Linear):
+            total += module.weight_bytes()
+            linear_params.update(id(p) for p in module.parameters(recurse=False))
+    for param in model.parameters():
+        if id(param) not in linear_params and not param.is_meta:
+            total += param.numel() * param.element_size()
+    return total
+
+
+def _dummy_weights(model_cfg, dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random full-precision checkpoint tensors, by checkpoint name, for a model built deferred (a
+    quantized dummy model: benchmarks of the quantized kernels from a config.json alone)."""
     import torch
 
     from engine_core.models import model_class
 
-    cls = model_class(model_cfg.architecture)
-    with torch.device(device):
-        model = cls(model_cfg, dtype)
-    if load_format == "dummy":
-        fill_dummy_weights(model)
-    else:
-        model.load_weights(iterate_weights(model_dir))
-    model.eval()
-    _pack_linears(model)
-    return model
+    with torch.device("meta"):
+        shapes = model_class(model_cfg.architecture)(model_cfg, dtype)
+    generator = torch.Generator().manual_seed(0)
+    for name, param in shapes.named_parameters():
+        yield from _checkpoint_tensors(shapes, name, param, generator)
+
+
+def _checkpoint_tensors(model, name: str, param, generator):
+    import torch
+
+    from engine_core.layers.linear import MergedLinear
+
+    module_path = name.rpartition(".")[0]
+    module = model.get_submodule(module_path) if module_path else None
+    pieces = [(name, param.shape)]
+    if isinstance(module, MergedLinear):
+        names = _SHARD_NAMES[module_path.rpartition(".")[2]]
+        parent = module_path.rpartition(".")[0]
+        kind = name.rpartition(".")[2]
+        pieces = [
+            (f"{parent}.{n}.{kind}", (size, *param.shape[1:])) for n, size in zip(names, module.out_sizes, strict=True)
+        ]
+    for piece, shape in pieces:
+        if piece.endswith("norm.weight"):
+            tensor = torch.ones(shape)
+        elif len(shape) == 2:
+            tensor = torch.randn(shape, generator=generator) * shape[-1] ** -0.5
+        else:
+            tensor = torch.randn(shape, generator=generator) * 0.02
+        if piece == "lm_head.weight" and model.embed_tokens is None:
+            piece = "embed_tokens.weight"  # tied: the checkpoint holds the table
+        yield ("model." + piece if piece != "lm_head.weight" else piece), tensor.to(param.dtype)
+
+
+_SHARD_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def fill_dummy_weights(model, seed: int = 0) -> None:

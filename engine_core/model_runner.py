@@ -18,9 +18,10 @@ from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.environment import configure_kernels
 from engine_core.gpu_memory import profile_gpu_memory
 from engine_core.layers.attention import AttentionMetadata
-from engine_core.loader import load_model
+from engine_core.loader import load_model, weight_bytes
 from engine_core.model_config import ModelConfig
 from engine_core.protocol import TokenLogprobs
+from engine_core.quantization import resolve_method
 from engine_core.request import Request
 from engine_core.sampler import SamplingBatch, sample
 from engine_core.scheduler import SchedulerOutput
@@ -48,7 +49,14 @@ class ModelRunner:
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        self.model = load_model(model_dir, model_cfg, self.dtype, self.device, config.load_format)
+        self.quantization = resolve_method(config.quantization, model_cfg.raw)
+        self.model = load_model(model_dir, model_cfg, self.dtype, self.device, config.load_format, self.quantization)
+        self.weight_bytes = weight_bytes(self.model)
+        logger.info(
+            "Weights: %s, %.1f MiB in memory",
+            "full precision" if self.quantization is None else self.quantization.describe(),
+            self.weight_bytes / 2**20,
+        )
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
         self.kv_cache: torch.Tensor | None = None
         self.allocate_kv_cache(self._num_blocks())

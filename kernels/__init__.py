@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import quantized as _quantized
+from kernels.quantized import PackedWeight as PackedWeight  # (re-exported: the model layers hold one)
 from kernels.torch_ref import attention as _attn
 from kernels.torch_ref import layers as _layers
 
@@ -28,6 +30,7 @@ _TORCH: dict[str, Callable] = {
     "fused_add_rms_norm": _layers.fused_add_rms_norm,
     "silu_and_mul": _layers.silu_and_mul,
     "rotary_embedding": _layers.rotary_embedding,
+    "quantized_linear": _quantized.reference_linear,
 }
 _CPU_COMPILED = {"paged_decode_attention", "rotary_embedding", "reshape_and_cache"}
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
@@ -45,9 +48,12 @@ def configure(cpu_kernels: bool = True, triton: bool = True, build_dir: Path | N
 
 
 def _triton(name: str) -> Callable:
-    from kernels.triton import attention, layers
+    from kernels.triton import attention, layers, quantized
 
-    return getattr(attention, name, None) or getattr(layers, name)
+    for module in (attention, layers, quantized):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"no Triton kernel named {name}")
 
 
 @functools.cache
@@ -83,3 +89,4 @@ rms_norm = _dispatching("rms_norm")
 fused_add_rms_norm = _dispatching("fused_add_rms_norm")
 silu_and_mul = _dispatching("silu_and_mul")
 rotary_embedding = _dispatching("rotary_embedding")
+quantized_linear = _dispatching("quantized_linear")  # (x, PackedWeight, bias=None): see kernels/quantized.py

@@ -9,22 +9,48 @@ same speed either way. Merged layers (QKV, gate+up) make one matmul out of sever
 After loading, `pack_for_cpu` hands float32 CPU weights to oneDNN in its own blocked layout (packed
 once, valid for any batch size): here 1.3x faster than MKL on the plain weight at one token and up
 to 2.7x at 16. The plain weight is then released, unless another module reads it too.
+
+A quantized linear holds a `kernels.PackedWeight` instead (see engine_core/quantization). While a
+quantized model is built (`deferred_weights()`), weights are not allocated: the loader either fills a
+linear's packed weight or, for a layer the checkpoint keeps in full precision, allocates its weight
+when the first tensor for it arrives (`materialize`).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from engine_core.environment import onednn_linear_disabled
+from kernels.quantized import PackedWeight
+
+_deferred = False  # inside deferred_weights(): linears are built without weight storage
 
 
-def _weight(in_features: int, out_features: int, dtype) -> torch.Tensor:
-    on_cpu = torch.empty(0).device.type == "cpu"  # respects an enclosing `with torch.device(...)`
-    if on_cpu and out_features >= in_features:
-        return torch.empty(in_features, out_features, dtype=dtype).t()
-    return torch.empty(out_features, in_features, dtype=dtype)
+@contextlib.contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Build linears without allocating their weights (a quantized checkpoint replaces most of them)."""
+    global _deferred
+    _deferred, previous = True, _deferred
+    try:
+        yield
+    finally:
+        _deferred = previous
+
+
+def _weight(in_features: int, out_features: int, dtype, device=None) -> torch.Tensor:
+    if _deferred and device is None:
+        return torch.empty(out_features, in_features, dtype=dtype, device="meta")
+    if device is None:
+        device = torch.empty(0).device  # respects an enclosing `with torch.device(...)`
+    if torch.device(device).type == "cpu" and out_features >= in_features:
+        return torch.empty(in_features, out_features, dtype=dtype, device=device).t()
+    return torch.empty(out_features, in_features, dtype=dtype, device=device)
 
 
 def _onednn_usable() -> bool:
@@ -53,14 +79,52 @@ def onednn_rows(count: int) -> int:
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(_weight(in_features, out_features, dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN's layout of the weight, once packed
+        self.quantized: PackedWeight | None = None  # the quantized weight, which replaces `weight`
+
+    @property
+    def materialized(self) -> bool:
+        return not self.weight.is_meta
+
+    def materialize(self, device: torch.device) -> None:
+        """Allocate the full-precision weight of a linear built under `deferred_weights()`."""
+        if self.weight.is_meta:
+            weight = _weight(self.in_features, self.out_features, self.weight.dtype, device)
+            self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def set_quantized(self, packed: PackedWeight) -> None:
+        """From now on compute with `packed`; the full-precision weight is released."""
+        if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"quantized weight is {packed.out_features}x{packed.in_features}, "
+                f"the layer is {self.out_features}x{self.in_features}"
+            )
+        self.quantized = packed
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device="meta"), requires_grad=False)
+
+    def weight_bytes(self) -> int:
+        """Bytes this layer's weight (packed, quantized or plain) and bias hold in memory."""
+        total = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        if self.quantized is not None:
+            return total + self.quantized.nbytes()
+        if self.packed is not None:
+            return total + self.packed.numel() * self.packed.element_size()
+        if not self.weight.is_meta:
+            total += self.weight.numel() * self.weight.element_size()
+        return total
 
     def pack_for_cpu(self, keep_weight: bool = False) -> bool:
         """Use oneDNN's packed layout from now on (float32 on the CPU only); True if packed."""
         weight = self.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not _onednn_usable():
+        if (
+            self.quantized is not None
+            or weight.device.type != "cpu"
+            or weight.dtype != torch.float32
+            or not _onednn_usable()
+        ):
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
         if not keep_weight:  # the packed copy replaces it: no second copy of the weights in memory
@@ -68,6 +132,8 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return kernels.quantized_linear(x, self.quantized, self.bias)
         if self.packed is not None:
             rows = x.reshape(-1, x.shape[-1])
             count = rows.shape[0]

@@ -16,6 +16,8 @@ from engine_core.layers.attention import Attention, AttentionMetadata
 from engine_core.layers.linear import Linear, MergedLinear
 from engine_core.layers.rotary import RotaryEmbedding
 from engine_core.model_config import ModelConfig
+from engine_core.quantization.assembly import LinearAssembler
+from kernels.quantized import embedding_rows
 
 
 class RMSNorm(nn.Module):
@@ -117,11 +119,15 @@ class LlamaForCausalLM(nn.Module):
         # (cast: nn.ModuleList is not generic, its items are typed as any Module)
         return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.layers]
 
-    def embedding_table(self) -> torch.Tensor:
-        return self.lm_head.weight if self.embed_tokens is None else self.embed_tokens
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is not None:
+            return self.embed_tokens[input_ids]
+        if self.lm_head.quantized is not None:  # a tied, quantized LM head: dequantize just these rows
+            return embedding_rows(self.lm_head.quantized, input_ids, self.lm_head.weight.dtype)
+        return self.lm_head.weight[input_ids]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embedding_table()[input_ids]
+        hidden = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
@@ -132,11 +138,16 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Consume (checkpoint name, tensor) pairs; every parameter must be filled."""
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], assembler: LinearAssembler | None = None
+    ) -> None:
+        """Consume (checkpoint name, tensor) pairs; every parameter must be filled. With an `assembler`
+        (a quantized model), each linear's tensors but its bias go to it instead."""
         pending: set[tuple[str, int | None]] = set()  # (parameter, merged shard or None) still to fill
         for name, _ in self.named_parameters():
             module = self.get_submodule(name.rpartition(".")[0]) if "." in name else None
+            if assembler is not None and isinstance(module, Linear) and name.endswith(".weight"):
+                continue  # the assembler checks these
             shards = range(len(module.out_sizes)) if isinstance(module, MergedLinear) else [None]
             pending.update((name, shard) for shard in shards)
         for name, tensor in weights:
@@ -144,6 +155,15 @@ class LlamaForCausalLM(nn.Module):
             if target is None:
                 continue
             param_name, shard = target
+            module_path, _, kind = param_name.rpartition(".")
+            if assembler is not None and assembler.accepts(kind):
+                try:
+                    linear = self.get_submodule(module_path)
+                except AttributeError:
+                    linear = None
+                if isinstance(linear, Linear):
+                    assembler.add(module_path, linear, shard, kind, tensor)
+                    continue
             try:
                 param: torch.Tensor = self.get_parameter(param_name)  # or a merged shard of it, below
             except AttributeError:
@@ -155,6 +175,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
             param.copy_(tensor)
             pending.discard((param_name, shard))
+        if assembler is not None:
+            assembler.finish(self)
         if pending:
             raise ValueError(f"checkpoint is missing weights: {sorted(n for n, _ in pending)[:8]}")
 
@@ -163,11 +185,13 @@ class LlamaForCausalLM(nn.Module):
         if "rotary_emb" in name:
             return None
         name = name.removeprefix("model.")
-        if name == "embed_tokens.weight":
-            return ("lm_head.weight", None) if self.embed_tokens is None else ("embed_tokens", None)
-        if name == "lm_head.weight":
-            return None if self.embed_tokens is None else ("lm_head.weight", None)
-        module_path, _, kind = name.rpartition(".")  # kind: weight | bias
+        module_path, _, kind = name.rpartition(".")  # kind: weight | bias | a quantized format's tensor
+        if module_path == "embed_tokens":  # tied: the LM head's weight is the table
+            if self.embed_tokens is None:
+                return f"lm_head.{kind}", None
+            return ("embed_tokens", None) if kind == "weight" else (name, None)
+        if module_path == "lm_head" and self.embed_tokens is None:
+            return None
         parent_path, _, leaf = module_path.rpartition(".")
         if leaf in _MERGED:
             merged_name, shard = _MERGED[leaf]

@@ -1,0 +1,78 @@
+"""Quantization: which method stores a model's linears, chosen once at load.
+
+`--quantization auto` (the default) takes what the checkpoint says (`quantization_config` in
+config.json, or the GGUF file's tensor types); `none` refuses a quantized checkpoint; a checkpoint
+format's name must match the checkpoint; `int8` / `int4` / `fp8` quantize a full-precision checkpoint at
+load. Each method is a `QuantizationMethod` (base.py) in its own module; the loader and the layers know
+only that interface. This module imports no torch (the frontends read CHOICES); methods load lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine_core.quantization.base import QuantizationMethod
+
+# Formats a checkpoint declares in `quantization_config.quant_method` -> "module:class" implementing it.
+CHECKPOINT_FORMATS: dict[str, str] = {}
+# Methods that quantize a full-precision checkpoint at load.
+AT_LOAD: dict[str, str] = {
+    "int8": "engine_core.quantization.at_load:Int8AtLoad",
+    "int4": "engine_core.quantization.at_load:Int4AtLoad",
+}
+CHOICES = ("auto", "none", *sorted(set(CHECKPOINT_FORMATS) | set(AT_LOAD)))
+
+
+def checkpoint_method_name(config: dict) -> str | None:
+    """The quantization a config.json declares, normalised (None: full precision)."""
+    qcfg = config.get("quantization_config") or config.get("compression_config")
+    if not qcfg:
+        return None
+    name = str(qcfg.get("quant_method") or qcfg.get("format") or "unknown").lower()
+    return {"compressed_tensors": "compressed-tensors"}.get(name, name)
+
+
+def resolve_method(flag: str, config: dict) -> QuantizationMethod | None:
+    """The method for `--quantization flag` and this checkpoint's config.json (None: full precision),
+    or a ValueError naming what is supported."""
+    declared = checkpoint_method_name(config)
+    if declared is not None and declared not in CHECKPOINT_FORMATS:
+        raise ValueError(
+            f"the checkpoint is quantized with {declared!r}, which Pagoda does not load; "
+            f"supported: {', '.join(sorted(CHECKPOINT_FORMATS)) or 'none yet'}"
+        )
+    if flag == "auto":
+        name = declared
+    elif flag == "none":
+        if declared is not None:
+            raise ValueError(f"the checkpoint is quantized with {declared!r}: --quantization none cannot load it")
+        return None
+    elif declared is not None:
+        if flag != declared:
+            what = "quantize it again" if flag in AT_LOAD else f"load it as {flag!r}"
+            raise ValueError(
+                f"the checkpoint is already quantized with {declared!r}; --quantization {flag} cannot {what} (use auto)"
+            )
+        name = declared
+    elif flag in AT_LOAD:
+        name = flag
+    elif flag in CHECKPOINT_FORMATS:
+        raise ValueError(
+            f"--quantization {flag}: the checkpoint is not quantized with it (its config.json has no "
+            f"quantization_config); to quantize at load use one of {', '.join(sorted(AT_LOAD))}"
+        )
+    else:
+        raise ValueError(f"unknown --quantization {flag!r}; choose one of {', '.join(CHOICES)}")
+    if name is None:
+        return None
+    target = CHECKPOINT_FORMATS.get(name) if declared is not None else AT_LOAD[name]
+    assert target is not None
+    module_name, _, class_name = target.partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return (
+        cls.from_config(config.get("quantization_config") or config.get("compression_config") or {})
+        if (declared is not None)
+        else cls()
+    )

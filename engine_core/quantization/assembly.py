@@ -1,0 +1,122 @@
+"""Turning the checkpoint tensors of each linear into its final weight while the checkpoint streams by.
+
+Checkpoint tensors arrive one at a time, a linear's kinds (`qweight`, `scales`, `qzeros`, ...) next to
+each other in practice (safetensors files list names sorted). A linear's tensors are converted as soon
+as a tensor of another linear arrives, so at most one linear's checkpoint tensors are held at a time;
+when a merged linear (QKV, gate+up) has all its shards, they are packed together and moved to the
+device. Nothing of a quantized model is ever held in full precision beyond one linear.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine_core.layers.linear import Linear, MergedLinear
+from engine_core.quantization.base import QuantizationMethod, QuantizedShard, pack_shards
+
+logger = logging.getLogger(__name__)
+
+
+class LinearAssembler:
+    def __init__(self, method: QuantizationMethod, device: torch.device):
+        self.method = method
+        self.device = device
+        self._collecting: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
+        self._shards: dict[str, dict[int, QuantizedShard]] = {}  # merged linear -> its quantized shards
+        self._float_shards: dict[str, set[int]] = {}  # merged linear -> shards loaded in full precision
+        self._done: set[tuple[str, int | None]] = set()
+        self._last: tuple[str, int | None] | None = None
+        self._linears: dict[str, Linear] = {}
+
+    @staticmethod
+    def accepts(kind: str) -> bool:
+        """Whether a linear's tensor of this kind is ours to assemble: all but its bias, a plain copy."""
+        return kind != "bias"
+
+    def add(self, path: str, linear: Linear, shard: int | None, kind: str, tensor: torch.Tensor) -> None:
+        key = (path, shard)
+        if key in self._done:
+            raise ValueError(f"checkpoint tensor {path}.{kind} (shard {shard}) arrived after its layer was loaded")
+        if self._last is not None and self._last != key:
+            self._flush(self._last, final=False)
+        self._last = key
+        self._linears[path] = linear
+        self._collecting.setdefault(key, {})[kind] = tensor
+
+    def finish(self, model: torch.nn.Module) -> None:
+        """Convert what is still collected; every linear of `model` must now have its weight."""
+        for key in list(self._collecting):
+            self._flush(key, final=True)
+        for path, module in model.named_modules():
+            if isinstance(module, Linear) and module.quantized is None and not module.materialized:
+                raise ValueError(f"checkpoint is missing the weights of {path}")
+        for path, shards in self._shards.items():
+            raise ValueError(f"{path}: only shards {sorted(shards)} of its merged projections are quantized")
+        for path, floats in self._float_shards.items():
+            linear = self._linears[path]
+            expected = len(linear.out_sizes) if isinstance(linear, MergedLinear) else 1
+            if len(floats) != expected:
+                raise ValueError(f"{path}: checkpoint is missing shards {sorted(set(range(expected)) - floats)}")
+
+    def _flush(self, key: tuple[str, int | None], final: bool) -> None:
+        path, shard = key
+        tensors = self._collecting.get(key)
+        if tensors is None:
+            return
+        missing = self.method.required - tensors.keys() if "weight" not in tensors else set()
+        if missing:
+            if final:
+                raise ValueError(f"checkpoint is missing {sorted(missing)} of {path} (shard {shard})")
+            return  # its other tensors come later (another file)
+        del self._collecting[key]
+        self._done.add(key)
+        linear = self._linears[path]
+        out_features = (
+            linear.out_sizes[shard] if isinstance(linear, MergedLinear) and shard is not None else (linear.out_features)
+        )
+        if "weight" in tensors:
+            weight = tensors["weight"]
+            result: QuantizedShard | torch.Tensor = (
+                self.method.quantize(path, weight) if self.method.quantizes_full_precision else weight
+            )
+        else:
+            result = self.method.from_checkpoint(path, tensors, out_features, linear.in_features)
+        if isinstance(result, QuantizedShard):
+            if tuple(result.q.shape) != (out_features, linear.in_features):
+                raise ValueError(
+                    f"{path}: quantized weight is {tuple(result.q.shape)}, "
+                    f"model expects {(out_features, linear.in_features)}"
+                )
+            self._add_quantized(path, linear, shard, result)
+        else:
+            self._add_float(path, linear, shard, result)
+
+    def _add_quantized(self, path: str, linear: Linear, shard: int | None, result: QuantizedShard) -> None:
+        if path in self._float_shards:
+            raise ValueError(f"{path}: some merged projections are quantized and some are not; not supported")
+        shards = self._shards.setdefault(path, {})
+        shards[0 if shard is None else shard] = result
+        expected = len(linear.out_sizes) if isinstance(linear, MergedLinear) else 1
+        if len(shards) == expected:
+            packed = pack_shards(path, [shards[i] for i in range(expected)])
+            linear.set_quantized(packed.to(self.device))
+            del self._shards[path]
+
+    def _add_float(self, path: str, linear: Linear, shard: int | None, weight: torch.Tensor) -> None:
+        if path in self._shards:
+            raise ValueError(f"{path}: some merged projections are quantized and some are not; not supported")
+        linear.materialize(self.device)
+        target = (
+            linear.shard(shard, linear.weight)
+            if isinstance(linear, MergedLinear) and shard is not None
+            else linear.weight
+        )
+        if tuple(target.shape) != tuple(weight.shape):
+            raise ValueError(
+                f"{path}.weight: checkpoint shape {tuple(weight.shape)}, model expects {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(weight)
+        self._float_shards.setdefault(path, set()).add(0 if shard is None else shard)

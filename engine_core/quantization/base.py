@@ -1,0 +1,102 @@
+"""What every quantization method shares: the canonical form of one quantized linear, and the interface
+a method implements to produce it.
+
+A method is chosen once per model (engine_core/quantization/__init__.py). The loader hands it the
+checkpoint tensors of one linear at a time (`q_proj.qweight`, `q_proj.scales`, ... or a plain
+`q_proj.weight`); the method answers with a `QuantizedShard` (integers + group scales and mins) or a
+float weight (a format dequantized at load). Merged linears (QKV, gate+up) concatenate their shards'
+rows, and the result is packed once for the kernels (`kernels.quantized.pack`). Model files never see
+any of it: they build `Linear`s, and a `Linear` holding a `PackedWeight` computes with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.quantized import PackedWeight, pack
+
+
+@dataclass
+class QuantizedShard:
+    """One checkpoint linear [n, K] as integers with group scales: w = scales[g] * q + mins[g]."""
+
+    q: torch.Tensor  # [n, K], integers in [0, 2**bits)
+    scales: torch.Tensor  # [n, G] float
+    mins: torch.Tensor | None  # [n, G] float; None = symmetric (min = -2**(bits-1) * scale)
+    bits: int
+    group_size: int  # columns per group; -1 = one group per row
+    g_idx: torch.Tensor | None = None  # [K] group of each input column, when not consecutive (act-order)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [n, K] (tests, and formats compared in float)."""
+        k = self.q.shape[1]
+        group = k if self.group_size <= 0 else self.group_size
+        index = self.g_idx.long() if self.g_idx is not None else torch.arange(k) // group
+        scales = self.scales.float()[:, index]
+        mins = -float(1 << (self.bits - 1)) * scales if self.mins is None else self.mins.float()[:, index]
+        return self.q.float() * scales + mins
+
+
+class QuantizationMethod:
+    """How a model's linears are stored. Subclasses set the class attributes and implement
+    `from_checkpoint` (checkpoint formats) or `quantize` (quantization at load)."""
+
+    name: str = ""
+    # Checkpoint tensor kinds (the last part of a name: `qweight`, `scales`, ...) of a quantized linear,
+    # and which of them must be present; a linear with only `weight` (+ `bias`) is in full precision.
+    kinds: frozenset[str] = frozenset()
+    required: frozenset[str] = frozenset()
+    # Quantize a full-precision weight at load (`--quantization int8|int4|fp8`); otherwise a linear the
+    # checkpoint keeps in full precision (an `ignore`d lm_head) stays so.
+    quantizes_full_precision: bool = False
+
+    def from_checkpoint(
+        self, name: str, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
+    ) -> QuantizedShard | torch.Tensor:
+        """One linear's checkpoint tensors (by kind) -> its quantized shard, or a float weight [n, K]."""
+        raise NotImplementedError(f"{self.name} checkpoints hold no quantized tensors")
+
+    def quantize(self, name: str, weight: torch.Tensor) -> QuantizedShard | torch.Tensor:
+        """A full-precision weight [n, K] -> its quantized shard (quantizes_full_precision methods)."""
+        raise NotImplementedError(f"{self.name} does not quantize at load")
+
+    def describe(self) -> str:
+        """One line for the start-up log and /v1/models, e.g. `gptq (4-bit, group 128)`."""
+        return self.name
+
+
+def pack_shards(name: str, shards: list[QuantizedShard]) -> PackedWeight:
+    """Concatenate the rows of a merged linear's shards and pack them for the kernels."""
+    first = shards[0]
+    for shard in shards[1:]:
+        if (shard.bits, shard.group_size) != (first.bits, first.group_size):
+            raise ValueError(
+                f"{name}: merged projections are quantized differently ({first.bits}-bit group "
+                f"{first.group_size} vs {shard.bits}-bit group {shard.group_size})"
+            )
+        same_order = (shard.g_idx is None and first.g_idx is None) or (
+            shard.g_idx is not None and first.g_idx is not None and torch.equal(shard.g_idx, first.g_idx)
+        )
+        if not same_order:
+            raise ValueError(f"{name}: merged projections have different act-order (g_idx); not supported")
+    q = torch.cat([s.q for s in shards]) if len(shards) > 1 else first.q
+    scales = torch.cat([s.scales.float() for s in shards]) if len(shards) > 1 else first.scales.float()
+    if all(s.mins is None for s in shards):
+        mins = None
+    else:
+        offset = -float(1 << (first.bits - 1))
+        mins = torch.cat([s.scales.float() * offset if s.mins is None else s.mins.float() for s in shards])
+    k = q.shape[1]
+    group = k if first.group_size <= 0 else first.group_size
+    perm = None
+    g_idx = first.g_idx
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):
+        # Act-order: reorder the columns so each group's are adjacent; the layer permutes its input.
+        perm = torch.argsort(g_idx.long(), stable=True)
+        counts = torch.bincount(g_idx.long(), minlength=scales.shape[1])
+        if bool((counts[:-1] != group).any()) or int(counts[-1]) > group:
+            raise ValueError(f"{name}: g_idx does not give every group {group} columns; not supported")
+        q = q[:, perm]
+    return pack(q, scales, mins, first.bits, first.group_size, perm)
