@@ -38,33 +38,30 @@ def resolve_method(flag: str, config: dict) -> QuantizationMethod | None:
     """The method for `--quantization flag` and this checkpoint's config.json (None: full precision),
     or a ValueError naming what is supported."""
     declared = checkpoint_method_name(config)
+    if flag not in CHOICES:
+        raise ValueError(f"unknown --quantization {flag!r}; choose one of {', '.join(CHOICES)}")
+    if declared is not None and flag in AT_LOAD and flag != declared:
+        raise ValueError(
+            f"the checkpoint is already quantized with {declared!r}; --quantization {flag} cannot quantize it "
+            "again (use auto)"
+        )
+    if declared is not None and flag == "none":
+        raise ValueError(f"the checkpoint is quantized with {declared!r}: --quantization none cannot load it")
     if declared is not None and declared not in CHECKPOINT_FORMATS:
         raise ValueError(
             f"the checkpoint is quantized with {declared!r}, which Pagoda does not load; "
             f"supported: {', '.join(sorted(CHECKPOINT_FORMATS)) or 'none yet'}"
         )
-    if flag == "auto":
-        name = declared
-    elif flag == "none":
-        if declared is not None:
-            raise ValueError(f"the checkpoint is quantized with {declared!r}: --quantization none cannot load it")
-        return None
-    elif declared is not None:
-        if flag != declared:
-            what = "quantize it again" if flag in AT_LOAD else f"load it as {flag!r}"
-            raise ValueError(
-                f"the checkpoint is already quantized with {declared!r}; --quantization {flag} cannot {what} (use auto)"
-            )
-        name = declared
-    elif flag in AT_LOAD:
-        name = flag
-    elif flag in CHECKPOINT_FORMATS:
+    if declared is not None and flag not in ("auto", declared):
+        raise ValueError(
+            f"the checkpoint is quantized with {declared!r}; --quantization {flag} cannot load it (use auto)"
+        )
+    if declared is None and flag in CHECKPOINT_FORMATS and flag not in AT_LOAD:
         raise ValueError(
             f"--quantization {flag}: the checkpoint is not quantized with it (its config.json has no "
             f"quantization_config); to quantize at load use one of {', '.join(sorted(AT_LOAD))}"
         )
-    else:
-        raise ValueError(f"unknown --quantization {flag!r}; choose one of {', '.join(CHOICES)}")
+    name = declared if declared is not None else (flag if flag in AT_LOAD else None)
     if name is None:
         return None
     target = CHECKPOINT_FORMATS.get(name) if declared is not None else AT_LOAD[name]
