@@ -38,6 +38,23 @@ _REDUCE_BLOCK_N = 256
 
 
 @triton.jit
+def _exact_float(u, SUBTRACT: tl.constexpr, dtype: tl.constexpr):
+    """`u - SUBTRACT` in `dtype` for unsigned integers `u` (< 16 in bf16, < 256 otherwise), exactly and
+    without integer-to-float conversion instructions, which run at a fraction of the FP rate and would
+    cap decode below the memory bandwidth: OR'ing u into the mantissa of a power of two P (that has
+    enough mantissa bits) gives the float P + u, and subtracting P + SUBTRACT leaves the value."""
+    if dtype == tl.float16:  # P = 1024 = 0x6400: 10 mantissa bits
+        value = (u.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024 + SUBTRACT)
+    elif dtype == tl.bfloat16:  # P = 128 = 0x4300: 7 mantissa bits
+        value = (u.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True) - (128 + SUBTRACT)
+    else:  # float32, P = 2**23 = 0x4B000000
+        value = (u.to(tl.uint32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608 + SUBTRACT)
+    return value.to(dtype)
+
+
+# Runtime sizes that change from call to call (rows) or only pick loop bounds are not specialized on
+# (divisibility by 16, equality to 1): each specialization is another compile, for no faster code.
+@triton.jit(do_not_specialize=["M", "stride_sn", "stride_sg", "group_size", "num_k_tiles", "tiles_per_split"])
 def _quantized_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -92,8 +109,8 @@ def _quantized_gemm_kernel(
             k_lo = k0 + (b // 16) * 32 + b % 16
             k_hi = k_lo + 16
             packed = tl.load(w_rows + (k0 // 2 + b)[None, :], mask=n_mask[:, None] & (k_lo < K)[None, :], other=0)
-            q_lo = (packed & 15).to(compute_dtype)
-            q_hi = (packed >> 4).to(compute_dtype)
+            q_lo = _exact_float(packed & 15, 0, compute_dtype)
+            q_hi = _exact_float(packed >> 4, 0, compute_dtype)
             x_lo = tl.load(x_rows + k_lo[None, :] * stride_xk, mask=m_mask[:, None] & (k_lo < K)[None, :], other=0.0)
             x_hi = tl.load(x_rows + k_hi[None, :] * stride_xk, mask=m_mask[:, None] & (k_hi < K)[None, :], other=0.0)
             dot = tl.dot(x_lo, tl.trans(q_lo), input_precision=DOT_PRECISION)
@@ -102,7 +119,14 @@ def _quantized_gemm_kernel(
                 x_sum = tl.sum(x_lo.to(tl.float32), 1) + tl.sum(x_hi.to(tl.float32), 1)
         else:
             k = k0 + tl.arange(0, BLOCK_K)
-            q = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0).to(compute_dtype)
+            stored = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0)
+            # q - 128 as stored; its bits ^ 0x80 are q in [0, 256): too wide for bf16's mantissa, so
+            # bf16 goes through float32 (one float-to-float conversion).
+            q = stored.to(tl.uint8, bitcast=True) ^ 0x80
+            if compute_dtype == tl.bfloat16:
+                q = _exact_float(q, 128, tl.float32).to(tl.bfloat16)
+            else:
+                q = _exact_float(q, 128, compute_dtype)
             x = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
             dot = tl.dot(x, tl.trans(q), input_precision=DOT_PRECISION)
             if HAS_MINS:
@@ -125,7 +149,7 @@ def _quantized_gemm_kernel(
         tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "num_splits"])
 def _split_reduce_kernel(
     partial_ptr,
     bias_ptr,

@@ -21,6 +21,9 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton
+import triton.language as tl
+
 import kernels
 from kernels.quantized import PackedWeight, dequantize, pack
 from kernels.triton import quantized as tri
@@ -180,6 +183,36 @@ def test_decode_splits_k_to_fill_the_gpu_and_wide_batches_do_not():
     gate_up = PackedWeight(4, 28672, 4096, 128, torch.empty(0), torch.empty(0), None)
     block_m, block_n, _, _, splits, _ = tri._launch_shape(256, gate_up, device)
     assert splits == 1 and (256 // block_m) * (28672 // block_n) >= wanted
+
+
+@triton.jit
+def _exact_float_kernel(u_ptr, out_ptr, SUBTRACT: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, tri._exact_float(tl.load(u_ptr + i), SUBTRACT, out_ptr.dtype.element_ty))
+
+
+@pytest.mark.parametrize(
+    "dtype,subtract,count",
+    [
+        (torch.float16, 0, 16),
+        (torch.float16, 128, 256),
+        (torch.float32, 0, 16),
+        (torch.float32, 128, 256),
+        pytest.param(
+            torch.bfloat16,
+            0,
+            16,
+            marks=pytest.mark.skipif(DEVICE != "cuda", reason="the interpreter's bf16 arithmetic works on raw bits"),
+        ),
+    ],
+)
+def test_integers_become_floats_exactly(dtype, subtract, count):
+    """The mantissa trick that turns packed integers into the activation dtype gives each value exactly
+    (4-bit nibbles in every dtype, 8-bit bytes stored as q - 128 in fp16 and fp32)."""
+    u = torch.arange(count, dtype=torch.uint8)
+    out = torch.empty(count, dtype=dtype)
+    _exact_float_kernel[(1,)](u, out, subtract, count)
+    assert torch.equal(out, (u.to(torch.int32) - subtract).to(dtype))
 
 
 def test_empty_input_and_bad_shapes():
