@@ -27,6 +27,7 @@ import triton.language as tl
 import kernels
 from kernels.quantized import PackedWeight, dequantize, pack
 from kernels.triton import quantized as tri
+from kernels.triton.quantized import _exact_float
 from tests.kernels.devices import DEVICE, make_generator
 
 pytestmark = pytest.mark.usefixtures("on_device")
@@ -188,7 +189,7 @@ def test_decode_splits_k_to_fill_the_gpu_and_wide_batches_do_not():
 @triton.jit
 def _exact_float_kernel(u_ptr, out_ptr, SUBTRACT: tl.constexpr, N: tl.constexpr):
     i = tl.arange(0, N)
-    tl.store(out_ptr + i, tri._exact_float(tl.load(u_ptr + i), SUBTRACT, out_ptr.dtype.element_ty))
+    tl.store(out_ptr + i, _exact_float(tl.load(u_ptr + i), SUBTRACT, out_ptr.dtype.element_ty))
 
 
 @pytest.mark.parametrize(
