@@ -4,7 +4,8 @@ interpreter (compiled on a GPU by benchmarks/gpu_check.sh).
 Shapes are odd on purpose: N = 67 leaves a ragged output tile, K = 96 is not a multiple of its 64-column
 groups (the last group is short), M = 17 and 128 take the multi-row tiles and 1 and 3 the decode tiles,
 where K is split over programs whose fp32 partials a second kernel sums. Outputs and split partials are
-NaN-poisoned while the kernel runs, so an element it fails to write shows up as NaN.
+NaN-poisoned while the kernel runs, so an element it fails to write shows up as NaN. Last, a small
+Qwen2 quantized at load runs its linears on this kernel and must give the CPU path's greedy tokens.
 
 bf16 runs only on a GPU: the interpreter computes `tl.dot` on bf16 operands wrongly (it multiplies their
 raw 16-bit patterns; see test_triton_attention.py).
@@ -21,13 +22,18 @@ import torch
 
 pytest.importorskip("triton")
 
+import transformers
 import triton
 import triton.language as tl
 
 import kernels
+from engine_core.config import EngineConfig
+from engine_core.engine import EngineCore
+from engine_core.sampling_params import SamplingParams
 from kernels.quantized import PackedWeight, dequantize, pack
 from kernels.triton import quantized as tri
 from kernels.triton.quantized import _exact_float
+from tests.helpers import run_engine
 from tests.kernels.devices import DEVICE, make_generator
 
 pytestmark = pytest.mark.usefixtures("on_device")
@@ -229,3 +235,47 @@ def test_cuda_tensors_dispatch_to_this_kernel():
     assert kernels.implementation("quantized_linear", torch.device("cuda")) is tri.quantized_linear
     reference = kernels._TORCH["quantized_linear"]
     assert inspect.signature(tri.quantized_linear).parameters.keys() == inspect.signature(reference).parameters.keys()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory):
+    """A random Qwen2 (biased QKV projections, so the kernel's bias path runs in the model)."""
+    config = transformers.Qwen2Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.25,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    path = tmp_path_factory.mktemp("qwen2") / "tiny"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="on a GPU the engine dispatches to this kernel by itself")
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_quantized_model_on_this_kernel_gives_the_cpu_path_tokens(tiny_qwen2, method, monkeypatch):
+    """The model quantized at load, its linears on this kernel (the rest as the CPU dispatches it), gives
+    the greedy tokens of the CPU's own quantized path: prefill chunks, decode rows and 3-D inputs."""
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 17, 40)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    config = EngineConfig(model=str(tiny_qwen2), quantization=method, max_num_batched_tokens=32, num_kv_blocks=32)
+    expected = run_engine(EngineCore(config), prompts, params)
+
+    cpu_choice = kernels.implementation
+    monkeypatch.setattr(
+        kernels,
+        "implementation",
+        lambda name, device: tri.quantized_linear if name == "quantized_linear" else cpu_choice(name, device),
+    )
+    assert run_engine(EngineCore(config), prompts, params) == expected
