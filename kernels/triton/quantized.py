@@ -3,11 +3,11 @@
 Same contract and signature as `kernels.quantized.reference_linear`: `y = x W^T (+ bias)`, where W is
 held packed (4-bit GGUF block order or 8-bit q - 128, float32 scales/mins `[N, G]`, optional act-order
 `perm`; see kernels/quantized.py). The weight is never dequantized to memory: each program reads its
-packed tile, turns the integers into the activation dtype (exact: |q| <= 128 fits fp16 and bf16) and
-multiplies them with `tl.dot` into a fresh fp32 tile, then applies the group's scale and min to that
-tile:
+packed tile, turns the integers into the activation dtype (exactly: they are at most 8 bits; see
+`_exact_float`) and multiplies them with `tl.dot` into a fresh fp32 tile, then applies the group's
+scale and min to that tile:
 
-    sum_k x[m, k] (s[n, g] q[n, k] + b[n, g]) = s[n, g] (x . q)[m, n] + b[n, g] sum_k x[m, k]
+    sum_k x[m, k] (scale[n, g] q[n, k] + min[n, g]) = scale[n, g] (x . q)[m, n] + min[n, g] sum_k x[m, k]
 
 so the scales cost two multiply-adds per output element per K-tile instead of one per weight, and no
 rounding of a dequantized weight enters the result. A K-tile therefore never straddles two groups:
