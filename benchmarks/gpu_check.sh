@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU check, for a session lent a GPU machine (docs/gpu.md): Triton kernel tests
-# compiled for the GPU, kernel timings against torch and the copy-bandwidth roofline, greedy tokens
-# (CUDA graphs = eager = torch-reference kernels), offline throughput of a random-weight
+# compiled for the GPU, kernel timings against torch and the copy-bandwidth roofline, the quantized
+# GEMM's tests and timings (Llama-3-8B linears against bf16 F.linear and the weight-read bound), greedy
+# tokens (CUDA graphs = eager = torch-reference kernels), offline throughput of a random-weight
 # Llama-3-8B-shaped model in bf16 with graphs on and off, batch-1 decode against the weight-bytes bound.
 # Ends with a short table. Results (JSON) go to $OUT (default /tmp/pagoda-gpu-check).
 #
-#   bash benchmarks/gpu_check.sh                        # every step (timeouts add up to 10 min)
-#   bash benchmarks/gpu_check.sh tests kernels tokens   # some steps: tests kernels tokens throughput
+#   bash benchmarks/gpu_check.sh                        # every step (timeouts add up to 14 min)
+#   bash benchmarks/gpu_check.sh tests kernels tokens   # some steps: tests kernels quantized tokens throughput
 #
-# Not yet run on a GPU. The device tool allows 10 minutes per command: if a first run shows the whole
-# check is longer, run it as two commands with the same OUT (the summary reads whatever is there).
+# Not yet run on a GPU. The device tool allows 10 minutes per command: run it as two commands with the
+# same OUT, `tests kernels quantized` (timeouts 8 min) then `tokens throughput` (6 min); the summary
+# reads whatever is there. Without a GPU, `tests kernels quantized` run on the CPU (Triton through its
+# interpreter, SmolLM2's shapes in the timings): that is how those steps are checked off the GPU.
 #
 # pyzmq and msgspec are not on that machine: carry them as wheels in .whl/ (see docs/gpu.md).
 set -uo pipefail
@@ -24,7 +27,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-STEPS=${*:-tests kernels tokens throughput}
+STEPS=${*:-tests kernels quantized tokens throughput}
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo; echo "== $1"; }
 if wanted tests; then
@@ -35,7 +38,14 @@ if wanted tests; then
 fi
 if wanted kernels; then
     step "kernel timings"
-    timeout 90 python3 benchmarks/kernels.py --json "$OUT/kernels.json"
+    # As a module: run as a script, benchmarks/kernels.py would shadow the kernels package it imports.
+    timeout 90 python3 -m benchmarks.kernels --only ops --json "$OUT/kernels.json"
+fi
+if wanted quantized; then
+    step "quantized GEMM: tests on the GPU, then Llama-3-8B linears against bf16 F.linear and the weight-read bound"
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_triton_quantized.py 2>&1 | tail -5
+    echo "quantized tests exit $?" >"$OUT/tests_quantized.txt"
+    timeout 90 python3 -m benchmarks.kernels --only quantized --json "$OUT/quantized.json"
 fi
 if wanted tokens; then
     step "greedy tokens: graphs, eager, torch reference (SmolLM2-135M shape, random weights, fp32)"
@@ -58,14 +68,23 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 load = lambda name: json.loads((out / name).read_text()) if (out / name).exists() else None
-if (out / "tests.txt").exists():
-    print((out / "tests.txt").read_text().strip())
+for name in ("tests.txt", "tests_quantized.txt"):
+    if (out / name).exists():
+        print((out / name).read_text().strip())
 kern = load("kernels.json")
 if kern:
     print(f"copy bandwidth {kern['copy_gb_s']:.0f} GB/s")
     for r in kern["rows"]:
         print(f"  {r['kernel']:<24} {r['shape']:<34} {r['ours_ms']:8.3f} ms  {r['speedup']:5.2f}x torch  "
               f"{r['pct_copy_bw']:4.0f}% of copy bw")
+quant = load("quantized.json")
+if quant:
+    print(f"quantized_linear ({quant['dtype']}): time, F.linear's time / ours, ours / weight-read bound "
+          f"(packed bytes / {quant['copy_gb_s']:.0f} GB/s)")
+    for r in quant["quantized"]:
+        shape = f"{r['in_features']}->{r['out_features']}"
+        print(f"  {r['layer']:<8} {shape:<11} M={r['rows']:<4} {r['format']:<16} {r['ours_ms']:8.3f} ms  "
+              f"{r['vs_dense']:5.2f}x dense  {r['x_bound']:5.2f}x bound")
 toks = {p: load(f"tokens_{p}.json") for p in ("graphs", "eager", "reference")}
 def same(a, b):
     if not (toks[a] and toks[b]):

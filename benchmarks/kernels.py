@@ -5,9 +5,17 @@ exist (other ops dispatch to the reference itself, ratio 1.0). The roofline is t
 move at least (read inputs once, write outputs once) divided by the copy bandwidth measured in the same
 run (`dst.copy_(src)` of a large buffer, counting read + write).
 
-    python benchmarks/kernels.py                  # shapes for the device found: Llama-3-8B on CUDA,
-                                                  # SmolLM2-135M on the CPU
-    python benchmarks/kernels.py --json out.json  # also save the rows
+The quantized table times `quantized_linear` on a model's linear shapes (int4 in groups of 128 with
+mins, int8 per channel) at 1, 16 and 256 rows, against the dense `F.linear` in the run's dtype (bf16 on
+CUDA) and against the weight-read bound: the packed weight's bytes (data, scales, mins) divided by the
+copy bandwidth, the least time any weight-only kernel can take while the weights do not fit in cache.
+
+    python -m benchmarks.kernels                   # shapes for the device found: Llama-3-8B on CUDA,
+                                                   # SmolLM2-135M on the CPU
+    python -m benchmarks.kernels --json out.json   # also save the rows
+    python -m benchmarks.kernels --only quantized  # one table: ops or quantized
+
+(As a module, from the repository root: run as a script, this file would shadow the `kernels` package.)
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kernels import _TORCH, implementation
+from kernels.quantized import PackedWeight, pack
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,13 @@ class Shape:
 
 GPU_SHAPE = Shape(32, 8, 128, 4096, 14336, tokens=4096, decode_batch=64, context=4096, prefill_seqs=4, prefill_len=2048)
 CPU_SHAPE = Shape(9, 3, 64, 576, 1536, tokens=1024, decode_batch=16, context=1024, prefill_seqs=2, prefill_len=512)
+
+# (layer, in features, out features) of the quantized table: a fused QKV-sized, the fused gate/up and the
+# down projection of Llama-3-8B on CUDA; SmolLM2-135M's fused QKV, gate/up and down on the CPU.
+GPU_LINEARS = [("qkv", 4096, 12288), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
+CPU_LINEARS = [("qkv", 576, 960), ("gate_up", 576, 3072), ("down", 1536, 576)]
+QUANTIZED_ROWS = (1, 16, 256)  # decode, batched decode, prefill-sized
+QUANTIZED_FORMATS = [(4, 128, True), (8, -1, False)]  # (bits, group size, with mins): GPTQ/AWQ-like, per-channel
 
 
 def timed(fn: Callable[[], object], device: torch.device, min_seconds: float = 0.3) -> float:
@@ -165,19 +181,8 @@ def cases(shape: Shape, dtype, device) -> list[tuple[str, str, Callable[[Callabl
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, default=None, help="save the rows here")
-    args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
-    torch.manual_seed(0)
-    bandwidth = copy_bandwidth(device)
-    print(
-        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, "
-        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
-    )
+def ops_table(shape: Shape, dtype, device, bandwidth: float) -> list[dict]:
+    """Time each op's dispatched kernel and its torch reference; print and return the rows."""
     rows = []
     header = f"{'kernel':<24} {'shape':<34} {'ours ms':>9} {'torch ms':>9} {'speedup':>8} {'GB/s':>7} {'% copy bw':>9}"
     print(header)
@@ -199,10 +204,89 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<24} {text:<34} {row['ours_ms']:>9.3f} {row['torch_ms']:>9.3f} {row['speedup']:>7.2f}x "
             f"{row['gb_s']:>7.0f} {row['pct_copy_bw']:>8.0f}%"
         )
+    return rows
+
+
+def random_packed(bits: int, group: int, with_mins: bool, k: int, n: int, device) -> PackedWeight:
+    """A packed weight with random integers, scales and (with_mins) mins; its values do not matter here."""
+    q = torch.randint(0, 1 << bits, (n, k), dtype=torch.int32, device=device)
+    groups = -(-k // group) if 0 < group < k else 1
+    scales = 0.001 + 0.01 * torch.rand(n, groups, device=device)
+    mins = -scales * (1 << (bits - 1)) + 0.001 * torch.randn(n, groups, device=device) if with_mins else None
+    return pack(q, scales, mins, bits, group)
+
+
+def quantized_table(linears: list[tuple[str, int, int]], dtype, device, bandwidth: float) -> list[dict]:
+    """Time the dispatched quantized_linear and the dense F.linear on each shape; print and return rows."""
+    fn = implementation("quantized_linear", device)
+    print(f"\nquantized_linear: {fn.__module__}.{fn.__name__} against F.linear in {dtype} and the weight-read bound")
+    header = (
+        f"{'layer':<8} {'K -> N':<14} {'rows':>4} {'format':<16} {'ours ms':>8} {'dense ms':>8} {'vs dense':>8} "
+        f"{'bound ms':>8} {'x bound':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for layer, k, n in linears:
+        dense_weight = torch.randn(n, k, dtype=dtype, device=device)
+        packed = {fmt: random_packed(*fmt, k, n, device) for fmt in QUANTIZED_FORMATS}
+        for m in QUANTIZED_ROWS:
+            x = torch.randn(m, k, dtype=dtype, device=device)
+            dense = timed(lambda x=x, w=dense_weight: torch.nn.functional.linear(x, w), device)
+            for (bits, group, with_mins), weight in packed.items():
+                ours = timed(lambda x=x, weight=weight: fn(x, weight), device)
+                bound = weight.nbytes() / bandwidth
+                fmt = f"int{bits} " + ("per-channel" if weight.num_groups == 1 else f"g{group}")
+                fmt += " asym" if with_mins else ""
+                row = {
+                    "layer": layer,
+                    "in_features": k,
+                    "out_features": n,
+                    "rows": m,
+                    "format": fmt,
+                    "weight_bytes": weight.nbytes(),
+                    "ours_ms": ours * 1e3,
+                    "dense_ms": dense * 1e3,
+                    "bound_ms": bound * 1e3,
+                    "vs_dense": dense / ours,
+                    "x_bound": ours / bound,
+                }
+                rows.append(row)
+                print(
+                    f"{layer:<8} {f'{k} -> {n}':<14} {m:>4} {fmt:<16} {row['ours_ms']:>8.3f} {row['dense_ms']:>8.3f} "
+                    f"{row['vs_dense']:>7.2f}x {row['bound_ms']:>8.3f} {row['x_bound']:>6.2f}x"
+                )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", type=Path, default=None, help="save the rows here")
+    parser.add_argument("--only", choices=["ops", "quantized"], default=None, help="run one table (default: both)")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = GPU_SHAPE if device.type == "cuda" else CPU_SHAPE
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth(device)
+    print(
+        f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, "
+        f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
+    )
+    rows = [] if args.only == "quantized" else ops_table(shape, dtype, device, bandwidth)
+    linears = GPU_LINEARS if device.type == "cuda" else CPU_LINEARS
+    quantized = [] if args.only == "ops" else quantized_table(linears, dtype, device, bandwidth)
     if args.json:
         args.json.write_text(
             json.dumps(
-                {"device": str(device), "dtype": str(dtype), "copy_gb_s": bandwidth / 1e9, "rows": rows}, indent=2
+                {
+                    "device": str(device),
+                    "dtype": str(dtype),
+                    "copy_gb_s": bandwidth / 1e9,
+                    "rows": rows,
+                    "quantized": quantized,
+                },
+                indent=2,
             )
         )
     return 0
