@@ -71,8 +71,14 @@ def test_quantized_weights_arrive_raw_and_float_ones_as_floats(q4_1_dir):
 # --- files that cannot be served: one clear error, before anything runs --------------------------
 
 
-def _small_file(path, q4_1_file, tensors, overrides=None):
-    write_gguf(path, GGUFReader(str(q4_1_file)), tensors, overrides)
+@pytest.fixture(scope="module")
+def q4_1_reader(q4_1_file):
+    return GGUFReader(str(q4_1_file))  # (reading its vocabulary takes seconds: once per module)
+
+
+def _small_file(path, reader, tensors, overrides=None):
+    """A GGUF with the Q4_1 file's metadata (tokenizer included) and the given tensors."""
+    write_gguf(path, reader, tensors, overrides)
     return path
 
 
@@ -87,9 +93,9 @@ def test_a_truncated_or_corrupt_file_is_refused(tmp_path, q4_1_file):
         resolve_model(str(tmp_path / "bad-magic.gguf"))
 
 
-def test_an_unsupported_tensor_type_is_refused_naming_the_supported_ones(tmp_path, q4_1_file):
+def test_an_unsupported_tensor_type_is_refused_naming_the_supported_ones(tmp_path, q4_1_reader):
     blocks = np.random.default_rng(0).integers(0, 256, (16, 84), dtype=np.uint8)  # 16 rows of 256 columns
-    path = _small_file(tmp_path / "q2_k.gguf", q4_1_file, [("blk.0.attn_q.weight", blocks, T.Q2_K)])
+    path = _small_file(tmp_path / "q2_k.gguf", q4_1_reader, [("blk.0.attn_q.weight", blocks, T.Q2_K)])
     with pytest.raises(
         ValueError,
         match=re.escape(
@@ -100,9 +106,9 @@ def test_an_unsupported_tensor_type_is_refused_naming_the_supported_ones(tmp_pat
         resolve_model(str(path))
 
 
-def test_an_unsupported_architecture_is_refused(tmp_path, q4_1_file):
+def test_an_unsupported_architecture_is_refused(tmp_path, q4_1_reader):
     overrides = {"general.architecture": ("falcon", GGUFValueType.STRING)}
-    path = _small_file(tmp_path / "falcon.gguf", q4_1_file, [("output_norm.weight", np.ones(576), T.F32)], overrides)
+    path = _small_file(tmp_path / "falcon.gguf", q4_1_reader, [("output_norm.weight", np.ones(576), T.F32)], overrides)
     with pytest.raises(ValueError, match="GGUF architecture 'falcon' is not supported; supported: llama"):
         resolve_model(str(path))
 
@@ -168,12 +174,12 @@ def _tiny_overrides():
 
 
 @pytest.fixture(scope="module")
-def tiny_file(q4_1_file):
+def tiny_file(q4_1_reader):
     target = cache_root() / TEST_MODELS / "tiny-llama-untied-mixed.gguf"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.with_suffix(".staging")
-        _small_file(staging, q4_1_file, _tiny_tensors(), _tiny_overrides())
+        _small_file(staging, q4_1_reader, _tiny_tensors(), _tiny_overrides())
         staging.rename(target)
     return target
 
