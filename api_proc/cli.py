@@ -4,7 +4,7 @@ pagoda serve [MODEL] [options]        # api_proc/serve_settings.py
 pagoda bench serve|throughput|latency  # api_proc/bench/cli.py
 pagoda generate PROMPT [options]       # the offline engine, one prompt
 pagoda keys DIR                        # CURVE certificates for a tcp:// frontend
-pagoda download-default                # prepare the default model, print its path
+pagoda download-default [--gguf]       # prepare the default model, print its path (or its GGUF file's)
 """
 
 from __future__ import annotations
@@ -81,13 +81,17 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 def add_download_parser(subcommands) -> None:
     dl = subcommands.add_parser("download-default", help="prepare the default model in the cache and print its path")
+    dl.add_argument(
+        "--gguf", action="store_true", help="print its GGUF file's path instead (pagoda serve FILE serves it as it is)"
+    )
     dl.set_defaults(func=cmd_download_default)
 
 
 def cmd_download_default(args: argparse.Namespace) -> int:
-    from engine_core.default_model import ensure_default_model
+    from engine_core.default_model import ensure_default_gguf, ensure_default_model
 
-    print(ensure_default_model())
+    path = ensure_default_model()
+    print(ensure_default_gguf() if args.gguf else path)
     return 0
 
 

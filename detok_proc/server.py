@@ -28,6 +28,7 @@ from detok_proc.metrics import DetokMetrics
 from detok_proc.requests import RequestInvalid, SampleState, check_context, check_request_options
 from detok_proc.tokenizing import PromptTokenizer
 from engine_core import protocol
+from engine_core.gguf_model import model_source
 from engine_core.json_limits import depth_message
 from engine_core.lifecycle import ParentLink, Report, Role, init_child_process
 from engine_core.tokenizer import load_tokenizer
@@ -295,7 +296,7 @@ class DetokProc:
             ready=ready,
             healthy=healthy,
             message=message,
-            model=self.model_dir,
+            model=model_source(self.model_dir),  # a GGUF's file, not the directory made from it
             max_model_len=self.engine.max_model_len if ready else 0,
             seconds_since_engine_progress=silence,
             num_running=s.num_running,

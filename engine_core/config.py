@@ -89,7 +89,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         default=None,
-        help="Hugging Face model directory or hub id (default: SmolLM2-135M-Instruct, prepared on first use)",
+        help="Hugging Face model directory, .gguf file or hub id (default: SmolLM2-135M-Instruct, made on first use)",
     )
     g.add_argument(
         "--dtype",

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine_core.gguf_model import gguf_model_dir, gguf_source, is_gguf_file
+
 if TYPE_CHECKING:  # imported lazily: resolving a model directory must not load torch
     import torch
 
@@ -18,18 +20,21 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model(model: str | None) -> Path:
-    """A local directory as is; None = the default model (prepared on first use); else a hub id."""
+    """A local directory as is; a .gguf file as the model directory made from its metadata (once, in
+    the cache: engine_core/gguf_model.py); None = the default model (prepared on first use); else a hub id."""
     if model is None:
         from engine_core.default_model import ensure_default_model
 
         return ensure_default_model()
     path = Path(model).expanduser()
+    if is_gguf_file(path):
+        return gguf_model_dir(path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
         return path
     if path.exists() or model.count("/") != 1:
-        raise FileNotFoundError(f"model {model!r} is neither a model directory nor a hub id (owner/name)")
+        raise FileNotFoundError(f"model {model!r} is neither a model directory, a .gguf file nor a hub id (owner/name)")
     from huggingface_hub import snapshot_download
 
     # HF-format shards only: some repos also hold the same weights in another layout (consolidated.*).
@@ -49,8 +54,16 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every shard; tensors are memory-mapped, one at a time."""
+    """(name, tensor) for every tensor of every shard, or of the GGUF file the directory stands for;
+    tensors are memory-mapped, one at a time."""
     from safetensors import safe_open
+
+    source = gguf_source(model_dir)
+    if source is not None:
+        from engine_core.gguf_weights import iterate_gguf_weights
+
+        yield from iterate_gguf_weights(*source)
+        return
 
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:

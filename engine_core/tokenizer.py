@@ -8,13 +8,17 @@ from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
+from engine_core.gguf_model import gguf_model_dir, is_gguf_file
 from engine_core.tool_prompt import messages_with_tools, template_renders_tools
 from engine_core.validation import ParamError
 
 
 def load_tokenizer(model_dir: str | Path):
+    """The tokenizer of a model directory, or of a .gguf file (through the directory made from it)."""
     from transformers import AutoTokenizer
 
+    if is_gguf_file(Path(model_dir)):
+        model_dir = gguf_model_dir(Path(model_dir))
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 

@@ -42,3 +42,37 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool =
         **kwargs,
     )
     return out[0, len(prompt) :].tolist()
+
+
+PARAGRAPHS = [
+    "The river town woke slowly. Fishermen checked their nets by lantern light while the bakery on the "
+    "corner pulled its first loaves from the oven, and the smell of bread drifted over the water.",
+    "In computing, a cache is a small, fast store that keeps copies of data likely to be needed again. "
+    "Caches trade memory for time: a hit avoids a slow trip to main memory or disk.",
+    "Photosynthesis converts light energy into chemical energy. Plants absorb carbon dioxide and water "
+    "and, using sunlight captured by chlorophyll, produce glucose and release oxygen.",
+    "The committee met on Tuesday to review the budget. After a long debate about road repairs, the "
+    "members agreed to fund the new library and postpone the stadium renovation.",
+    "To make a simple tomato sauce, warm olive oil in a pan, add chopped garlic, then crushed tomatoes, "
+    "a pinch of salt and fresh basil. Simmer for twenty minutes, stirring now and then.",
+    "Mountains form when tectonic plates collide. Over millions of years, the crust folds and rises, "
+    "while wind, rain and ice wear the peaks down into valleys and ridges.",
+]
+
+
+def golden_prompts(tokenizer) -> list[list[int]]:
+    """The golden prompts: 10 prompts from 1 to ~1,500 tokens, as token ids."""
+    texts = [
+        "The capital of France is",
+        'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+        PARAGRAPHS[0],
+        " ".join(PARAGRAPHS[:3]) + " In summary,",
+        "Question: Why is the sky blue?\nAnswer:",
+        "\n\n".join(PARAGRAPHS * 2) + "\n\nWrite a short title for the text above:",
+        "\n".join(f"{i}. {PARAGRAPHS[i % 6]}" for i in range(14)) + "\nThe main topics were",
+        "\n".join(PARAGRAPHS[::-1] * 6) + "\nThe last paragraph was about",
+        "List three colors: red,",
+    ]
+    prompts = [tokenizer.encode(t) for t in texts]
+    prompts.insert(0, tokenizer.encode("Once")[:1])  # a 1-token prompt
+    return prompts

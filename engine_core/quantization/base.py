@@ -11,11 +11,12 @@ any of it: they build `Linear`s, and a `Linear` holding a `PackedWeight` compute
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from kernels.quantized import PackedWeight, pack
+from kernels.quantized import PackedWeight, group_size_for, pack
 
 
 @dataclass
@@ -69,6 +70,7 @@ class QuantizationMethod:
 
 def pack_shards(name: str, shards: list[QuantizedShard]) -> PackedWeight:
     """Concatenate the rows of a merged linear's shards and pack them for the kernels."""
+    shards = _common_layout(shards)
     first = shards[0]
     for shard in shards[1:]:
         if (shard.bits, shard.group_size) != (first.bits, first.group_size):
@@ -100,3 +102,28 @@ def pack_shards(name: str, shards: list[QuantizedShard]) -> PackedWeight:
             raise ValueError(f"{name}: g_idx does not give every group {group} columns; not supported")
         q = q[:, perm]
     return pack(q, scales, mins, first.bits, first.group_size, perm)
+
+
+def _common_layout(shards: list[QuantizedShard]) -> list[QuantizedShard]:
+    """Shards of one merged linear stored alike, where that is lossless: GGUF files mix types within a
+    layer (Q4_K_M keeps v_proj in Q6_K next to Q4_K q/k_proj), so 4-bit shards are widened to 8 bits
+    (same integers, same scales and mins) and groups are split down to the smallest group size (each
+    scale repeated). Act-order shards are left as they are (pack_shards refuses a mix)."""
+    layouts = {(s.bits, s.group_size) for s in shards}
+    if len(layouts) == 1 or any(s.g_idx is not None for s in shards):
+        return shards
+    k = shards[0].q.shape[1]
+    groups = [group_size_for(k, s.group_size) for s in shards]
+    group = math.gcd(*groups)
+    bits = max(s.bits for s in shards)
+    widened = []
+    for shard, own in zip(shards, groups, strict=True):
+        scales, mins = shard.scales.float(), shard.mins
+        if mins is None:  # symmetric: its min depends on the bit width, so write it out
+            mins = -float(1 << (shard.bits - 1)) * scales
+        if own != group:
+            count = -(-k // group)
+            scales = scales.repeat_interleave(own // group, dim=1)[:, :count]
+            mins = mins.float().repeat_interleave(own // group, dim=1)[:, :count]
+        widened.append(QuantizedShard(shard.q, scales, mins, bits, group))
+    return widened

@@ -1,0 +1,291 @@
+"""A GGUF file seen as a Hugging Face model directory.
+
+A `.gguf` holds everything a model needs: hyperparameters, tokenizer and chat template in its metadata,
+the weights (often quantized) in its tensors. `gguf_model_dir(path)` writes the metadata once, as
+`config.json`, `generation_config.json` and the tokenizer files, into a small directory in the model
+cache (`cache_root()/gguf/<name>-<hash of path, size, mtime>/`), with a marker (`MARKER`) naming the
+file and listing its tensors. Everything that takes a model directory (engine, tokenizer process,
+grammars, offline API) then works unchanged; the weights stay in the `.gguf` and are read from it at
+every load (engine_core/gguf_weights.py). `read_gguf` + `write_model_files` also make the float32
+directory of the default model (default_model.py).
+
+No torch here: the launcher and the tokenizer process resolve models too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine_core.environment import cache_root
+
+logger = logging.getLogger(__name__)
+
+MARKER = "pagoda-gguf.json"  # in a GGUF's model directory: the file it stands for and its tensors
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+# Quantized types whose linears load into the quantization seat (engine_core/quantization/gguf.py says
+# how each is stored). Others (IQ*, Q2_K, Q3_K, ...) are refused when the file is opened.
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+# general.architecture -> (Hugging Face architecture, model_type). Mistral and TinyLlama GGUFs say llama.
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama")}
+
+# GGUF tensor name inside block N -> Hugging Face Llama module name.
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file: where its bytes are and what they become."""
+
+    name: str  # GGUF name, e.g. blk.0.attn_q.weight
+    hf_name: str  # checkpoint name, e.g. model.layers.0.self_attn.q_proj.weight
+    type: str  # GGML type name: F32, Q4_1, ...
+    shape: tuple[int, ...]  # rows first (PyTorch order; GGUF lists the fastest dimension first)
+    offset: int  # of its first byte in the file
+    nbytes: int
+    linear: bool  # the weight of a linear layer (a tied embedding is the LM head's)
+    rope_heads: int  # > 0: rows to un-permute from llama.cpp's rotary order, in this many heads
+
+
+@dataclass
+class GGUFModel:
+    path: Path
+    config: dict  # config.json (without quantization_config)
+    tensors: list[GGUFTensor]
+    reader: object  # the gguf package's GGUFReader (for the tokenizer)
+
+    def quantized_types(self) -> dict[str, int]:
+        """Quantized linear weights per GGML type, e.g. {"Q4_1": 210, "Q8_0": 1}."""
+        counts: dict[str, int] = {}
+        for t in self.tensors:
+            if t.linear and t.type not in FLOAT_TYPES:
+                counts[t.type] = counts.get(t.type, 0) + 1
+        return dict(sorted(counts.items()))
+
+
+def is_gguf_file(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def read_gguf(path: Path) -> GGUFModel:
+    """The file's architecture, config and tensor table, or a ValueError saying what is wrong with it."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:  # (the reader fails in many ways on a damaged file)
+        raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
+    meta = {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))} "
+            "(Llama 2/3, Mistral, SmolLM2, TinyLlama)"
+        )
+    names = {t.name for t in reader.tensors}
+    config = _llama_config(path, meta, reader, names)
+    # (A truncated file fails in the reader already: each tensor's bytes are mapped when it is listed.)
+    tensors = [_tensor(path, t, config) for t in reader.tensors]
+    return GGUFModel(path, config, tensors, reader)
+
+
+def write_model_files(model: GGUFModel, out_dir: Path, quantization_config: bool) -> None:
+    """config.json, generation_config.json and the tokenizer files (chat template included) of `model`.
+    With `quantization_config`, config.json declares the file's quantized types (`quant_method: gguf`),
+    so `--quantization auto` picks the GGUF method and `none` / `int8` / `int4` are refused."""
+    config = dict(model.config)
+    types = model.quantized_types()
+    if quantization_config and types:
+        config["quantization_config"] = {"quant_method": "gguf", "tensor_types": types}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _save_tokenizer(model.path, out_dir)
+
+
+def gguf_model_dir(path: Path) -> Path:
+    """The model directory standing for the GGUF file `path`, written on first use. It is keyed by the
+    file's path, size and modification time, so a changed file gets a new one."""
+    path = path.expanduser().resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (target / MARKER).exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("Reading the metadata of %s into %s (once)", path, target)
+    model = read_gguf(path)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        write_model_files(model, staging, quantization_config=True)
+        marker = {
+            "gguf_file": str(path),
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "tensors": [asdict(t) for t in model.tensors],
+        }
+        (staging / MARKER).write_text(json.dumps(marker) + "\n")
+        try:
+            staging.rename(target)  # atomic: a half-written directory is never seen
+        except OSError:
+            if not (target / MARKER).exists():  # (another process that raced us made it: use theirs)
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def gguf_source(model_dir: Path) -> tuple[Path, list[GGUFTensor]] | None:
+    """The GGUF file a model directory stands for and its tensors; None for an ordinary directory.
+    Raises if the file changed or went away since the directory was written."""
+    marker_path = Path(model_dir) / MARKER
+    if not marker_path.exists():
+        return None
+    marker = json.loads(marker_path.read_text())
+    path = Path(marker["gguf_file"])
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} (the GGUF file of {model_dir}) is gone") from None
+    if (stat.st_size, stat.st_mtime_ns) != (marker["size"], marker["mtime_ns"]):
+        raise ValueError(f"{path} changed since it was opened; pass the .gguf file again")
+    tensors = [GGUFTensor(**{**t, "shape": tuple(t["shape"])}) for t in marker["tensors"]]
+    return path, tensors
+
+
+def model_source(model_dir: str | Path) -> str:
+    """What to show as a model's origin: the .gguf file for a GGUF's directory, else the directory."""
+    marker_path = Path(model_dir) / MARKER
+    if marker_path.exists():
+        return str(json.loads(marker_path.read_text())["gguf_file"])
+    return str(model_dir)
+
+
+def _field_value(field):
+    try:
+        return field.contents()
+    except Exception:  # noqa: BLE001 - some array fields have no scalar rendering; we never need them
+        return None
+
+
+def _tokenizer_id(reader, key: str) -> int | None:
+    field = reader.fields.get(f"tokenizer.ggml.{key}")
+    return None if field is None else int(field.contents())
+
+
+def _llama_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
+    arch = meta["general.architecture"]
+    p = arch + "."
+    if "rope_freqs.weight" in names:
+        raise ValueError(
+            f"{path}: rotary frequency factors (rope_freqs.weight, Llama 3.1-style rope scaling) are not supported"
+        )
+    if meta.get(p + "expert_count"):
+        raise ValueError(f"{path}: mixture-of-experts models are not supported")
+    try:
+        num_heads = int(meta[p + "attention.head_count"])
+        hidden = int(meta[p + "embedding_length"])
+        config = {
+            "architectures": [ARCHITECTURES[arch][0]],
+            "model_type": ARCHITECTURES[arch][1],
+            "hidden_size": hidden,
+            "intermediate_size": int(meta[p + "feed_forward_length"]),
+            "num_hidden_layers": int(meta[p + "block_count"]),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": int(meta.get(p + "attention.head_count_kv") or num_heads),
+            "head_dim": int(meta.get(p + "rope.dimension_count") or hidden // num_heads),
+            "max_position_embeddings": int(meta[p + "context_length"]),
+            "rms_norm_eps": float(meta[p + "attention.layer_norm_rms_epsilon"]),
+            "rope_theta": float(meta.get(p + "rope.freq_base") or 10000.0),
+        }
+    except KeyError as exc:
+        raise ValueError(f"{path}: GGUF metadata lacks {exc.args[0]!r}") from None
+    scaling = meta.get(p + "rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (supported: linear)")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    config.update(
+        {
+            "vocab_size": int(meta.get(p + "vocab_size") or 0) or (len(tokens.data) if tokens else 0),
+            "tie_word_embeddings": "output.weight" not in names,
+            "hidden_act": "silu",
+            "attention_bias": "blk.0.attn_q.bias" in names,
+            "mlp_bias": False,
+            "bos_token_id": _tokenizer_id(reader, "bos_token_id"),
+            "eos_token_id": _tokenizer_id(reader, "eos_token_id"),
+            "pad_token_id": _tokenizer_id(reader, "padding_token_id"),
+            "torch_dtype": "float32",
+        }
+    )
+    return config
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output_norm.weight":
+        return "model.norm.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
+        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _tensor(path: Path, t, config: dict) -> GGUFTensor:
+    hf_name = _hf_name(t.name)
+    if hf_name is None:
+        raise ValueError(f"{path}: tensor {t.name!r} has no place in a {config['architectures'][0]}")
+    type_name = t.tensor_type.name
+    parts = t.name.split(".")
+    kind = parts[-1]
+    linear = kind == "weight" and (
+        (parts[0] == "blk" and parts[2] in _LINEARS)
+        or t.name == "output.weight"
+        or (t.name == "token_embd.weight" and config["tie_word_embeddings"])
+    )
+    if type_name not in FLOAT_TYPES and type_name not in QUANTIZED_TYPES:
+        raise ValueError(
+            f"{path}: tensor {t.name} has GGML type {type_name}, which Pagoda does not load; supported: "
+            f"{', '.join(FLOAT_TYPES + QUANTIZED_TYPES)}"
+        )
+    rope_heads = 0
+    if parts[0] == "blk" and parts[2] == "attn_q":
+        rope_heads = config["num_attention_heads"]
+    elif parts[0] == "blk" and parts[2] == "attn_k":
+        rope_heads = config["num_key_value_heads"]
+    shape = tuple(int(d) for d in reversed(t.shape))
+    return GGUFTensor(t.name, hf_name, type_name, shape, int(t.data_offset), int(t.n_bytes), linear, rope_heads)
+
+
+def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    # transformers turns GGUF tokenizer metadata (BPE or SentencePiece vocab, merges, pre-tokenizer,
+    # special tokens, chat template) into a fast tokenizer; we save it as ordinary tokenizer files.
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:  # (transformers raises many types here)
+        raise ValueError(f"{gguf_path}: its tokenizer metadata could not be read: {exc}") from exc
+    tokenizer.save_pretrained(str(out_dir))

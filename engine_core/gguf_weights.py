@@ -1,0 +1,70 @@
+"""The weights of a GGUF file as (checkpoint name, tensor) pairs, read from the file at every load.
+
+The file is memory-mapped; each tensor is read when its turn comes. Float tensors (F32, F16, BF16)
+arrive as `<module>.weight` / `.bias` in their own dtype. A quantized linear weight arrives as two
+tensors of the GGUF quantization method (engine_core/quantization/gguf.py), kept raw for it to repack:
+`<module>.gguf_blocks` (uint8 [rows, bytes per row], the file's blocks) and `<module>.gguf_type`
+(0-dim, the GGML type number). Any other quantized tensor (an untied embedding table, a norm) is
+dequantized to float32 here, as the model reads it by rows.
+
+llama.cpp stores Llama's q/k projection rows in its own rotary order; they are put back in Hugging
+Face's order here. Rows move whole, with the scales of their blocks (blocks run along a row), so the
+same permutation serves raw blocks and float rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine_core.gguf_model import FLOAT_TYPES, GGUFTensor
+
+
+def unpermute_rope(rows, num_heads: int):
+    """Undo llama.cpp's q/k row permutation (it interleaves the rotary halves of each head; Hugging
+    Face keeps them split). Works on any array whose first axis is the rows."""
+    half = rows.shape[0] // num_heads // 2
+    return rows.reshape(num_heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def iterate_gguf_weights(
+    path: Path, tensors: list[GGUFTensor], dequantize: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every tensor of the file, in its order. `dequantize`: every tensor
+    as float32 (the float32 model directory of the default model)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    # Copy-on-write: torch wants writable arrays, and nothing is ever written back to the file.
+    data = np.memmap(path, dtype=np.uint8, mode="c")
+    for t in tensors:
+        raw = data[t.offset : t.offset + t.nbytes]
+        module = t.hf_name.rpartition(".")[0]
+        ggml_type = GGMLQuantizationType[t.type]
+        if t.type in FLOAT_TYPES or not t.linear or dequantize:
+            array = _float_array(raw, t, ggml_type, gguf_dequantize)
+            if t.rope_heads:
+                array = unpermute_rope(array, t.rope_heads)
+            yield t.hf_name, _to_torch(array, t.type)
+        else:
+            blocks = raw.reshape(t.shape[0], -1)
+            if t.rope_heads:
+                blocks = unpermute_rope(blocks, t.rope_heads)
+            yield f"{module}.gguf_type", torch.tensor(int(ggml_type))
+            yield f"{module}.gguf_blocks", torch.from_numpy(np.ascontiguousarray(blocks))
+
+
+def _float_array(raw: np.ndarray, t: GGUFTensor, ggml_type, gguf_dequantize) -> np.ndarray:
+    if t.type == "F32":
+        return raw.view(np.float32).reshape(t.shape)
+    if t.type in ("F16", "BF16"):
+        return raw.view(np.int16 if t.type == "BF16" else np.float16).reshape(t.shape)  # (BF16: bits, below)
+    return gguf_dequantize(raw.reshape(t.shape[:-1] + (-1,)), ggml_type).astype(np.float32, copy=False)
+
+
+def _to_torch(array: np.ndarray, type_name: str) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return tensor.view(torch.bfloat16) if type_name == "BF16" else tensor
