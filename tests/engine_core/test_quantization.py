@@ -15,7 +15,7 @@ from engine_core.quantization.at_load import int4_group_size, quantize_int4_grou
 from engine_core.quantization.base import QuantizedShard, pack_shards
 from engine_core.sampling_params import SamplingParams
 from kernels.quantized import dequantize_original_order, reference_linear
-from tests.engine_core.test_golden_smollm2 import golden_prompts
+from tests.helpers import golden_prompts
 from tests.quantization_helpers import identical_count, write_dequantized_checkpoint
 
 GPTQ_CONFIG = {"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128}}
@@ -77,12 +77,18 @@ def test_merged_act_order_shards_pack_to_the_same_weights():
     assert torch.allclose(got, x @ expected.double().t(), atol=1e-4)
 
 
-def test_merged_shards_must_agree():
-    q = torch.zeros(4, 64, dtype=torch.int32)
-    a = QuantizedShard(q, torch.ones(4, 2), None, bits=4, group_size=32)
-    b = QuantizedShard(q, torch.ones(4, 1), None, bits=4, group_size=64)
-    with pytest.raises(ValueError, match="quantized differently"):
-        pack_shards("layers.0.mlp.gate_up_proj", [a, b])
+def test_merged_shards_quantized_differently_pack_losslessly_or_are_refused():
+    """Parts with other group sizes / bits (a Q4_K_M GGUF's Q6_K v_proj) are brought to one layout
+    without changing a weight; parts with different act-order cannot share a permutation."""
+    torch.manual_seed(2)
+    a = QuantizedShard(torch.randint(0, 16, (4, 64)), torch.rand(4, 2), torch.randn(4, 2), bits=4, group_size=32)
+    b = QuantizedShard(torch.randint(0, 256, (4, 64)), torch.rand(4, 1), None, bits=8, group_size=64)
+    packed = pack_shards("layers.0.self_attn.qkv_proj", [a, b])
+    assert (packed.bits, packed.group_size) == (8, 32)
+    assert torch.allclose(dequantize_original_order(packed), torch.cat([a.dequantize(), b.dequantize()]), atol=1e-5)
+    c = QuantizedShard(a.q, a.scales, a.mins, bits=4, group_size=32, g_idx=torch.arange(64).flip(0) // 32)
+    with pytest.raises(ValueError, match="different act-order"):
+        pack_shards("layers.0.mlp.gate_up_proj", [a, c])
 
 
 @pytest.fixture(scope="module")
