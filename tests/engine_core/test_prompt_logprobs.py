@@ -87,6 +87,14 @@ def test_prefix_cache_hits_are_not_taken_but_its_blocks_are_published(default_mo
     assert llm.generate(prompt, plain, use_tqdm=False)[0].num_cached_tokens == len(prompts[0]) // block * block
 
 
+def test_a_request_owing_them_does_not_wait_for_a_prefill_it_would_not_share(default_model_dir, prompts):
+    engine = LLM(str(default_model_dir), dtype="float32").engine
+    engine.add_request("plain", prompts[0], SamplingParams(max_tokens=1))
+    engine.add_request("asking", prompts[0], SamplingParams(max_tokens=1, prompt_logprobs=1))
+    # The plain request would wait for the first one's blocks; this one takes none, so it runs at once.
+    assert sorted(delta.request_id for delta in engine.step()) == ["asking", "plain"]
+
+
 def test_n_samples_compute_them_once_and_share_the_prompt(default_model_dir, prompts, references):
     llm = LLM(str(default_model_dir), dtype="float32")
     params = SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1, prompt_logprobs=3)
@@ -143,9 +151,11 @@ def test_bounds_and_wire_form():
             SamplingParams(prompt_logprobs=bad)
         assert caught.value.param == "prompt_logprobs"
     ids = np.array([[5, 7, 5], [9, 9, 4]])
-    packed = protocol.PromptLogprobs.pack(3, ids, np.array([[-0.5, -0.4, -0.5], [-0.1, -0.1, -2.0]]), [2, 1])
+    # Token 5 ties with a third token at -0.5: its own rank (3, ties count against it) differs from its
+    # place among the top 2.
+    packed = protocol.PromptLogprobs.pack(3, ids, np.array([[-0.5, -0.4, -0.5], [-0.1, -0.1, -2.0]]), [3, 1])
     again = msgspec.msgpack.decode(protocol.encoder.encode(packed), type=protocol.PromptLogprobs)
     shown = again.by_position(lambda token_id, logprob, rank: (round(logprob, 3), rank))
     # The prompt token first with its own rank, then the top 2; one listed among those is not repeated.
-    assert shown == [None, {5: (-0.5, 2), 7: (-0.4, 1)}, {9: (-0.1, 1), 4: (-2.0, 2)}]
+    assert shown == [None, {5: (-0.5, 3), 7: (-0.4, 1)}, {9: (-0.1, 1), 4: (-2.0, 2)}]
     assert list(shown[1]) == [5, 7]
