@@ -13,7 +13,7 @@ logits_all, and its logits go through a float64 log-softmax here.
     python -m benchmarks.perplexity                                   # float32, int8, int4 (~15 min on 2 cores)
     python -m benchmarks.perplexity --model gptq=/path/to/checkpoint --model q4k=/path/to/model.gguf
     python -m benchmarks.perplexity --llama-cpp-python .venv-llamacpp/bin/python  # + llama.cpp rows
-    python -m benchmarks.perplexity --only float32 --window 512 --stride 256
+    python -m benchmarks.perplexity --only float32 int4 --window 512 --stride 256
 
 (Run it with -m from the repository root: as `python benchmarks/perplexity.py` the directory's own
 kernels.py would shadow the `kernels` package.)
@@ -135,7 +135,7 @@ def main() -> None:
     parser.add_argument(
         "--model", action="append", default=[], metavar="LABEL=PATH", help="another row: a checkpoint or .gguf"
     )
-    parser.add_argument("--only", nargs="+", metavar="LABEL", help="run only these rows (and float32, the baseline)")
+    parser.add_argument("--only", nargs="+", metavar="LABEL", help="only these rows (changes need float32)")
     parser.add_argument("--llama-cpp-python", metavar="PYTHON", help="an interpreter that can import llama_cpp")
     parser.add_argument("--gguf", help="the GGUF for the llama.cpp row (default: the default model's Q4_1 GGUF)")
     parser.add_argument("--llama-cpp-worker", action="store_true", help=argparse.SUPPRESS)
@@ -166,7 +166,7 @@ def main() -> None:
             rows.append((f"llama.cpp {Path(gguf).name}", "llama.cpp", gguf, ""))
             rows += [(f"llama.cpp {label}", "llama.cpp", path, "") for label, path in extra if path.endswith(".gguf")]
         if args.only:
-            rows = [row for row in rows if row[0] == "float32" or row[0] in args.only]
+            rows = [row for row in rows if row[0] in args.only]
         print(f"{'row':<44} {'perplexity':>10} {'vs float32':>11} {'seconds':>8}")
         baseline = None
         for label, engine, path, quantization in rows:
@@ -176,8 +176,10 @@ def main() -> None:
             else:
                 nll, count = pagoda_nll(path, quantization, args.dtype, tokens, windows)
             perplexity = math.exp(nll / count)
-            baseline = baseline or perplexity
-            change = "baseline" if label == "float32" else f"{100 * (perplexity / baseline - 1):+.2f} %"
+            if label == "float32":
+                baseline, change = perplexity, "baseline"
+            else:
+                change = "—" if baseline is None else f"{100 * (perplexity / baseline - 1):+.2f} %"
             print(f"{label:<44} {perplexity:>10.4f} {change:>11} {time.perf_counter() - started:>8.0f}", flush=True)
     if python is None:
         print("llama.cpp: not run (llama_cpp cannot be imported here; see --llama-cpp-python)")
