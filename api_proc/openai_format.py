@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from engine_core.protocol import FinishReason, GenerateDelta, TokenLogprob
+from engine_core.protocol import DecodedPromptLogprobs, FinishReason, GenerateDelta, TokenLogprob
 
 
 def new_id(prefix: str) -> str:
@@ -38,21 +38,41 @@ def chat_logprobs(entries: list[TokenLogprob]) -> list[dict]:
     ]
 
 
+def prompt_logprobs_json(prompt: DecodedPromptLogprobs) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token {token id: {"logprob",
+    "rank", "decoded_token"}} holding the prompt token (with its rank) and the top N (ranks 1..N)."""
+    return prompt.by_position(lambda logprob, rank, text: {"logprob": logprob, "rank": rank, "decoded_token": text})
+
+
 class CompletionLogprobs:
     """Completions API: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
 
     def __init__(self, offset: int = 0):
         self.offset = offset  # characters of text before the next token
 
-    def chunk(self, entries: list[TokenLogprob]) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    def chunk(self, entries: list[TokenLogprob], echo: DecodedPromptLogprobs | None = None, num_top: int = 0) -> dict:
+        """`echo`: the prompt's tokens come first, each with at most `num_top` alternatives; the first has
+        null logprobs (nothing comes before it), as in vLLM."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if echo is not None:
+            texts = echo.texts
+            self._add(out, texts[echo.logprobs.first_token], None, None)
+            ids, logprobs, _ = echo.logprobs.arrays()
+            for row_ids, row_logprobs in zip(ids.tolist(), logprobs.tolist(), strict=True):
+                token, logprob = texts[row_ids[0]], row_logprobs[0]
+                alternatives = zip(row_ids[1 : 1 + num_top], row_logprobs[1 : 1 + num_top], strict=True)
+                top = {texts[t]: lp for t, lp in alternatives}
+                self._add(out, token, logprob, top | {token: logprob})
         for e in entries:
-            out["tokens"].append(e.token)
-            out["token_logprobs"].append(e.logprob)
-            out["top_logprobs"].append({t: lp for t, _, lp in e.top} | {e.token: e.logprob})
-            out["text_offset"].append(self.offset)
-            self.offset += len(e.token)
+            self._add(out, e.token, e.logprob, {t: lp for t, _, lp in e.top} | {e.token: e.logprob})
         return out
+
+    def _add(self, out: dict[str, list], token: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        out["tokens"].append(token)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(self.offset)
+        self.offset += len(token)
 
 
 class Choice:
@@ -66,9 +86,12 @@ class Choice:
         self.num_output_tokens = 0
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.prompt_logprobs: DecodedPromptLogprobs | None = None  # sample 0's, when asked for
 
     def add(self, delta: GenerateDelta) -> None:
         self.text += delta.text
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.num_output_tokens = delta.num_output_tokens
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens

@@ -74,6 +74,7 @@ class _Common(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # requests share cached prefix blocks only with equal salts
+    prompt_logprobs: int | None = None  # vLLM's: per prompt token its logprob, rank and this many top ones
     # Output constraints, read by api_proc/structured.py: OpenAI's, vLLM's current and vLLM's older names.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -85,7 +86,11 @@ class _Common(msgspec.Struct, kw_only=True):
     guided_decoding_backend: str | None = None  # only "xgrammar" (or "auto") is served
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, constraint: StructuredOutputsParams | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        constraint: StructuredOutputsParams | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """`constraint`: the request's one output constraint (api_proc/structured.py)."""
         if self.n < 1:  # the upper bound is the server's --max-n (ApiServer._limited)
@@ -104,6 +109,10 @@ class _Common(msgspec.Struct, kw_only=True):
             )
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ApiError(400, f"Invalid 'logprobs': expected a value in [0, {MAX_LOGPROBS}].", "logprobs")
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise ApiError(
+                400, f"Invalid 'prompt_logprobs': expected a value in [0, {MAX_LOGPROBS}].", "prompt_logprobs"
+            )
         try:
             return SamplingParams(
                 n=self.n,
@@ -120,6 +129,7 @@ class _Common(msgspec.Struct, kw_only=True):
                 ignore_eos=self.ignore_eos,
                 stop_token_ids=self.stop_token_ids or [],
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias=self._logit_bias(),
                 structured_outputs=constraint,
@@ -150,6 +160,12 @@ class CompletionRequest(_Common, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     add_special_tokens: bool = True
+
+    def prompt_logprobs_count(self) -> int | None:
+        """As vLLM: `echo` with `logprobs` needs the prompt's logprobs too, with as many top ones."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of text prompts or token-id prompts."""

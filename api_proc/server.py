@@ -21,7 +21,16 @@ from api_proc.http_guard import ClosingResponse
 from api_proc.metrics import count_rejected, count_timed_out
 from api_proc.metrics import install as install_metrics
 from api_proc.middleware import CorsSettings, auth_middleware, install_cors, preflight_middleware
-from api_proc.openai_format import Choice, CompletionLogprobs, chat_logprobs, envelope, finish_reason, new_id, usage
+from api_proc.openai_format import (
+    Choice,
+    CompletionLogprobs,
+    chat_logprobs,
+    envelope,
+    finish_reason,
+    new_id,
+    prompt_logprobs_json,
+    usage,
+)
 from api_proc.openai_schema import MAX_N, ApiError, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from api_proc.request_body import decode_json, read_body
 from api_proc.request_log import RequestRecord, logged, observed
@@ -313,13 +322,9 @@ class ApiServer:
         model = self._check_model(req.model)
         prompts = req.prompts()
         max_tokens = self.settings.completion_max_tokens() if req.max_tokens is None else req.max_tokens
-        params = self._limited(req.sampling_params(max_tokens, req.logprobs, structured_outputs_of(req)))
-        if req.echo and req.logprobs is not None:
-            raise ApiError(
-                400,
-                "'echo' together with 'logprobs' needs prompt logprobs, which this server does not compute.",
-                "echo",
-            )
+        params = self._limited(
+            req.sampling_params(max_tokens, req.logprobs, structured_outputs_of(req), req.prompt_logprobs_count())
+        )
         streams = [
             self.client.generate(
                 prompt=p if isinstance(p, str) else None,
@@ -347,21 +352,26 @@ class ApiServer:
             choices.setdefault(index, Choice()).add(delta)
             if delta.prompt is not None:
                 prompts[prompt_index] = delta.prompt
+        # Sample 0 of each prompt carries its prompt logprobs; every choice of the prompt shows them (vLLM).
+        prompt_logprobs = {i // n: c.prompt_logprobs for i, c in choices.items() if c.prompt_logprobs is not None}
+        prompt_logprobs_shown = {p: prompt_logprobs_json(d) for p, d in prompt_logprobs.items()}
         out = []
         for index in sorted(choices):
             choice = choices[index]
             logprobs = None
             if req.logprobs is not None:
-                logprobs = CompletionLogprobs().chunk(choice.logprob_entries)
-            out.append(
-                {
-                    "index": index,
-                    "text": prompts.get(index // n, "") + choice.text,
-                    "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason,
-                    "stop_reason": choice.stop_reason,
-                }
-            )
+                echo = prompt_logprobs.get(index // n) if req.echo else None
+                logprobs = CompletionLogprobs().chunk(choice.logprob_entries, echo, req.logprobs)
+            body = {
+                "index": index,
+                "text": prompts.get(index // n, "") + choice.text,
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+            }
+            if req.prompt_logprobs_count() is not None:
+                body["prompt_logprobs"] = prompt_logprobs_shown.get(index // n)
+            out.append(body)
         firsts = [choices[p * n] for p in range(len(choices) // n)]
         completion_tokens = sum(c.num_output_tokens for c in choices.values())
         return json_response(
@@ -385,7 +395,9 @@ class ApiServer:
         cached_tokens: dict[int, int] = {}
         output_tokens: dict[int, int] = {}
 
-        echoes: dict[int, str] = {}  # prompt text per prompt, for every choice's first chunk (echo)
+        # Per prompt, for every choice's first chunk (echo): its text, and its logprobs (echo with logprobs).
+        echoes: dict[int, str] = {}
+        echo_logprobs: dict[int, protocol.DecodedPromptLogprobs] = {}
         echoed: set[int] = set()
 
         def chunk(prompt_index: int, delta: protocol.GenerateDelta) -> dict:
@@ -396,13 +408,19 @@ class ApiServer:
             output_tokens[index] = delta.num_output_tokens
             if delta.prompt is not None:
                 echoes[prompt_index] = delta.prompt
+            if delta.prompt_logprobs is not None:
+                echo_logprobs[prompt_index] = delta.prompt_logprobs
             text = delta.text
+            echo = None
             if req.echo and index not in echoed:
                 echoed.add(index)
                 text = echoes.get(prompt_index, "") + text
+                echo = echo_logprobs.get(prompt_index)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = offsets.setdefault(index, CompletionLogprobs()).chunk(delta.logprobs or [])
+                logprobs = offsets.setdefault(index, CompletionLogprobs()).chunk(
+                    delta.logprobs or [], echo, req.logprobs
+                )
             choice = {
                 "index": index,
                 "text": text,
@@ -410,6 +428,8 @@ class ApiServer:
                 "finish_reason": finish_reason(delta),
                 "stop_reason": delta.stop_reason,
             }
+            if delta.prompt_logprobs is not None:  # sample 0's first chunk (vLLM refuses them in streams)
+                choice["prompt_logprobs"] = prompt_logprobs_json(delta.prompt_logprobs)
             return envelope("text_completion", meta["response_id"], meta["model"], choices=[choice])
 
         def final() -> dict | None:
@@ -435,7 +455,7 @@ class ApiServer:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)  # None: no tool to call
         constraint = structured_outputs_of(req, tools)
-        params = self._limited(req.sampling_params(max_tokens, req.logprobs_count(), constraint))
+        params = self._limited(req.sampling_params(max_tokens, req.logprobs_count(), constraint, req.prompt_logprobs))
         stream = self.client.generate(
             messages=req.template_messages(),
             params=params,
@@ -475,6 +495,9 @@ class ApiServer:
             )
         first = choices[0]
         completion_tokens = sum(c.num_output_tokens for c in choices.values())
+        extra = {}
+        if req.prompt_logprobs is not None:  # vLLM: one list, beside the choices (sample 0 computed it)
+            extra["prompt_logprobs"] = prompt_logprobs_json(first.prompt_logprobs) if first.prompt_logprobs else None
         return json_response(
             envelope(
                 "chat.completion",
@@ -482,6 +505,7 @@ class ApiServer:
                 meta["model"],
                 choices=out,
                 usage=usage(first.num_prompt_tokens, completion_tokens, first.num_cached_tokens),
+                **extra,
             )
         )
 
@@ -511,7 +535,10 @@ class ApiServer:
                 "finish_reason": reason,
                 "stop_reason": delta.stop_reason,
             }
-            return envelope("chat.completion.chunk", meta["response_id"], meta["model"], choices=[choice])
+            extra = {}
+            if delta.prompt_logprobs is not None:  # with sample 0's first chunk (vLLM refuses them in streams)
+                extra["prompt_logprobs"] = prompt_logprobs_json(delta.prompt_logprobs)
+            return envelope("chat.completion.chunk", meta["response_id"], meta["model"], choices=[choice], **extra)
 
         def final() -> dict | None:
             if not req.include_usage:

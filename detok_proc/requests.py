@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.metrics import SampleTiming
 from detok_proc.prompt_size import PromptTooLong, encode_within
@@ -169,6 +171,11 @@ class SampleState:
                         [(token_text(tid), tid, lp) for tid, lp in zip(token.top_ids, token.top_logprobs, strict=True)],
                     )
                 )
+        if delta.prompt_logprobs is not None:  # each distinct token id decoded once (and cached)
+            packed = delta.prompt_logprobs
+            distinct = np.unique(np.append(packed.arrays()[0], packed.first_token)).tolist()
+            texts = {token_id: token_text(token_id) for token_id in distinct}
+            out.prompt_logprobs = protocol.DecodedPromptLogprobs(packed, texts)
         if self.prompt is not None or self.prompt_tokens is not None:
             out.prompt, out.prompt_tokens = self.prompt, self.prompt_tokens
             self.prompt = self.prompt_tokens = None

@@ -173,6 +173,10 @@ class EngineCore:
                 raise RuntimeError("the KV cache cannot hold the next waiting request even alone")
             return []
         result = self.runner.execute(sched)
+        for request in sched.requests:
+            chunk = result.prompt_logprobs.get(request.request_id)
+            if chunk is not None and request.prompt_logprobs is not None:
+                request.prompt_logprobs.add(chunk)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled)}
         outputs = []
         for request in sched.requests:
@@ -180,6 +184,9 @@ class EngineCore:
             if token is None:
                 continue
             logprobs = result.logprobs.get(request.request_id)
+            prompt_logprobs = None
+            if request.prompt_logprobs is not None:  # all computed now that it samples: sent once, here
+                prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs.pack(), None
             outputs.append(
                 RequestDelta(
                     request_id=request.request_id,
@@ -188,6 +195,7 @@ class EngineCore:
                     new_logprobs=[logprobs] if logprobs is not None else [],
                     num_cached_tokens=request.num_cached_tokens,
                     queue_time=request.queue_time if request.num_output_tokens == 1 else None,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         return outputs

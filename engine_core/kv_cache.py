@@ -35,8 +35,8 @@ class KVCacheManager:
 
     def computed_blocks(self, request: Request) -> list[KVCacheBlock]:
         """The longest run of cached blocks matching the start of a request that has none yet,
-        leaving at least its last token to compute."""
-        if not self.enable_caching:
+        leaving at least its last token to compute (none for a request that must compute them all)."""
+        if not self.enable_caching or not request.reads_prefix_cache:
             return []
         limit = (request.num_tokens - 1) // self.block_size
         found = []

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from engine_core.config import EngineConfig, parse_size
 from engine_core.engine import EngineCore
 from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
-from engine_core.protocol import FinishReason, TokenLogprobs
+from engine_core.protocol import FinishReason, PromptLogprobs, TokenLogprobs
 from engine_core.sampling_params import SamplingParams
 from engine_core.tokenizer import encode_chat, load_tokenizer
 
@@ -38,6 +38,7 @@ class LLM:
         self.engine = EngineCore(EngineConfig(model=model, **engine_args))
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._ids = itertools.count()
+        self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (decoded once each)
 
     def generate(
         self,
@@ -120,6 +121,7 @@ class LLM:
         logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in slots}
         reasons: dict[str, FinishReason] = {}
         cached: dict[str, int] = {}
+        prompt_logprobs: dict[str, PromptLogprobs] = {}
         bar = tqdm(total=len(slots), desc="Generating", disable=not use_tqdm or len(slots) < 8)
         try:
             while len(reasons) < len(slots):
@@ -127,6 +129,8 @@ class LLM:
                     tokens[out.request_id].extend(out.new_token_ids)
                     cached[out.request_id] = out.num_cached_tokens
                     logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.prompt_logprobs is not None:
+                        prompt_logprobs[out.request_id] = out.prompt_logprobs
                     if out.finish_reason is not None:
                         reasons[out.request_id] = out.finish_reason
                         bar.update(1)
@@ -144,6 +148,10 @@ class LLM:
             params = params_list[index]
             if sample == 0:
                 results[index].num_cached_tokens = cached.get(rid, 0)
+                if rid in prompt_logprobs:  # (only sample 0 computes them: SamplingParams.for_sample)
+                    results[index].prompt_logprobs = prompt_logprobs[rid].by_position(
+                        lambda token_id, logprob, rank: Logprob(logprob, rank, self._token_text(token_id))
+                    )
             results[index].outputs.append(
                 CompletionOutput(
                     index=sample,
@@ -164,10 +172,16 @@ class LLM:
             token = packed.sampled_and_top()
             cumulative += token.logprob
             entry = {
-                tid: Logprob(lp, rank + 1, self.tokenizer.decode([tid]))
+                tid: Logprob(lp, rank + 1, self._token_text(tid))
                 for rank, (tid, lp) in enumerate(zip(token.top_ids, token.top_logprobs, strict=True))
             }
             if token.token_id not in entry:
-                entry[token.token_id] = Logprob(token.logprob, None, self.tokenizer.decode([token.token_id]))
+                entry[token.token_id] = Logprob(token.logprob, None, self._token_text(token.token_id))
             per_token.append(entry)
         return {"logprobs": per_token, "cumulative_logprob": cumulative}
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text

@@ -20,6 +20,7 @@ from engine_core.gpu_memory import profile_gpu_memory
 from engine_core.layers.attention import AttentionMetadata
 from engine_core.loader import load_model, weight_bytes
 from engine_core.model_config import ModelConfig
+from engine_core.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
 from engine_core.protocol import TokenLogprobs
 from engine_core.quantization import resolve_method
 from engine_core.request import Request
@@ -34,6 +35,8 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 class StepResult:
     sampled: dict[str, int]  # request id -> new token, for requests whose prompt is fully computed
     logprobs: dict[str, TokenLogprobs]  # request id -> packed logprobs, when asked for
+    # request id -> the prompt logprobs this step's tokens gave, for requests that still owe them
+    prompt_logprobs: dict[str, PromptLogprobsChunk]
 
 
 def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -127,9 +130,10 @@ class ModelRunner:
         whose `num_computed_tokens` already counts them. The K/V of every scheduled token is written to
         the cache (decodes are laid out first; a pure-decode batch replays a CUDA graph when enabled).
         Out: one sampled token, and packed logprobs if it asked for them, per request whose tokens are
-        now all computed; a prefill chunk that stops short of the prompt's end samples nothing. Tokens
-        are not appended here (that is `Scheduler.update_from_output`); the requests change only in
-        their random generators, which sampling advances.
+        now all computed; a prefill chunk that stops short of the prompt's end samples nothing. For a
+        request owing prompt logprobs, the rows its scheduled prompt positions give. Tokens and prompt
+        logprobs are not added to the requests here (that is `EngineCore.step`); the requests change
+        only in their random generators, which sampling advances.
         """
         order = sorted(range(len(sched.requests)), key=lambda i: sched.num_scheduled_tokens[i] != 1)
         requests = [sched.requests[i] for i in order]
@@ -142,18 +146,42 @@ class ModelRunner:
             )
         else:
             hidden = self.model(*self.to_device(step))
+        prompt_logprobs = self._prompt_logprobs(requests, counts, step, hidden)
         sampling = [
             (r, step.last_token_index[i]) for i, r in enumerate(requests) if r.num_computed_tokens == r.num_tokens
         ]
         if not sampling:
-            return StepResult({}, {})
+            return StepResult({}, {}, prompt_logprobs)
         rows = torch.tensor([index for _, index in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         sampling_requests = [r for r, _ in sampling]
         out = sample(logits, SamplingBatch.from_requests(sampling_requests, self.model_cfg.vocab_size))
         sampled = {r.request_id: t for r, t in zip(sampling_requests, out.token_ids, strict=True)}
         logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, out.logprobs, strict=True) if lp is not None}
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, requests: list[Request], counts: list[int], step: StepInputs, hidden: torch.Tensor
+    ) -> dict[str, PromptLogprobsChunk]:
+        """The prompt-logprob rows of this step's positions, for the requests that still owe them. At most
+        max_num_seqs rows of logits exist at once: the step profiled for GPU memory (gpu_memory.py)
+        holds that many for sampling, so prompt logprobs need no memory the KV pool could lack."""
+        out = {}
+        for i, (request, count) in enumerate(zip(requests, counts, strict=True)):
+            collector = request.prompt_logprobs
+            if collector is None:
+                continue
+            end = request.num_computed_tokens  # the step computed positions [end - count, end)
+            positions = collector.positions_wanted(end - count, end)
+            if not positions:
+                continue
+            row_of_position_0 = step.last_token_index[i] - (end - 1)  # rows are positions, shifted
+            rows = hidden[row_of_position_0 + positions.start : row_of_position_0 + positions.stop]
+            next_tokens = request.all_token_ids[positions.start + 1 : positions.stop + 1]
+            targets = torch.tensor(next_tokens, dtype=torch.int64, device=hidden.device)
+            arrays = compute_prompt_logprobs(self.model, rows, targets, collector.num_top, self.config.max_num_seqs)
+            out[request.request_id] = PromptLogprobsChunk(positions.start + 1, *arrays)
+        return out
 
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731

@@ -33,3 +33,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # With SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then per prompt
+    # token {token_id: Logprob} holding that token (its rank among all tokens) and the top-N (ranks 1..N).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -12,7 +12,8 @@ fast. msgpack only: nothing is ever pickled.
 from __future__ import annotations
 
 import enum
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import msgspec
 import numpy as np
@@ -101,6 +102,58 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
         return SampledAndTop(token_id, logprob, top_ids, top_logprobs)
 
 
+T = TypeVar("T")
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of a prompt's tokens, packed: row i is prompt token i + 1 (the first token has no
+    context, so no logprob: only its id is here); column 0 is that token, then the `num_top` most likely
+    tokens at its position, best first. `ranks` holds each prompt token's rank among all tokens (1 = the
+    most likely; ties count against it, as in vLLM). Three buffers, however long the prompt."""
+
+    num_top: int
+    first_token: int  # the prompt's first token id
+    token_ids: bytes  # int32 [P - 1, 1 + num_top]
+    logprobs: bytes  # float32 [P - 1, 1 + num_top]
+    ranks: bytes  # int32 [P - 1]
+
+    @classmethod
+    def pack(cls, first_token: int, token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray) -> PromptLogprobs:
+        """From arrays [P - 1, 1 + num_top], [P - 1, 1 + num_top] and [P - 1]."""
+        token_ids = np.asarray(token_ids, dtype=np.int32)
+        return cls(
+            token_ids.shape[1] - 1,
+            first_token,
+            token_ids.tobytes(),
+            np.asarray(logprobs, dtype=np.float32).tobytes(),
+            np.asarray(ranks, dtype=np.int32).tobytes(),
+        )
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(token ids, logprobs, ranks) as read-only arrays shaped as in `pack`."""
+        width = 1 + self.num_top
+        return (
+            np.frombuffer(self.token_ids, dtype=np.int32).reshape(-1, width),
+            np.frombuffer(self.logprobs, dtype=np.float32).reshape(-1, width),
+            np.frombuffer(self.ranks, dtype=np.int32),
+        )
+
+    def by_position(self, entry: Callable[[int, float, int], T]) -> list[dict[int, T] | None]:
+        """vLLM's shape: None for the first prompt token, then per position a dict {token id:
+        entry(token id, logprob, rank)} holding the prompt token first, with its rank, then the top
+        `num_top` with ranks 1..num_top; a prompt token among those is listed once."""
+        ids, logprobs, ranks = self.arrays()
+        top_ranks = range(1, self.num_top + 1)
+        out: list[dict[int, T] | None] = [None]
+        for row_ids, row_logprobs, rank in zip(ids.tolist(), logprobs.tolist(), ranks.tolist(), strict=True):
+            position = {row_ids[0]: entry(row_ids[0], row_logprobs[0], rank)}
+            for token_id, logprob, top_rank in zip(row_ids[1:], row_logprobs[1:], top_ranks, strict=True):
+                if token_id not in position:
+                    position[token_id] = entry(token_id, logprob, top_rank)
+            out.append(position)
+        return out
+
+
 class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
@@ -109,6 +162,7 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
     # On a request's first delta only: seconds from its arrival in the engine to its first scheduling.
     queue_time: float | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on a request's first delta, when it asked for them
 
     @property
     def finished(self) -> bool:
@@ -255,6 +309,18 @@ class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
     top: list[tuple[str, int, float]]  # (token text, id, logprob), best first
 
 
+class DecodedPromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """A prompt's logprobs with the text of every token id in them, each distinct id decoded once."""
+
+    logprobs: PromptLogprobs
+    texts: dict[int, str]  # token id -> its text, for every id in `logprobs` (`first_token` too)
+
+    def by_position(self, entry: Callable[[float, int, str], T]) -> list[dict[int, T] | None]:
+        """vLLM's shape (`PromptLogprobs.by_position`) with entry(logprob, rank, decoded token)."""
+        texts = self.texts
+        return self.logprobs.by_position(lambda token_id, logprob, rank: entry(logprob, rank, texts[token_id]))
+
+
 class GenerateDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     """New text of one sample (`index` < n) of a request. The last delta of a sample has its
     `finish_reason`; every delta has the running token counts, so usage is exact at any point."""
@@ -271,6 +337,7 @@ class GenerateDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tru
     logprobs: list[TokenLogprob] | None = None
     prompt: str | None = None  # with return_prompt, on the first delta of index 0
     prompt_tokens: bytes | None = None
+    prompt_logprobs: DecodedPromptLogprobs | None = None  # when asked for, on the first delta of index 0
 
 
 class GenerateOutputs(msgspec.Struct, tag="outputs", gc=False):

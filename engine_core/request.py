@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine_core.prompt_logprobs import PromptLogprobsCollector
 from engine_core.protocol import FinishReason
 from engine_core.sampling_params import SamplingParams
 
@@ -70,12 +71,22 @@ class Request:
         self.generator: torch.Generator | None = None
         # Structured output: set once its grammar is compiled (engine_core/structured_output.py).
         self.grammar: RequestGrammar | None = None
+        # Prompt logprobs still owed: gathered over the prefill, sent with the first token, then None.
+        self.prompt_logprobs: PromptLogprobsCollector | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = PromptLogprobsCollector(params.prompt_logprobs, prompt_token_ids)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether cached blocks may stand in for computing its first tokens: not while it owes prompt
+        logprobs, which need the hidden state of every prompt position."""
+        return self.prompt_logprobs is None
 
     @property
     def num_output_tokens(self) -> int:

@@ -26,6 +26,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     stop_token_ids: list[int] = []
     logprobs: int | None = None  # number of top logprobs besides the sampled token's
+    # Per prompt token (but the first): its logprob and rank, and this many top logprobs besides (vLLM's).
+    # A request asking for them computes its whole prompt: cached prefix blocks have no logits.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = {}  # token id -> value added to its logit before sampling
     # Constrain the output (JSON schema, regex, choice, grammar): tokens that would break it are masked
@@ -57,6 +60,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
+                "must be in [0, 20]",
+            ),
             (self.seed is None or 0 <= self.seed < 2**63, "seed", "must be in [0, 2**63)"),
             (
                 all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
@@ -75,11 +83,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters of sample `index` of an n > 1 request, which runs as its own engine request:
         n=1, and a seeded request's i-th sample uses seed + i (wrapping within the seed range), so
-        the samples differ from each other and each is reproducible."""
+        the samples differ from each other and each is reproducible. Prompt logprobs belong to the
+        prompt, not to a sample: only sample 0 computes them, so the others can still take its
+        prompt's blocks from the prefix cache."""
         if self.n == 1:
             return self
         seed = None if self.seed is None else (self.seed + index) % 2**63
-        return msgspec.structs.replace(self, n=1, seed=seed)
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return msgspec.structs.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -147,7 +147,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             head = self.kv.head_hash(request) if request.num_computed_tokens == 0 else None
-            if head is not None and head in prefilling:
+            if head is not None and head in prefilling and request.reads_prefix_cache:
                 break  # a request with the same first block is being prefilled: wait, then share it
             hits = self.kv.computed_blocks(request) if request.num_computed_tokens == 0 else []
             num_hit_tokens = len(hits) * self.kv.block_size
@@ -159,7 +159,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.num_computed_tokens == 0:
-                self.kv.record_lookup(request.num_tokens, num_hit_tokens)
+                if request.reads_prefix_cache:  # (no lookup was made for the others)
+                    self.kv.record_lookup(request.num_tokens, num_hit_tokens)
                 if request.num_preemptions == 0:
                     request.num_cached_tokens = num_hit_tokens
                     request.scheduled_time = time.monotonic()

@@ -76,3 +76,34 @@ def golden_prompts(tokenizer) -> list[list[int]]:
     prompts = [tokenizer.encode(t) for t in texts]
     prompts.insert(0, tokenizer.encode("Once")[:1])  # a 1-token prompt
     return prompts
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """HF transformers' float32 log-softmax over a prompt: row i is the distribution of prompt token i + 1."""
+    logits = model(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long)).logits
+    return torch.log_softmax(logits[0, :-1].float(), dim=-1)
+
+
+def assert_prompt_logprobs_match(
+    ours: list[dict[int, tuple[float, int]] | None], prompt: list[int], reference: torch.Tensor, num_top: int
+) -> None:
+    """`ours` (vLLM's shape, each entry as (logprob, rank)) against HF's log-softmax of the same prompt:
+    the prompt token's logprob within 1e-4 and its rank exact (up to tokens within 1e-4 of it, whose
+    order is rounding), and the top `num_top` with ranks 1..num_top, best first, equal to HF's."""
+    tol = 1e-4
+    assert ours[0] is None and len(ours) == len(prompt)
+    for position in range(1, len(prompt)):
+        entry, ref, token = ours[position], reference[position - 1], prompt[position]
+        assert entry is not None and token in entry, position
+        logprob, rank = entry[token]
+        assert abs(logprob - ref[token].item()) < tol, (position, logprob, ref[token].item())
+        hf_rank = int((ref >= ref[token]).sum())
+        ambiguous = int(((ref - ref[token]).abs() < tol).sum())  # itself included
+        assert abs(rank - hf_rank) < ambiguous, (position, rank, hf_rank)
+        top = sorted((r, tid, lp) for tid, (lp, r) in entry.items() if r <= num_top)
+        assert [r for r, _, _ in top] == list(range(1, num_top + 1)), (position, entry)
+        assert len(entry) == num_top + (rank > num_top), (position, entry)
+        hf_top = ref.topk(num_top).values.tolist() if num_top else []
+        for (_, tid, lp), hf_lp in zip(top, hf_top, strict=True):
+            assert abs(lp - hf_lp) < tol and abs(lp - ref[tid].item()) < tol, (position, tid)
