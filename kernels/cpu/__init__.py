@@ -52,7 +52,10 @@ _SIGNATURES = {
     "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
     "quantized_linear_f32": [_POINTER] * 7 + [_I64] * 10,
     "quantized_dequantize_f32": [_POINTER] * 4 + [_I64] * 8,
+    "quantized_linear_q8_f32": [_POINTER] * 7 + [_I64] * 9,  # only where the CPU has VNNI
+    "quantized_q8_unit": [],
 }
+_RESULTS = {"quantized_q8_unit": _I64}  # the functions that return a value
 _lib: dict[str, Callable[..., None]] = {}  # C function name -> the ctypes function
 _failed = False
 build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # kernels.configure sets it
@@ -99,7 +102,7 @@ def _load() -> dict[str, Callable[..., None]] | None:
                 for symbol, argtypes in _SIGNATURES.items():
                     if hasattr(lib, symbol):
                         fn = getattr(lib, symbol)
-                        fn.argtypes, fn.restype = argtypes, None
+                        fn.argtypes, fn.restype = argtypes, _RESULTS.get(symbol)
                         functions[symbol] = fn
             _lib.update(functions)
         except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
@@ -245,15 +248,19 @@ def reshape_and_cache(
     )
 
 
-# Which way a quantized linear runs, by its number of input rows M (crossovers measured on SmolLM2's
-# shapes with benchmarks/quantization.py; see kernels/cpu/quantized_matmul.c for the two C paths):
-# - fused (M below _STRIP_ROWS[bits]): every weight block widened in registers once per tile of input
-#   rows; 4-bit blocks cost more to widen, so strips take over sooner for them;
-# - strips (up to _ONEDNN_ROWS): each thread dequantizes a strip of weight rows into a workspace that
-#   stays in L2 and multiplies all input rows against it;
-# - tiles (prefill): _TILE_FLOATS of dequantized weight at a time, multiplied by oneDNN (this machine's
-#   fastest float32 matmul, 2x MKL's here) into the output columns of that tile.
+# Which way a quantized linear runs (`path`), by its number of input rows M; crossovers measured on
+# SmolLM2's shapes with benchmarks/quantization.py, the C paths described in quantized_matmul.c:
+# - "fused" (few rows): every weight block widened to floats in registers, once per tile of input rows;
+# - "strips": each thread dequantizes a strip of weight rows into a workspace that stays in L2 and
+#   multiplies all input rows against it (4-bit blocks cost more to widen: strips pay off sooner);
+# - "int8" (where the CPU has VNNI): input rows quantized to int8 per row, integer dot products. Taken
+#   for 8-bit weights from 2 rows on (1.3-2x the fp32 matmul's speed here), and for 4-bit weights in
+#   groups of 128+ below the prefill sizes; with 64-column groups the per-group float work eats the gain.
+#   One row (single-stream decode) always keeps float activations;
+# - "tiles" (prefill): _TILE_FLOATS of dequantized weight at a time, multiplied by oneDNN (this
+#   machine's fastest float32 matmul, 2x MKL's here) into the output columns of that tile.
 _STRIP_ROWS = {4: 8, 8: 32}
+_INT8_ROWS = {4: 8, 8: 2}
 _ONEDNN_ROWS = 64
 _STRIP_FLOATS = 1 << 14  # 64 KiB of dequantized weight per thread
 _STRIP_ALIGN = 3  # strips are whole register tiles (NR_MAX in quantized_matmul.c)
@@ -261,6 +268,7 @@ _TILE_FLOATS = 1 << 17  # 512 KiB of dequantized weight per oneDNN tile
 _THREADED_WORK = 1 << 16  # multiply-adds below which one thread is faster than waking the others
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _tile = torch.empty(0)
+_q8_units: dict[int, int] = {}  # columns per integer vector, by library
 
 
 def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -277,6 +285,25 @@ def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
     return _quantized_linear(lib, x, packed, bias)
 
 
+def path(lib, rows: int, packed: PackedWeight) -> str:
+    """ "fused", "strips", "int8" or "tiles": how `rows` input rows go through `packed` with `lib`."""
+    key = id(lib["quantized_linear_f32"])
+    if key not in _q8_units:  # (a library built without VNNI has no integer path)
+        _q8_units[key] = lib["quantized_q8_unit"]() if "quantized_q8_unit" in lib else 0
+    unit = _q8_units[key]
+    int8_fits = (
+        unit > 0
+        and packed.group_size % unit == 0
+        and packed.padded_in_features % unit == 0
+        and (packed.num_groups == 1 or packed.group_size >= 2 * unit)
+    )
+    if int8_fits and rows >= _INT8_ROWS[packed.bits] and (packed.bits == 8 or rows < _ONEDNN_ROWS):
+        return "int8"
+    if rows >= _ONEDNN_ROWS:
+        return "tiles"
+    return "fused" if rows < _STRIP_ROWS[packed.bits] else "strips"
+
+
 def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     k, kp, n = packed.in_features, packed.padded_in_features, packed.out_features
     if packed.perm is not None:
@@ -290,34 +317,30 @@ def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Te
     out = torch.empty(m, n, dtype=torch.float32)
     bias = None if bias is None else bias.contiguous()
     if m == 0:
-        pass
-    elif m >= _ONEDNN_ROWS:
+        return out.reshape(*x.shape[:-1], n)
+    way = path(lib, m, packed)
+    if way == "tiles":
         _tiled_matmul(lib, rows, packed, bias, out)
+        return out.reshape(*x.shape[:-1], n)
+    threads = torch.get_num_threads() if m * n * kp >= _THREADED_WORK else 1
+    weight = [
+        packed.data.data_ptr(),
+        packed.scales.data_ptr(),
+        0 if packed.mins is None else packed.mins.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+    ]
+    sizes = [m, n, kp, packed.num_groups, packed.group_size, packed.bits, rows.stride(0), n]
+    if way == "int8":  # workspace: per-row scales, per-group sums, then the int8 rows
+        workspace = _scratch(m + m * packed.num_groups + -(-m * kp // 4))
+        lib["quantized_linear_q8_f32"](rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, threads)
     else:
-        threads = torch.get_num_threads() if m * n * kp >= _THREADED_WORK else 1
-        if m < _STRIP_ROWS[packed.bits]:
-            strip_rows, workspace = 0, _scratch(m * packed.num_groups)  # the fused path: group sums of x
-        else:
+        if way == "fused":  # workspace: the group sums of x
+            strip_rows, workspace = 0, _scratch(m * packed.num_groups)
+        else:  # workspace: each thread's dequantized strip
             strip_rows = max(_STRIP_ALIGN, _STRIP_FLOATS // kp // _STRIP_ALIGN * _STRIP_ALIGN)
             workspace = _scratch(threads * strip_rows * kp)
         lib["quantized_linear_f32"](
-            rows.data_ptr(),
-            packed.data.data_ptr(),
-            packed.scales.data_ptr(),
-            0 if packed.mins is None else packed.mins.data_ptr(),
-            0 if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            workspace.data_ptr(),
-            m,
-            n,
-            kp,
-            packed.num_groups,
-            packed.group_size,
-            packed.bits,
-            rows.stride(0),
-            n,
-            strip_rows,
-            threads,
+            rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, strip_rows, threads
         )
     return out.reshape(*x.shape[:-1], n)
 

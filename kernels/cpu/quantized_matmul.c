@@ -333,6 +333,212 @@ void quantized_linear_f32(const float *x, const uint8_t *data, const float *scal
     }
 }
 
+/* ---- int8 activations (W8A8 / W4A8): integer dot products --------------------------------------------
+ *
+ * For batches, where the float path is bound by its multiply-adds: each input row is quantized to int8
+ * with one scale per row (dynamic, per token: sx = max|x| / 127, xq = round(x / sx)), and weights stay
+ * integers, as unsigned bytes u (the nibble q for 4 bits; q = stored + 128 for 8 bits), so that one
+ * VNNI instruction (vpdpbusd: u8 x s8, four products summed into each int32 lane) does 4x the
+ * multiply-adds of a float FMA. With w = s * u + m' per group (m' = min, or min - 128 * s for 8 bits):
+ *     y[m, n] = sx[m] * sum_g s[n, g] * D[m, n, g] + sum_g m'[n, g] * Xs[m, g] (+ bias)
+ * where D is the exact integer sum of u * xq over group g and Xs[m, g] = sx[m] * sum_g xq: the result is
+ * exactly what the quantized x (not x) gives with the true weights, up to float rounding; the error
+ * against x is at most sum_k |w[n, k]| * sx[m] / 2. Groups must be whole vectors (QI_BYTES columns).
+ * Built only where the CPU has VNNI (AVX-512 VNNI, or AVX-VNNI on 256-bit vectors): elsewhere these
+ * functions do not exist and kernels/cpu/__init__.py keeps float activations. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define QI_BYTES 64
+typedef __m512i vi;
+typedef __m512 vqf;
+#define vi_zero _mm512_setzero_si512
+#define vi_dot _mm512_dpbusd_epi32
+#define vi_load(p) _mm512_loadu_si512((const void *)(p))
+#define vi_flip(v) _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80))
+#define vqf_zero _mm512_setzero_ps
+#define vqf_fma _mm512_fmadd_ps
+#define vqf_set1 _mm512_set1_ps
+#define vqf_from_int _mm512_cvtepi32_ps
+#define vqf_hsum _mm512_reduce_add_ps
+/* [sum(a), sum(b), sum(c), sum(d)]: the four horizontal sums in one transposing pass (13 operations
+ * instead of 4 x 8 for four separate reductions; the tile's epilogue is a large share of its work when
+ * the integer inner loop is this short). */
+INLINE __m128 vqf_sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    /* 128-bit quarters: a, b, c, d partial sums of 4 lanes each (then the lanes of each quarter) */
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    const __m512 t = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4E));
+    const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), u));
+}
+/* 64 columns (two 16-byte blocks) as bytes in column order: each block copied to two 128-bit lanes,
+ * the second copy shifted right by 4 (its high nibbles), both masked. */
+INLINE vi widen4_u8(const uint8_t *p) {
+    const __m512i twice = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
+                                                   _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)));
+    const __m512i by4 = _mm512_set1_epi64(0x0004000400040004LL);
+    const __m512i shifts = _mm512_mask_blend_epi64(0xCC, _mm512_setzero_si512(), by4); /* lanes 1, 3: 4 */
+    return _mm512_and_si512(_mm512_srlv_epi16(twice, shifts), _mm512_set1_epi8(15));
+}
+#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__)
+#define QI_BYTES 32
+typedef __m256i vi;
+typedef __m256 vqf;
+#define vi_zero _mm256_setzero_si256
+#define vi_dot _mm256_dpbusd_avx_epi32
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_flip(v) _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80))
+#define vqf_zero _mm256_setzero_ps
+#define vqf_fma _mm256_fmadd_ps
+#define vqf_set1 _mm256_set1_ps
+#define vqf_from_int _mm256_cvtepi32_ps
+static inline float vqf_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+INLINE __m128 vqf_sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+/* 32 columns (one block) as bytes in column order: low nibbles, then high nibbles. */
+INLINE vi widen4_u8(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+}
+#else
+#define QI_BYTES 0
+#endif
+#if QI_BYTES
+#define QI_MR 4 /* register tile: up to 4 input rows x 3 weight rows */
+#define QI_NR 3
+
+typedef struct {
+    Problem p;
+    const int8_t *xq;     /* [M, Kp] */
+    const float *sx;      /* [M] */
+    const float *xhat;    /* [M, G]: sx * sum of xq over each group */
+} Q8;
+
+/* m' = the min of w = s * u + m' for the unsigned integers u (see above). */
+static inline float unsigned_min(const Problem *p, int64_t n, int64_t g) {
+    const float m = p->mins ? p->mins[n * p->G + g] : 0.f;
+    return p->bits == 4 ? m : m - 128.f * p->scales[n * p->G + g];
+}
+
+/* xq = round(x / sx) with sx = max|x| / 127 (returned); Kp is a multiple of 8. */
+static float quantize_row(const float *x, int64_t Kp, int8_t *xq) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 top = _mm256_setzero_ps();
+    for (int64_t k = 0; k < Kp; k += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    float lanes[8], amax = 0.f;
+    _mm256_storeu_ps(lanes, top);
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    for (int64_t k = 0; k < Kp; k += 8) {
+        const __m256i i32 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), inv)); /* to nearest */
+        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        _mm_storel_epi64((__m128i *)(xq + k), _mm_packs_epi16(i16, i16));
+    }
+    return amax / 127.f;
+}
+
+INLINE void q8_tile(const Q8 *q, int64_t m0, int64_t n0, const int MR, const int NR, const int BITS) {
+    const Problem *p = &q->p;
+    const uint8_t *rows[QI_NR];
+    for (int n = 0; n < NR; n++) rows[n] = p->data + (n0 + n) * row_bytes(p);
+    const int64_t units = p->Kp / QI_BYTES, per_group = p->group / QI_BYTES;
+    vqf total[QI_MR][QI_NR];
+    for (int m = 0; m < MR; m++)
+        for (int n = 0; n < NR; n++) total[m][n] = vqf_zero();
+    for (int64_t g = 0; g < p->G; g++) {
+        vi acc[QI_MR][QI_NR];
+        for (int m = 0; m < MR; m++)
+            for (int n = 0; n < NR; n++) acc[m][n] = vi_zero();
+        const int64_t last = min64((g + 1) * per_group, units);
+        for (int64_t u = g * per_group; u < last; u++) {
+            for (int n = 0; n < NR; n++) {
+                const vi w = BITS == 4 ? widen4_u8(rows[n] + u * (QI_BYTES / 2)) : vi_flip(vi_load(rows[n] + u * QI_BYTES));
+                for (int m = 0; m < MR; m++)
+                    acc[m][n] = vi_dot(acc[m][n], w, vi_load(q->xq + (m0 + m) * p->Kp + u * QI_BYTES));
+            }
+        }
+        for (int n = 0; n < NR; n++) {
+            const vqf s = vqf_set1(p->scales[(n0 + n) * p->G + g]);
+            for (int m = 0; m < MR; m++) total[m][n] = vqf_fma(vqf_from_int(acc[m][n]), s, total[m][n]);
+        }
+    }
+    /* Epilogue, 4 weight rows per vector: y = sx * dot + sum_g m'[n, g] * Xs[m, g] (+ bias). */
+    __m128 off[QI_MR];
+    for (int m = 0; m < MR; m++) off[m] = _mm_setzero_ps();
+    for (int64_t g = 0; g < p->G; g++) {
+        float mp[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int n = 0; n < NR; n++) mp[n] = unsigned_min(p, n0 + n, g);
+        const __m128 mv = _mm_loadu_ps(mp);
+        for (int m = 0; m < MR; m++) off[m] = _mm_fmadd_ps(mv, _mm_set1_ps(q->xhat[(m0 + m) * p->G + g]), off[m]);
+    }
+    float b[4] = {0.f, 0.f, 0.f, 0.f}, y[4];
+    for (int n = 0; n < NR; n++) b[n] = p->bias ? p->bias[n0 + n] : 0.f;
+    for (int m = 0; m < MR; m++) {
+        const vqf z = vqf_zero();
+        const __m128 dots = vqf_sum4(total[m][0], NR > 1 ? total[m][1] : z, NR > 2 ? total[m][2] : z, z);
+        const __m128 r = _mm_fmadd_ps(dots, _mm_set1_ps(q->sx[m0 + m]), _mm_add_ps(off[m], _mm_loadu_ps(b)));
+        _mm_storeu_ps(y, r);
+        for (int n = 0; n < NR; n++) p->out[(m0 + m) * p->ldo + n0 + n] = y[n];
+    }
+}
+
+#define Q8_FN(MR, NR, BITS) \
+    static void q8_##MR##_##NR##_##BITS(const Q8 *q, int64_t m0, int64_t n0) { q8_tile(q, m0, n0, MR, NR, BITS); }
+#define Q8_FNS(BITS) \
+    Q8_FN(1, 1, BITS) Q8_FN(1, 2, BITS) Q8_FN(1, 3, BITS) Q8_FN(2, 1, BITS) Q8_FN(2, 2, BITS) Q8_FN(2, 3, BITS) \
+    Q8_FN(3, 1, BITS) Q8_FN(3, 2, BITS) Q8_FN(3, 3, BITS) Q8_FN(4, 1, BITS) Q8_FN(4, 2, BITS) Q8_FN(4, 3, BITS)
+Q8_FNS(4)
+Q8_FNS(8)
+typedef void (*Q8Fn)(const Q8 *, int64_t, int64_t);
+#define Q8_TABLE(BITS)                                                      \
+    {{q8_1_1_##BITS, q8_1_2_##BITS, q8_1_3_##BITS}, {q8_2_1_##BITS, q8_2_2_##BITS, q8_2_3_##BITS}, \
+     {q8_3_1_##BITS, q8_3_2_##BITS, q8_3_3_##BITS}, {q8_4_1_##BITS, q8_4_2_##BITS, q8_4_3_##BITS}}
+static const Q8Fn Q8_4[QI_MR][QI_NR] = Q8_TABLE(4);
+static const Q8Fn Q8_8[QI_MR][QI_NR] = Q8_TABLE(8);
+
+static void q8(const Q8 *q, int64_t m0, int64_t n0, int mr, int nr) { (q->p.bits == 4 ? Q8_4 : Q8_8)[mr - 1][nr - 1](q, m0, n0); }
+
+/* Columns per integer vector: group sizes and Kp must be multiples of it. */
+int64_t quantized_q8_unit(void) { return QI_BYTES; }
+
+/* y = x W^T (+ bias) through int8 activations (see above). group and Kp: multiples of
+ * quantized_q8_unit(). workspace: (M + M * G) floats, then M * Kp bytes. */
+void quantized_linear_q8_f32(const float *x, const uint8_t *data, const float *scales, const float *mins,
+                             const float *bias, float *out, float *workspace, int64_t M, int64_t N, int64_t Kp,
+                             int64_t G, int64_t group, int64_t bits, int64_t ldx, int64_t ldo, int64_t num_threads) {
+    float *sx = workspace, *xhat = workspace + M;
+    int8_t *xq = (int8_t *)(workspace + M + M * G);
+    for (int64_t m = 0; m < M; m++) {
+        sx[m] = quantize_row(x + m * ldx, Kp, xq + m * Kp);
+        for (int64_t g = 0; g < G; g++) {
+            int32_t sum = 0;
+            for (int64_t k = g * group; k < min64((g + 1) * group, Kp); k++) sum += xq[m * Kp + k];
+            xhat[m * G + g] = sx[m] * (float)sum;
+        }
+    }
+    const Q8 q = {{x, NULL, data, scales, mins, bias, out, M, N, Kp, G, group, bits, ldx, ldo}, xq, sx, xhat};
+    /* Strips of 16 tiles, walked one input-row tile at a time: each output row is written in bursts
+     * (see quantized_linear_f32), and the strip's weight rows stay in L1/L2 for all the input rows. */
+    const int64_t strip = 16 * QI_NR, strips = (N + strip - 1) / strip;
+    if (num_threads > strips) num_threads = strips;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t s = 0; s < strips; s++) {
+        const int64_t first = s * strip, last = min64(first + strip, N);
+        for (int64_t m0 = 0; m0 < M; m0 += QI_MR)
+            for (int64_t n0 = first; n0 < last; n0 += QI_NR)
+                q8(&q, m0, n0, (int)min64(M - m0, QI_MR), (int)min64(last - n0, QI_NR));
+    }
+}
+#endif /* QI_BYTES */
+
 /* Weight rows [n0, n1) as floats (scale and min applied) into out [n1 - n0, Kp] (row stride Kp), for the
  * BLAS path; the padding columns hold min (x is zero there). */
 void quantized_dequantize_f32(const uint8_t *data, const float *scales, const float *mins, float *out, int64_t N,
