@@ -54,8 +54,9 @@ _SIGNATURES = {
     "quantized_dequantize_f32": [_POINTER] * 4 + [_I64] * 8,
     "quantized_linear_q8_f32": [_POINTER] * 7 + [_I64] * 9,  # only where the CPU has VNNI
     "quantized_q8_unit": [],
+    "quantized_q8_workspace": [_I64] * 5,
 }
-_RESULTS = {"quantized_q8_unit": _I64}  # the functions that return a value
+_RESULTS = {"quantized_q8_unit": _I64, "quantized_q8_workspace": _I64}  # the functions that return a value
 _lib: dict[str, Callable[..., None]] = {}  # C function name -> the ctypes function
 _failed = False
 build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # kernels.configure sets it
@@ -255,15 +256,16 @@ def reshape_and_cache(
 #   multiplies all input rows against it (4-bit blocks cost more to widen: strips pay off sooner);
 # - "int8" (where the CPU has VNNI): input rows quantized to int8 per row, integer dot products. Taken
 #   for 8-bit weights from 2 rows on (1.3-2x the fp32 matmul's speed here), and for 4-bit weights in
-#   groups of 128+ below the prefill sizes; with 64-column groups the per-group float work eats the gain.
-#   One row (single-stream decode) always keeps float activations;
+#   groups of 128 columns (or a multiple) from 8 rows to below the prefill sizes (1.4x the float strips);
+#   with 64-column groups the per-group float work eats the gain. One row (single-stream decode) always
+#   keeps float activations;
 # - "tiles" (prefill): _TILE_FLOATS of dequantized weight at a time, multiplied by oneDNN (this
 #   machine's fastest float32 matmul, 2x MKL's here) into the output columns of that tile.
 _STRIP_ROWS = {4: 8, 8: 32}
 _INT8_ROWS = {4: 8, 8: 2}
 _ONEDNN_ROWS = 64
 _STRIP_FLOATS = 1 << 14  # 64 KiB of dequantized weight per thread
-_STRIP_ALIGN = 3  # strips are whole register tiles (NR_MAX in quantized_matmul.c)
+_STRIP_ALIGN = 4  # strips are whole register tiles (NR_MAX in quantized_matmul.c)
 _TILE_FLOATS = 1 << 17  # 512 KiB of dequantized weight per oneDNN tile
 _THREADED_WORK = 1 << 16  # multiply-adds below which one thread is faster than waking the others
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -291,11 +293,16 @@ def path(lib, rows: int, packed: PackedWeight) -> str:
     if key not in _q8_units:  # (a library built without VNNI has no integer path)
         _q8_units[key] = lib["quantized_q8_unit"]() if "quantized_q8_unit" in lib else 0
     unit = _q8_units[key]
-    int8_fits = (
-        unit > 0
-        and packed.group_size % unit == 0
-        and packed.padded_in_features % unit == 0
-        and (packed.num_groups == 1 or packed.group_size >= 2 * unit)
+    # 4-bit groups share vectors lane by lane, which pays off from 128 columns per group (measured: with
+    # 64, the float strips are faster); 8-bit groups must fill whole vectors.
+    int8_fits = unit > 0 and (
+        (packed.bits == 4 and packed.group_size % 128 == 0)
+        or (
+            packed.bits == 8
+            and packed.group_size % unit == 0
+            and packed.padded_in_features % unit == 0
+            and (packed.num_groups == 1 or packed.group_size >= 2 * unit)
+        )
     )
     if int8_fits and rows >= _INT8_ROWS[packed.bits] and (packed.bits == 8 or rows < _ONEDNN_ROWS):
         return "int8"
@@ -331,7 +338,9 @@ def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Te
     ]
     sizes = [m, n, kp, packed.num_groups, packed.group_size, packed.bits, rows.stride(0), n]
     if way == "int8":  # workspace: per-row scales, per-group sums, then the int8 rows
-        workspace = _scratch(m + m * packed.num_groups + -(-m * kp // 4))
+        workspace = _scratch(
+            lib["quantized_q8_workspace"](m, kp, packed.num_groups, packed.group_size, packed.bits, threads)
+        )
         lib["quantized_linear_q8_f32"](rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, threads)
     else:
         if way == "fused":  # workspace: the group sums of x

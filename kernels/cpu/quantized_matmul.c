@@ -37,6 +37,17 @@ typedef __m512 vf;
 #define vstore _mm512_storeu_ps
 #define vset1 _mm512_set1_ps
 #define vhsum _mm512_reduce_add_ps
+/* [sum(a), sum(b), sum(c), sum(d)]: four horizontal sums in one transposing pass (13 operations instead
+ * of 4 x 8 for four separate reductions: a large share of a tile's work when K is short). */
+static inline __m128 vsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    /* 128-bit quarters: a, b, c, d partial sums of 4 lanes each (then the lanes of each quarter) */
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    const __m512 t = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4E));
+    const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), u));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QL_VL 8
@@ -52,6 +63,10 @@ static inline float vhsum(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+static inline __m128 vsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
 #else
 #define QL_VL 0
 #endif
@@ -59,8 +74,8 @@ static inline float vhsum(__m256 v) {
 #define BLOCK 32
 #define FUSED_MR 4 /* fused tiles: up to 4 input rows x 8 weight rows (fused_nr() below) */
 #define FUSED_NR 8
-#define MR_MAX 4   /* register tile of the strip path: up to 4 input rows x 3 weight rows */
-#define NR_MAX 3
+#define MR_MAX 4   /* register tile of the strip path: up to 4 input rows x 4 weight rows */
+#define NR_MAX 4
 #define INLINE static inline __attribute__((always_inline))
 
 typedef struct {
@@ -220,25 +235,28 @@ INLINE void dense_tile(const Problem *p, const float *w, int64_t m0, int64_t n0,
             for (int n = 0; n < NR; n++) acc[m][n] = vfma(wv[n], xv, acc[m][n]);
         }
     }
-    for (int m = 0; m < MR; m++)
-        for (int n = 0; n < NR; n++) {
-            const float y = vhsum(acc[m][n]);
-            p->out[(m0 + m) * p->ldo + n0 + n] = p->bias ? y + p->bias[n0 + n] : y;
-        }
+    float b[4] = {0.f, 0.f, 0.f, 0.f}, y[4];
+    for (int n = 0; n < NR; n++) b[n] = p->bias ? p->bias[n0 + n] : 0.f;
+    for (int m = 0; m < MR; m++) {
+        const vf z = vzero();
+        const __m128 sums = vsum4(acc[m][0], NR > 1 ? acc[m][1] : z, NR > 2 ? acc[m][2] : z, NR > 3 ? acc[m][3] : z);
+        _mm_storeu_ps(y, _mm_add_ps(sums, _mm_loadu_ps(b)));
+        for (int n = 0; n < NR; n++) p->out[(m0 + m) * p->ldo + n0 + n] = y[n];
+    }
 }
 
 #define DENSE_FN(MR, NR) \
     static void dense_##MR##_##NR(const Problem *p, const float *w, int64_t m0, int64_t n0) { dense_tile(p, w, m0, n0, MR, NR); }
-#define DENSE_FNS(MR) DENSE_FN(MR, 1) DENSE_FN(MR, 2) DENSE_FN(MR, 3)
+#define DENSE_FNS(MR) DENSE_FN(MR, 1) DENSE_FN(MR, 2) DENSE_FN(MR, 3) DENSE_FN(MR, 4)
 DENSE_FNS(1)
 DENSE_FNS(2)
 DENSE_FNS(3)
 DENSE_FNS(4)
 typedef void (*DenseFn)(const Problem *, const float *, int64_t, int64_t);
-static const DenseFn DENSE[MR_MAX][NR_MAX] = {{dense_1_1, dense_1_2, dense_1_3},
-                                              {dense_2_1, dense_2_2, dense_2_3},
-                                              {dense_3_1, dense_3_2, dense_3_3},
-                                              {dense_4_1, dense_4_2, dense_4_3}};
+static const DenseFn DENSE[MR_MAX][NR_MAX] = {{dense_1_1, dense_1_2, dense_1_3, dense_1_4},
+                                              {dense_2_1, dense_2_2, dense_2_3, dense_2_4},
+                                              {dense_3_1, dense_3_2, dense_3_3, dense_3_4},
+                                              {dense_4_1, dense_4_2, dense_4_3, dense_4_4}};
 
 static void dense(const Problem *p, const float *w, int64_t m0, int64_t n0, int mr, int nr) {
     DENSE[mr - 1][nr - 1](p, w, m0, n0);
@@ -343,83 +361,85 @@ void quantized_linear_f32(const float *x, const uint8_t *data, const float *scal
  *     y[m, n] = sx[m] * sum_g s[n, g] * D[m, n, g] + sum_g m'[n, g] * Xs[m, g] (+ bias)
  * where D is the exact integer sum of u * xq over group g and Xs[m, g] = sx[m] * sum_g xq: the result is
  * exactly what the quantized x (not x) gives with the true weights, up to float rounding; the error
- * against x is at most sum_k |w[n, k]| * sx[m] / 2. Groups must be whole vectors (QI_BYTES columns).
+ * against x is at most sum_k |w[n, k]| * sx[m] / 2.
+ *
+ * Each group's integer sum must be turned into a float and scaled (2 float operations per group, input
+ * row and weight row), which for 64-column groups would cost as much as the dot products. So for 4 bits
+ * the 128-bit lanes of a vector hold different groups: lane L of "super-unit" (q, j) holds block j of
+ * virtual group 4q + L (a virtual group: VB consecutive blocks of one group, VB <= 4 dividing the
+ * group's blocks), its low nibbles in the first vector and its high nibbles in the second; xq is
+ * rearranged the same way. A quad of virtual groups then needs one conversion and one multiply by a
+ * vector of four scales, after 2 * VB dot products. 8-bit weights (usually one group per row) keep the
+ * plain column order, in groups of whole vectors.
  * Built only where the CPU has VNNI (AVX-512 VNNI, or AVX-VNNI on 256-bit vectors): elsewhere these
  * functions do not exist and kernels/cpu/__init__.py keeps float activations. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define QI_BYTES 64
 typedef __m512i vi;
-typedef __m512 vqf;
 #define vi_zero _mm512_setzero_si512
 #define vi_dot _mm512_dpbusd_epi32
 #define vi_load(p) _mm512_loadu_si512((const void *)(p))
 #define vi_flip(v) _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80))
-#define vqf_zero _mm512_setzero_ps
-#define vqf_fma _mm512_fmadd_ps
-#define vqf_set1 _mm512_set1_ps
-#define vqf_from_int _mm512_cvtepi32_ps
-#define vqf_hsum _mm512_reduce_add_ps
-/* [sum(a), sum(b), sum(c), sum(d)]: the four horizontal sums in one transposing pass (13 operations
- * instead of 4 x 8 for four separate reductions; the tile's epilogue is a large share of its work when
- * the integer inner loop is this short). */
-INLINE __m128 vqf_sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
-    /* 128-bit quarters: a, b, c, d partial sums of 4 lanes each (then the lanes of each quarter) */
-    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
-    const __m512 t = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4E));
-    const __m512 u = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
-    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), u));
+#define vi_float _mm512_cvtepi32_ps
+#define vi_nibbles(v) _mm512_and_si512(v, _mm512_set1_epi8(15))
+#define vi_high(v) _mm512_srli_epi16(v, 4)
+/* Four 16-byte blocks, one per 128-bit lane. */
+INLINE vi load_lanes(const uint8_t *row, const int64_t at[4]) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(row + at[0])));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(row + at[1])), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(row + at[2])), 2);
+    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(row + at[3])), 3);
 }
-/* 64 columns (two 16-byte blocks) as bytes in column order: each block copied to two 128-bit lanes,
- * the second copy shifted right by 4 (its high nibbles), both masked. */
-INLINE vi widen4_u8(const uint8_t *p) {
-    const __m512i twice = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
-                                                   _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p)));
-    const __m512i by4 = _mm512_set1_epi64(0x0004000400040004LL);
-    const __m512i shifts = _mm512_mask_blend_epi64(0xCC, _mm512_setzero_si512(), by4); /* lanes 1, 3: 4 */
-    return _mm512_and_si512(_mm512_srlv_epi16(twice, shifts), _mm512_set1_epi8(15));
+/* [s0 x4, s1 x4, s2 x4, s3 x4]: one scale per lane. */
+INLINE vf lane_scales(const float s[4]) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_castps128_ps512(_mm_loadu_ps(s)));
 }
-#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVXVNNI__) && QL_VL == 8 /* (the float vectors must be as wide as the integer ones) */
 #define QI_BYTES 32
 typedef __m256i vi;
-typedef __m256 vqf;
 #define vi_zero _mm256_setzero_si256
 #define vi_dot _mm256_dpbusd_avx_epi32
 #define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
 #define vi_flip(v) _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80))
-#define vqf_zero _mm256_setzero_ps
-#define vqf_fma _mm256_fmadd_ps
-#define vqf_set1 _mm256_set1_ps
-#define vqf_from_int _mm256_cvtepi32_ps
-static inline float vqf_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+#define vi_float _mm256_cvtepi32_ps
+#define vi_nibbles(v) _mm256_and_si256(v, _mm256_set1_epi8(15))
+#define vi_high(v) _mm256_srli_epi16(v, 4)
+INLINE vi load_lanes(const uint8_t *row, const int64_t at[2]) {
+    return _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(row + at[1])), _mm_loadu_si128((const __m128i *)(row + at[0])));
 }
-INLINE __m128 vqf_sum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
-}
-/* 32 columns (one block) as bytes in column order: low nibbles, then high nibbles. */
-INLINE vi widen4_u8(const uint8_t *p) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
-}
+INLINE vf lane_scales(const float s[2]) { return _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0])); }
 #else
 #define QI_BYTES 0
 #endif
 #if QI_BYTES
+#define LANES (QI_BYTES / 16)
 #define QI_MR 4 /* register tile: up to 4 input rows x 3 weight rows */
 #define QI_NR 3
 
 typedef struct {
     Problem p;
-    const int8_t *xq;     /* [M, Kp] */
-    const float *sx;      /* [M] */
-    const float *xhat;    /* [M, G]: sx * sum of xq over each group */
+    const int8_t *xq;  /* [M, row]: 8 bits: x's columns in order; 4 bits: in super-units (see above) */
+    const float *sx;   /* [M] */
+    const float *xs_t; /* [G, M]: sx * the sum of xq over each group */
+    int64_t row;          /* bytes per row of xq */
+    int64_t vb, quads;    /* 4 bits: blocks per virtual group, quads of virtual groups */
+    const int32_t *owner; /* 4 bits: [quads * LANES] the group of each virtual group, -1 past the end */
 } Q8;
+
+/* Blocks per virtual group: the largest divisor of the group's blocks that is at most 4. */
+static int64_t virtual_blocks(int64_t group) {
+    const int64_t blocks = group / BLOCK;
+    for (int64_t vb = 4; vb > 1; vb--)
+        if (blocks % vb == 0) return vb;
+    return 1;
+}
+
+static int64_t xq_row_bytes(int64_t Kp, int64_t group, int64_t bits) {
+    if (bits == 8) return Kp;
+    const int64_t vb = virtual_blocks(group), virtual_groups = (Kp / BLOCK + vb - 1) / vb;
+    return (virtual_groups + LANES - 1) / LANES * vb * 2 * QI_BYTES;
+}
 
 /* m' = the min of w = s * u + m' for the unsigned integers u (see above). */
 static inline float unsigned_min(const Problem *p, int64_t n, int64_t g) {
@@ -444,86 +464,164 @@ static float quantize_row(const float *x, int64_t Kp, int8_t *xq) {
     return amax / 127.f;
 }
 
-INLINE void q8_tile(const Q8 *q, int64_t m0, int64_t n0, const int MR, const int NR, const int BITS) {
+/* The 4-bit layout of one row of xq (natural order in `in`): for each super-unit (q, j) the low-nibble
+ * vector's bytes then the high-nibble vector's, lane L holding columns 0..15 / 16..31 of block
+ * (4q + L) * VB + j, or zeros past the last block. */
+static void arrange_row(const int8_t *in, int64_t Kp, int64_t vb, int64_t quads, int8_t *out) {
+    const int64_t blocks = Kp / BLOCK;
+    for (int64_t q = 0; q < quads; q++)
+        for (int64_t j = 0; j < vb; j++) {
+            int8_t *unit = out + (q * vb + j) * 2 * QI_BYTES;
+            for (int64_t lane = 0; lane < LANES; lane++) {
+                const int64_t b = (q * LANES + lane) * vb + j;
+                if (b < blocks) {
+                    memcpy(unit + lane * 16, in + b * BLOCK, 16);
+                    memcpy(unit + QI_BYTES + lane * 16, in + b * BLOCK + 16, 16);
+                } else {
+                    memset(unit + lane * 16, 0, 16);
+                    memset(unit + QI_BYTES + lane * 16, 0, 16);
+                }
+            }
+        }
+}
+
+/* The tile's outputs: y = sx * dot + sum_g m'[n, g] * Xs[m, g] (+ bias), four weight rows per vector.
+ * total[m][n]: the scaled integer sums, lanes still to be added up. The mins' terms are summed over the
+ * groups for four input rows at a time (Xs transposed: [G, M], rows m0.. adjacent), then transposed. */
+INLINE void q8_store(const Q8 *q, int64_t m0, int64_t n0, const int MR, const int NR, vf total[QI_MR][QI_NR]) {
     const Problem *p = &q->p;
-    const uint8_t *rows[QI_NR];
-    for (int n = 0; n < NR; n++) rows[n] = p->data + (n0 + n) * row_bytes(p);
+    __m128 off[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+    for (int64_t g = 0; g < p->G; g++) {
+        float xs[4] = {0.f, 0.f, 0.f, 0.f};
+        memcpy(xs, q->xs_t + g * p->M + m0, sizeof(float) * MR);
+        const __m128 xv = _mm_loadu_ps(xs);
+        for (int n = 0; n < NR; n++) off[n] = _mm_fmadd_ps(_mm_set1_ps(unsigned_min(p, n0 + n, g)), xv, off[n]);
+    }
+    _MM_TRANSPOSE4_PS(off[0], off[1], off[2], off[3]); /* now off[m] holds the weight rows n0.. */
+    float b[4] = {0.f, 0.f, 0.f, 0.f}, y[4];
+    for (int n = 0; n < NR; n++) b[n] = p->bias ? p->bias[n0 + n] : 0.f;
+    const __m128 bv = _mm_loadu_ps(b);
+    for (int m = 0; m < MR; m++) {
+        const vf z = vzero();
+        const __m128 dots = vsum4(total[m][0], NR > 1 ? total[m][1] : z, NR > 2 ? total[m][2] : z, z);
+        _mm_storeu_ps(y, _mm_fmadd_ps(dots, _mm_set1_ps(q->sx[m0 + m]), _mm_add_ps(off[m], bv)));
+        for (int n = 0; n < NR; n++) p->out[(m0 + m) * p->ldo + n0 + n] = y[n];
+    }
+}
+
+/* 8-bit weights, columns in order: groups of whole vectors. */
+INLINE void q8_tile8(const Q8 *q, int64_t m0, int64_t n0, const int MR, const int NR) {
+    const Problem *p = &q->p;
     const int64_t units = p->Kp / QI_BYTES, per_group = p->group / QI_BYTES;
-    vqf total[QI_MR][QI_NR];
+    vf total[QI_MR][QI_NR];
     for (int m = 0; m < MR; m++)
-        for (int n = 0; n < NR; n++) total[m][n] = vqf_zero();
+        for (int n = 0; n < NR; n++) total[m][n] = vzero();
     for (int64_t g = 0; g < p->G; g++) {
         vi acc[QI_MR][QI_NR];
         for (int m = 0; m < MR; m++)
             for (int n = 0; n < NR; n++) acc[m][n] = vi_zero();
         const int64_t last = min64((g + 1) * per_group, units);
-        for (int64_t u = g * per_group; u < last; u++) {
+        for (int64_t u = g * per_group; u < last; u++)
             for (int n = 0; n < NR; n++) {
-                const vi w = BITS == 4 ? widen4_u8(rows[n] + u * (QI_BYTES / 2)) : vi_flip(vi_load(rows[n] + u * QI_BYTES));
+                const vi w = vi_flip(vi_load(p->data + (n0 + n) * p->Kp + u * QI_BYTES));
                 for (int m = 0; m < MR; m++)
-                    acc[m][n] = vi_dot(acc[m][n], w, vi_load(q->xq + (m0 + m) * p->Kp + u * QI_BYTES));
+                    acc[m][n] = vi_dot(acc[m][n], w, vi_load(q->xq + (m0 + m) * q->row + u * QI_BYTES));
             }
-        }
         for (int n = 0; n < NR; n++) {
-            const vqf s = vqf_set1(p->scales[(n0 + n) * p->G + g]);
-            for (int m = 0; m < MR; m++) total[m][n] = vqf_fma(vqf_from_int(acc[m][n]), s, total[m][n]);
+            const vf s = vset1(p->scales[(n0 + n) * p->G + g]);
+            for (int m = 0; m < MR; m++) total[m][n] = vfma(vi_float(acc[m][n]), s, total[m][n]);
         }
     }
-    /* Epilogue, 4 weight rows per vector: y = sx * dot + sum_g m'[n, g] * Xs[m, g] (+ bias). */
-    __m128 off[QI_MR];
-    for (int m = 0; m < MR; m++) off[m] = _mm_setzero_ps();
-    for (int64_t g = 0; g < p->G; g++) {
-        float mp[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int n = 0; n < NR; n++) mp[n] = unsigned_min(p, n0 + n, g);
-        const __m128 mv = _mm_loadu_ps(mp);
-        for (int m = 0; m < MR; m++) off[m] = _mm_fmadd_ps(mv, _mm_set1_ps(q->xhat[(m0 + m) * p->G + g]), off[m]);
-    }
-    float b[4] = {0.f, 0.f, 0.f, 0.f}, y[4];
-    for (int n = 0; n < NR; n++) b[n] = p->bias ? p->bias[n0 + n] : 0.f;
-    for (int m = 0; m < MR; m++) {
-        const vqf z = vqf_zero();
-        const __m128 dots = vqf_sum4(total[m][0], NR > 1 ? total[m][1] : z, NR > 2 ? total[m][2] : z, z);
-        const __m128 r = _mm_fmadd_ps(dots, _mm_set1_ps(q->sx[m0 + m]), _mm_add_ps(off[m], _mm_loadu_ps(b)));
-        _mm_storeu_ps(y, r);
-        for (int n = 0; n < NR; n++) p->out[(m0 + m) * p->ldo + n0 + n] = y[n];
-    }
+    q8_store(q, m0, n0, MR, NR, total);
 }
 
-#define Q8_FN(MR, NR, BITS) \
-    static void q8_##MR##_##NR##_##BITS(const Q8 *q, int64_t m0, int64_t n0) { q8_tile(q, m0, n0, MR, NR, BITS); }
-#define Q8_FNS(BITS) \
-    Q8_FN(1, 1, BITS) Q8_FN(1, 2, BITS) Q8_FN(1, 3, BITS) Q8_FN(2, 1, BITS) Q8_FN(2, 2, BITS) Q8_FN(2, 3, BITS) \
-    Q8_FN(3, 1, BITS) Q8_FN(3, 2, BITS) Q8_FN(3, 3, BITS) Q8_FN(4, 1, BITS) Q8_FN(4, 2, BITS) Q8_FN(4, 3, BITS)
-Q8_FNS(4)
-Q8_FNS(8)
+/* 4-bit weights: quads of virtual groups, one per lane (see above). */
+INLINE void q8_tile4(const Q8 *q, int64_t m0, int64_t n0, const int MR, const int NR) {
+    const Problem *p = &q->p;
+    const int64_t blocks = p->Kp / BLOCK, vb = q->vb;
+    vf total[QI_MR][QI_NR];
+    for (int m = 0; m < MR; m++)
+        for (int n = 0; n < NR; n++) total[m][n] = vzero();
+    for (int64_t quad = 0; quad < q->quads; quad++) {
+        vi acc[QI_MR][QI_NR];
+        for (int m = 0; m < MR; m++)
+            for (int n = 0; n < NR; n++) acc[m][n] = vi_zero();
+        for (int64_t j = 0; j < vb; j++) {
+            const int8_t *x = q->xq + (quad * vb + j) * 2 * QI_BYTES;
+            int64_t at[LANES]; /* byte offsets of the lanes' blocks; past the end (x is zero there): block 0 */
+            for (int lane = 0; lane < LANES; lane++) {
+                const int64_t b = (quad * LANES + lane) * vb + j;
+                at[lane] = (b < blocks ? b : 0) * (BLOCK / 2);
+            }
+            for (int n = 0; n < NR; n++) {
+                const vi bytes = load_lanes(p->data + (n0 + n) * (p->Kp / 2), at), low = vi_nibbles(bytes), high = vi_nibbles(vi_high(bytes));
+                for (int m = 0; m < MR; m++) {
+                    const int8_t *xm = x + (m0 + m) * q->row;
+                    acc[m][n] = vi_dot(vi_dot(acc[m][n], low, vi_load(xm)), high, vi_load(xm + QI_BYTES));
+                }
+            }
+        }
+        const int32_t *owner = q->owner + quad * LANES;
+        for (int n = 0; n < NR; n++) {
+            float s[LANES];
+            for (int lane = 0; lane < LANES; lane++) s[lane] = owner[lane] < 0 ? 0.f : p->scales[(n0 + n) * p->G + owner[lane]];
+            const vf sv = lane_scales(s);
+            for (int m = 0; m < MR; m++) total[m][n] = vfma(vi_float(acc[m][n]), sv, total[m][n]);
+        }
+    }
+    q8_store(q, m0, n0, MR, NR, total);
+}
+
+#define Q8_FN(MR, NR)                                                                                        \
+    static void q8_##MR##_##NR##_4(const Q8 *q, int64_t m0, int64_t n0) { q8_tile4(q, m0, n0, MR, NR); } \
+    static void q8_##MR##_##NR##_8(const Q8 *q, int64_t m0, int64_t n0) { q8_tile8(q, m0, n0, MR, NR); }
+Q8_FN(1, 1) Q8_FN(1, 2) Q8_FN(1, 3) Q8_FN(2, 1) Q8_FN(2, 2) Q8_FN(2, 3)
+Q8_FN(3, 1) Q8_FN(3, 2) Q8_FN(3, 3) Q8_FN(4, 1) Q8_FN(4, 2) Q8_FN(4, 3)
 typedef void (*Q8Fn)(const Q8 *, int64_t, int64_t);
-#define Q8_TABLE(BITS)                                                      \
+#define Q8_TABLE(BITS)                                                                             \
     {{q8_1_1_##BITS, q8_1_2_##BITS, q8_1_3_##BITS}, {q8_2_1_##BITS, q8_2_2_##BITS, q8_2_3_##BITS}, \
      {q8_3_1_##BITS, q8_3_2_##BITS, q8_3_3_##BITS}, {q8_4_1_##BITS, q8_4_2_##BITS, q8_4_3_##BITS}}
 static const Q8Fn Q8_4[QI_MR][QI_NR] = Q8_TABLE(4);
 static const Q8Fn Q8_8[QI_MR][QI_NR] = Q8_TABLE(8);
 
-static void q8(const Q8 *q, int64_t m0, int64_t n0, int mr, int nr) { (q->p.bits == 4 ? Q8_4 : Q8_8)[mr - 1][nr - 1](q, m0, n0); }
+static void q8(const Q8 *q, int64_t m0, int64_t n0, int mr, int nr) {
+    (q->p.bits == 4 ? Q8_4 : Q8_8)[mr - 1][nr - 1](q, m0, n0);
+}
 
-/* Columns per integer vector: group sizes and Kp must be multiples of it. */
+/* Bytes per integer vector: for 8 bits, group sizes and Kp must be multiples of it. */
 int64_t quantized_q8_unit(void) { return QI_BYTES; }
 
-/* y = x W^T (+ bias) through int8 activations (see above). group and Kp: multiples of
- * quantized_q8_unit(). workspace: (M + M * G) floats, then M * Kp bytes. */
+/* Floats of workspace quantized_linear_q8_f32 needs: sx, Xs (transposed), the owners table, then the
+ * int8 rows. */
+int64_t quantized_q8_workspace(int64_t M, int64_t Kp, int64_t G, int64_t group, int64_t bits) {
+    const int64_t bytes = bits == 4 ? M * (Kp + xq_row_bytes(Kp, group, bits)) : M * Kp;
+    return M + M * G + Kp / BLOCK + LANES + (bytes + 3) / 4;
+}
+
+/* y = x W^T (+ bias) through int8 activations (see above). workspace: quantized_q8_workspace() floats. */
 void quantized_linear_q8_f32(const float *x, const uint8_t *data, const float *scales, const float *mins,
                              const float *bias, float *out, float *workspace, int64_t M, int64_t N, int64_t Kp,
                              int64_t G, int64_t group, int64_t bits, int64_t ldx, int64_t ldo, int64_t num_threads) {
-    float *sx = workspace, *xhat = workspace + M;
-    int8_t *xq = (int8_t *)(workspace + M + M * G);
+    float *sx = workspace, *xs_t = workspace + M;
+    int32_t *owner = (int32_t *)(workspace + M + M * G);
+    int8_t *natural = (int8_t *)(workspace + M + M * G + Kp / BLOCK + LANES), *xq = natural;
+    const int64_t row = xq_row_bytes(Kp, group, bits), vb = bits == 4 ? virtual_blocks(group) : 1;
+    const int64_t virtual_groups = (Kp / BLOCK + vb - 1) / vb, quads = (virtual_groups + LANES - 1) / LANES;
+    if (bits == 4) {
+        xq = natural + M * Kp; /* the rearranged rows follow the natural ones */
+        for (int64_t v = 0; v < quads * LANES; v++) owner[v] = v < virtual_groups ? (int32_t)(v * vb * BLOCK / group) : -1;
+    }
     for (int64_t m = 0; m < M; m++) {
-        sx[m] = quantize_row(x + m * ldx, Kp, xq + m * Kp);
+        sx[m] = quantize_row(x + m * ldx, Kp, natural + m * Kp);
         for (int64_t g = 0; g < G; g++) {
             int32_t sum = 0;
-            for (int64_t k = g * group; k < min64((g + 1) * group, Kp); k++) sum += xq[m * Kp + k];
-            xhat[m * G + g] = sx[m] * (float)sum;
+            for (int64_t k = g * group; k < min64((g + 1) * group, Kp); k++) sum += natural[m * Kp + k];
+            xs_t[g * M + m] = sx[m] * (float)sum;
         }
+        if (bits == 4) arrange_row(natural + m * Kp, Kp, vb, quads, xq + m * row);
     }
-    const Q8 q = {{x, NULL, data, scales, mins, bias, out, M, N, Kp, G, group, bits, ldx, ldo}, xq, sx, xhat};
+    const Q8 q = {{x, NULL, data, scales, mins, bias, out, M, N, Kp, G, group, bits, ldx, ldo}, xq, sx, xs_t, row,
+                  vb, quads, owner};
     /* Strips of 16 tiles, walked one input-row tile at a time: each output row is written in bursts
      * (see quantized_linear_f32), and the strip's weight rows stay in L1/L2 for all the input rows. */
     const int64_t strip = 16 * QI_NR, strips = (N + strip - 1) / strip;

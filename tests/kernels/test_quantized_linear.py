@@ -293,12 +293,7 @@ def variant_libraries(tmp_path_factory):
         subprocess.run([compiler, *flags, str(source), "-o", str(target), "-lm"], check=True, capture_output=True)
         lib = ctypes.CDLL(str(target))
         functions = {}
-        for symbol in (
-            "quantized_linear_f32",
-            "quantized_dequantize_f32",
-            "quantized_linear_q8_f32",
-            "quantized_q8_unit",
-        ):
+        for symbol in cpu._SIGNATURES:
             if hasattr(lib, symbol):
                 fn = getattr(lib, symbol)
                 fn.argtypes, fn.restype = cpu._SIGNATURES[symbol], cpu._RESULTS.get(symbol)
