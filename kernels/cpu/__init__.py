@@ -254,15 +254,15 @@ def reshape_and_cache(
 # - "fused" (few rows): every weight block widened to floats in registers, once per tile of input rows;
 # - "strips": each thread dequantizes a strip of weight rows into a workspace that stays in L2 and
 #   multiplies all input rows against it (4-bit blocks cost more to widen: strips pay off sooner);
-# - "int8" (where the CPU has VNNI): input rows quantized to int8 per row, integer dot products. Taken
-#   for 8-bit weights from 2 rows on (1.3-2x the fp32 matmul's speed here), and for 4-bit weights in
-#   groups of 128 columns (or a multiple) from 8 rows to below the prefill sizes (1.4x the float strips);
-#   with 64-column groups the per-group float work eats the gain. One row (single-stream decode) always
-#   keeps float activations;
+# - "int8" (where the CPU has VNNI), from 2 rows on: input rows quantized to int8 per row, integer dot
+#   products. 8-bit weights: 1.5-2.5x the fp32 matmul's speed here at any row count. 4-bit weights in
+#   groups of 128 columns: ~1.4x the float strips at any row count; in groups of 64: ~1.1-1.3x below
+#   _INT4_G64_ROWS, slower beyond (the per-group float work eats the gain); other groups: float. One row
+#   (single-stream decode) always keeps float activations;
 # - "tiles" (prefill): _TILE_FLOATS of dequantized weight at a time, multiplied by oneDNN (this
 #   machine's fastest float32 matmul, 2x MKL's here) into the output columns of that tile.
 _STRIP_ROWS = {4: 8, 8: 32}
-_INT8_ROWS = {4: 8, 8: 2}
+_INT4_G64_ROWS = 32  # 4-bit weights in 64-column groups: from here on, the float paths are faster
 _ONEDNN_ROWS = 64
 _STRIP_FLOATS = 1 << 14  # 64 KiB of dequantized weight per thread
 _STRIP_ALIGN = 4  # strips are whole register tiles (NR_MAX in quantized_matmul.c)
@@ -288,27 +288,28 @@ def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
 
 
 def path(lib, rows: int, packed: PackedWeight) -> str:
-    """ "fused", "strips", "int8" or "tiles": how `rows` input rows go through `packed` with `lib`."""
-    key = id(lib["quantized_linear_f32"])
-    if key not in _q8_units:  # (a library built without VNNI has no integer path)
-        _q8_units[key] = lib["quantized_q8_unit"]() if "quantized_q8_unit" in lib else 0
-    unit = _q8_units[key]
-    # 4-bit groups share vectors lane by lane, which pays off from 128 columns per group (measured: with
-    # 64, the float strips are faster); 8-bit groups must fill whole vectors.
-    int8_fits = unit > 0 and (
-        (packed.bits == 4 and packed.group_size % 128 == 0)
-        or (
-            packed.bits == 8
-            and packed.group_size % unit == 0
-            and packed.padded_in_features % unit == 0
-            and (packed.num_groups == 1 or packed.group_size >= 2 * unit)
-        )
-    )
-    if int8_fits and rows >= _INT8_ROWS[packed.bits] and (packed.bits == 8 or rows < _ONEDNN_ROWS):
+    """How `rows` input rows go through `packed` with `lib`: "fused", "strips", "int8" or "tiles"."""
+    if rows >= 2 and _int8_activations_pay(lib, rows, packed):
         return "int8"
     if rows >= _ONEDNN_ROWS:
         return "tiles"
     return "fused" if rows < _STRIP_ROWS[packed.bits] else "strips"
+
+
+def _int8_activations_pay(lib, rows: int, packed: PackedWeight) -> bool:
+    key = id(lib["quantized_linear_f32"])
+    if key not in _q8_units:  # (a library built without VNNI has no integer path)
+        _q8_units[key] = lib["quantized_q8_unit"]() if "quantized_q8_unit" in lib else 0
+    unit = _q8_units[key]
+    if not unit:
+        return False
+    if packed.bits == 8:  # one group per row, or groups of whole vectors
+        return (
+            packed.group_size % unit == 0
+            and packed.padded_in_features % unit == 0
+            and (packed.num_groups == 1 or packed.group_size >= 2 * unit)
+        )
+    return packed.group_size % 128 == 0 or (packed.group_size % 64 == 0 and rows < _INT4_G64_ROWS)
 
 
 def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -71,6 +71,15 @@ static inline __m128 vsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 #define QL_VL 0
 #endif
 
+#if QL_VL
+/* Lanes [0, count) of 4 floats: loaded, stored (masked: no scalar stores and vector reloads between,
+ * which stall store-to-load forwarding). */
+static inline __m128i first_lanes(int count) { return _mm_cmpgt_epi32(_mm_set1_epi32(count), _mm_setr_epi32(0, 1, 2, 3)); }
+static inline __m128 load_first(const float *p, int count) {
+    return p ? _mm_maskload_ps(p, first_lanes(count)) : _mm_setzero_ps();
+}
+#endif
+
 #define BLOCK 32
 #define FUSED_MR 4 /* fused tiles: up to 4 input rows x 8 weight rows (fused_nr() below) */
 #define FUSED_NR 8
@@ -235,13 +244,11 @@ INLINE void dense_tile(const Problem *p, const float *w, int64_t m0, int64_t n0,
             for (int n = 0; n < NR; n++) acc[m][n] = vfma(wv[n], xv, acc[m][n]);
         }
     }
-    float b[4] = {0.f, 0.f, 0.f, 0.f}, y[4];
-    for (int n = 0; n < NR; n++) b[n] = p->bias ? p->bias[n0 + n] : 0.f;
+    const __m128 b = load_first(p->bias ? p->bias + n0 : NULL, NR);
     for (int m = 0; m < MR; m++) {
         const vf z = vzero();
         const __m128 sums = vsum4(acc[m][0], NR > 1 ? acc[m][1] : z, NR > 2 ? acc[m][2] : z, NR > 3 ? acc[m][3] : z);
-        _mm_storeu_ps(y, _mm_add_ps(sums, _mm_loadu_ps(b)));
-        for (int n = 0; n < NR; n++) p->out[(m0 + m) * p->ldo + n0 + n] = y[n];
+        _mm_maskstore_ps(p->out + (m0 + m) * p->ldo + n0, first_lanes(NR), _mm_add_ps(sums, b));
     }
 }
 
@@ -391,9 +398,9 @@ INLINE vi load_lanes(const uint8_t *row, const int64_t at[4]) {
     return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(row + at[3])), 3);
 }
 /* [s0 x4, s1 x4, s2 x4, s3 x4]: one scale per lane. */
-INLINE vf lane_scales(const float s[4]) {
+INLINE vf lane_scales(__m128 s) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                 _mm512_castps128_ps512(_mm_loadu_ps(s)));
+                                 _mm512_castps128_ps512(s));
 }
 #elif defined(__AVXVNNI__) && QL_VL == 8 /* (the float vectors must be as wide as the integer ones) */
 #define QI_BYTES 32
@@ -408,14 +415,17 @@ typedef __m256i vi;
 INLINE vi load_lanes(const uint8_t *row, const int64_t at[2]) {
     return _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(row + at[1])), _mm_loadu_si128((const __m128i *)(row + at[0])));
 }
-INLINE vf lane_scales(const float s[2]) { return _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0])); }
+INLINE vf lane_scales(__m128 s) {
+    return _mm256_set_m128(_mm_permute_ps(s, 0x55), _mm_permute_ps(s, 0x00));
+}
 #else
 #define QI_BYTES 0
 #endif
 #if QI_BYTES
 #define LANES (QI_BYTES / 16)
-#define QI_MR 4 /* register tile: up to 4 input rows x 3 weight rows */
-#define QI_NR 3
+#define QI_MR 4 /* register tiles: up to 4 input rows x 3 weight rows (8 bits) or 2 (4 bits: fewer registers */
+#define QI_NR 3 /* left by the wider per-tile state) */
+#define QI_NR4 2
 
 typedef struct {
     Problem p;
@@ -425,6 +435,8 @@ typedef struct {
     int64_t row;          /* bytes per row of xq */
     int64_t vb, quads;    /* 4 bits: blocks per virtual group, quads of virtual groups */
     const int32_t *owner; /* 4 bits: [quads * LANES] the group of each virtual group, -1 past the end */
+    const int32_t *lanes_used; /* 4 bits: [quads] lanes holding a virtual group */
+    int whole;                 /* 4 bits: virtual groups are whole groups */
 } Q8;
 
 /* Blocks per virtual group: the largest divisor of the group's blocks that is at most 4. */
@@ -492,20 +504,16 @@ INLINE void q8_store(const Q8 *q, int64_t m0, int64_t n0, const int MR, const in
     const Problem *p = &q->p;
     __m128 off[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
     for (int64_t g = 0; g < p->G; g++) {
-        float xs[4] = {0.f, 0.f, 0.f, 0.f};
-        memcpy(xs, q->xs_t + g * p->M + m0, sizeof(float) * MR);
-        const __m128 xv = _mm_loadu_ps(xs);
+        const __m128 xv = load_first(q->xs_t + g * p->M + m0, MR);
         for (int n = 0; n < NR; n++) off[n] = _mm_fmadd_ps(_mm_set1_ps(unsigned_min(p, n0 + n, g)), xv, off[n]);
     }
     _MM_TRANSPOSE4_PS(off[0], off[1], off[2], off[3]); /* now off[m] holds the weight rows n0.. */
-    float b[4] = {0.f, 0.f, 0.f, 0.f}, y[4];
-    for (int n = 0; n < NR; n++) b[n] = p->bias ? p->bias[n0 + n] : 0.f;
-    const __m128 bv = _mm_loadu_ps(b);
+    const __m128 b = load_first(p->bias ? p->bias + n0 : NULL, NR);
     for (int m = 0; m < MR; m++) {
         const vf z = vzero();
         const __m128 dots = vsum4(total[m][0], NR > 1 ? total[m][1] : z, NR > 2 ? total[m][2] : z, z);
-        _mm_storeu_ps(y, _mm_fmadd_ps(dots, _mm_set1_ps(q->sx[m0 + m]), _mm_add_ps(off[m], bv)));
-        for (int n = 0; n < NR; n++) p->out[(m0 + m) * p->ldo + n0 + n] = y[n];
+        const __m128 y = _mm_fmadd_ps(dots, _mm_set1_ps(q->sx[m0 + m]), _mm_add_ps(off[m], b));
+        _mm_maskstore_ps(p->out + (m0 + m) * p->ldo + n0, first_lanes(NR), y);
     }
 }
 
@@ -561,10 +569,15 @@ INLINE void q8_tile4(const Q8 *q, int64_t m0, int64_t n0, const int MR, const in
                 }
             }
         }
+        /* The lanes' scales, built in registers (through memory, the store-to-load forwarding stalls). */
         const int32_t *owner = q->owner + quad * LANES;
+        const __m128i used = _mm_cmpgt_epi32(_mm_set1_epi32(q->lanes_used[quad]), _mm_setr_epi32(0, 1, 2, 3));
         for (int n = 0; n < NR; n++) {
-            float s[LANES];
-            for (int lane = 0; lane < LANES; lane++) s[lane] = owner[lane] < 0 ? 0.f : p->scales[(n0 + n) * p->G + owner[lane]];
+            const float *row = p->scales + (n0 + n) * p->G;
+            const __m128 s = q->whole ? _mm_maskload_ps(row + quad * LANES, used) /* adjacent scales */
+                                      : _mm_setr_ps(owner[0] < 0 ? 0.f : row[owner[0]], owner[1] < 0 ? 0.f : row[owner[1]],
+                                                    LANES > 2 && owner[2] >= 0 ? row[owner[2]] : 0.f,
+                                                    LANES > 3 && owner[3] >= 0 ? row[owner[3]] : 0.f);
             const vf sv = lane_scales(s);
             for (int m = 0; m < MR; m++) total[m][n] = vfma(vi_float(acc[m][n]), sv, total[m][n]);
         }
@@ -572,17 +585,17 @@ INLINE void q8_tile4(const Q8 *q, int64_t m0, int64_t n0, const int MR, const in
     q8_store(q, m0, n0, MR, NR, total);
 }
 
-#define Q8_FN(MR, NR)                                                                                        \
-    static void q8_##MR##_##NR##_4(const Q8 *q, int64_t m0, int64_t n0) { q8_tile4(q, m0, n0, MR, NR); } \
+#define Q8_FN4(MR, NR) \
+    static void q8_##MR##_##NR##_4(const Q8 *q, int64_t m0, int64_t n0) { q8_tile4(q, m0, n0, MR, NR); }
+#define Q8_FN8(MR, NR) \
     static void q8_##MR##_##NR##_8(const Q8 *q, int64_t m0, int64_t n0) { q8_tile8(q, m0, n0, MR, NR); }
-Q8_FN(1, 1) Q8_FN(1, 2) Q8_FN(1, 3) Q8_FN(2, 1) Q8_FN(2, 2) Q8_FN(2, 3)
-Q8_FN(3, 1) Q8_FN(3, 2) Q8_FN(3, 3) Q8_FN(4, 1) Q8_FN(4, 2) Q8_FN(4, 3)
+Q8_FN4(1, 1) Q8_FN4(1, 2) Q8_FN4(2, 1) Q8_FN4(2, 2) Q8_FN4(3, 1) Q8_FN4(3, 2) Q8_FN4(4, 1) Q8_FN4(4, 2)
+Q8_FN8(1, 1) Q8_FN8(1, 2) Q8_FN8(1, 3) Q8_FN8(2, 1) Q8_FN8(2, 2) Q8_FN8(2, 3)
+Q8_FN8(3, 1) Q8_FN8(3, 2) Q8_FN8(3, 3) Q8_FN8(4, 1) Q8_FN8(4, 2) Q8_FN8(4, 3)
 typedef void (*Q8Fn)(const Q8 *, int64_t, int64_t);
-#define Q8_TABLE(BITS)                                                                             \
-    {{q8_1_1_##BITS, q8_1_2_##BITS, q8_1_3_##BITS}, {q8_2_1_##BITS, q8_2_2_##BITS, q8_2_3_##BITS}, \
-     {q8_3_1_##BITS, q8_3_2_##BITS, q8_3_3_##BITS}, {q8_4_1_##BITS, q8_4_2_##BITS, q8_4_3_##BITS}}
-static const Q8Fn Q8_4[QI_MR][QI_NR] = Q8_TABLE(4);
-static const Q8Fn Q8_8[QI_MR][QI_NR] = Q8_TABLE(8);
+static const Q8Fn Q8_4[QI_MR][QI_NR] = {{q8_1_1_4, q8_1_2_4}, {q8_2_1_4, q8_2_2_4}, {q8_3_1_4, q8_3_2_4}, {q8_4_1_4, q8_4_2_4}};
+static const Q8Fn Q8_8[QI_MR][QI_NR] = {{q8_1_1_8, q8_1_2_8, q8_1_3_8}, {q8_2_1_8, q8_2_2_8, q8_2_3_8},
+                                        {q8_3_1_8, q8_3_2_8, q8_3_3_8}, {q8_4_1_8, q8_4_2_8, q8_4_3_8}};
 
 static void q8(const Q8 *q, int64_t m0, int64_t n0, int mr, int nr) {
     (q->p.bits == 4 ? Q8_4 : Q8_8)[mr - 1][nr - 1](q, m0, n0);
@@ -595,7 +608,7 @@ int64_t quantized_q8_unit(void) { return QI_BYTES; }
  * int8 rows. */
 int64_t quantized_q8_workspace(int64_t M, int64_t Kp, int64_t G, int64_t group, int64_t bits) {
     const int64_t bytes = bits == 4 ? M * (Kp + xq_row_bytes(Kp, group, bits)) : M * Kp;
-    return M + M * G + Kp / BLOCK + LANES + (bytes + 3) / 4;
+    return M + M * G + 2 * (Kp / BLOCK + LANES) + (bytes + 3) / 4;
 }
 
 /* y = x W^T (+ bias) through int8 activations (see above). workspace: quantized_q8_workspace() floats. */
@@ -604,12 +617,14 @@ void quantized_linear_q8_f32(const float *x, const uint8_t *data, const float *s
                              int64_t G, int64_t group, int64_t bits, int64_t ldx, int64_t ldo, int64_t num_threads) {
     float *sx = workspace, *xs_t = workspace + M;
     int32_t *owner = (int32_t *)(workspace + M + M * G);
-    int8_t *natural = (int8_t *)(workspace + M + M * G + Kp / BLOCK + LANES), *xq = natural;
+    int32_t *lanes_used = owner + Kp / BLOCK + LANES;
+    int8_t *natural = (int8_t *)(workspace + M + M * G + 2 * (Kp / BLOCK + LANES)), *xq = natural;
     const int64_t row = xq_row_bytes(Kp, group, bits), vb = bits == 4 ? virtual_blocks(group) : 1;
     const int64_t virtual_groups = (Kp / BLOCK + vb - 1) / vb, quads = (virtual_groups + LANES - 1) / LANES;
     if (bits == 4) {
         xq = natural + M * Kp; /* the rearranged rows follow the natural ones */
         for (int64_t v = 0; v < quads * LANES; v++) owner[v] = v < virtual_groups ? (int32_t)(v * vb * BLOCK / group) : -1;
+        for (int64_t quad = 0; quad < quads; quad++) lanes_used[quad] = (int32_t)min64(LANES, virtual_groups - quad * LANES);
     }
     for (int64_t m = 0; m < M; m++) {
         sx[m] = quantize_row(x + m * ldx, Kp, natural + m * Kp);
@@ -621,18 +636,18 @@ void quantized_linear_q8_f32(const float *x, const uint8_t *data, const float *s
         if (bits == 4) arrange_row(natural + m * Kp, Kp, vb, quads, xq + m * row);
     }
     const Q8 q = {{x, NULL, data, scales, mins, bias, out, M, N, Kp, G, group, bits, ldx, ldo}, xq, sx, xs_t, row,
-                  vb, quads, owner};
+                  vb, quads, owner, lanes_used, vb * BLOCK == group};
     /* Strips of 16 tiles, walked one input-row tile at a time: each output row is written in bursts
      * (see quantized_linear_f32), and the strip's weight rows stay in L1/L2 for all the input rows. */
-    const int64_t strip = 16 * QI_NR, strips = (N + strip - 1) / strip;
+    const int64_t nr = bits == 4 ? QI_NR4 : QI_NR, strip = 48, strips = (N + strip - 1) / strip;
     if (num_threads > strips) num_threads = strips;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
     for (int64_t s = 0; s < strips; s++) {
         const int64_t first = s * strip, last = min64(first + strip, N);
         for (int64_t m0 = 0; m0 < M; m0 += QI_MR)
-            for (int64_t n0 = first; n0 < last; n0 += QI_NR)
-                q8(&q, m0, n0, (int)min64(M - m0, QI_MR), (int)min64(last - n0, QI_NR));
+            for (int64_t n0 = first; n0 < last; n0 += nr)
+                q8(&q, m0, n0, (int)min64(M - m0, QI_MR), (int)min64(last - n0, nr));
     }
 }
 #endif /* QI_BYTES */
