@@ -8,7 +8,9 @@
 - fp32: the engine's own `Linear` with its weight packed by oneDNN (`pack_for_cpu`), what an unquantized
   model runs;
 - C int8 / C int4: `kernels.quantized_linear` on weights quantized the way `--quantization int8|int4`
-  does at load (int8 per channel symmetric; int4 groups of 128/64 with scale and min);
+  does at load (int8 per channel symmetric; int4 groups of 128/64 with scale and min); the path the
+  kernel takes is printed at the end of the row (fused / strips / int8 activations / tiles, see
+  kernels/cpu/__init__.py);
 - torch int8 / torch int4: torch's own `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` on the same
   integers, where this torch build runs them.
 Each time is the median of many calls, all in one run (the ratios compare within it: the machine is
@@ -33,6 +35,7 @@ import kernels
 from engine_core.layers.linear import Linear
 from engine_core.quantization.at_load import int4_group_size, quantize_int4_grouped, quantize_int8_per_channel
 from engine_core.quantization.base import QuantizedShard, pack_shards
+from kernels import cpu
 
 # SmolLM2-135M: hidden 576, MLP 1536, 9 query heads and 3 KV heads of 64, tied LM head of 49152 rows.
 LAYERS = 30
@@ -76,6 +79,15 @@ def _fp32(weight: torch.Tensor) -> Kernel:
 def _quantized(shard: QuantizedShard) -> Kernel:
     packed = pack_shards("bench", [shard])
     return lambda x: kernels.quantized_linear(x, packed)
+
+
+def _c_path(bits: int, n: int, k: int, rows: int) -> str:
+    """The C kernel's path for this shape (kernels.cpu.path), as printed after its time."""
+    if not cpu.available():
+        return "torch reference"
+    weight = torch.zeros(n, k)
+    shard = quantize_int8_per_channel(weight) if bits == 8 else quantize_int4_grouped(weight, int4_group_size(k))
+    return cpu.path(cpu._load(), rows, pack_shards("path", [shard]))
 
 
 def _torch_int8(shard: QuantizedShard) -> Kernel | None:
@@ -142,8 +154,9 @@ def bench_kernels(rows_list: list[int], threads: int, min_seconds: float, workin
                 for method, fn in fns.items():
                     if fn is not None and _runs(fn, x):
                         times[method] = timed(functools.partial(fn, x), min_seconds)
-            results.append({"shape": name, "n": n, "k": k, "rows": rows, "seconds": times})
-            print(_row(name, n, k, rows, times), flush=True)
+            paths = {"C int8": _c_path(8, n, k, rows), "C int4": _c_path(4, n, k, rows)}
+            results.append({"shape": name, "n": n, "k": k, "rows": rows, "seconds": times, "paths": paths})
+            print(_row(name, n, k, rows, times), " ".join(f"{m}: {p}" for m, p in paths.items()), flush=True)
         del fns
     for rows in rows_list:
         by_shape = {r["shape"]: r["seconds"] for r in results if r["rows"] == rows}
