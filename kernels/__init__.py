@@ -32,7 +32,7 @@ _TORCH: dict[str, Callable] = {
     "rotary_embedding": _layers.rotary_embedding,
     "quantized_linear": _quantized.reference_linear,
 }
-_CPU_COMPILED = {"paged_decode_attention", "rotary_embedding", "reshape_and_cache"}
+_CPU_COMPILED = {"paged_decode_attention", "rotary_embedding", "reshape_and_cache", "quantized_linear"}
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.quantized import PackedWeight, reference_linear
+
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
@@ -41,13 +43,20 @@ _FAST_MATH = [
 _LIBRARIES = {
     "paged_attention": [*_FAST_MATH, "-fopenmp"],  # libgomp: torch's own, already loaded
     "elementwise": ["-fno-fast-math", "-ffp-contract=off"],
+    "quantized_matmul": ["-fopenmp"],
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],
     "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
     "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
+    "quantized_linear_f32": [_POINTER] * 7 + [_I64] * 10,
+    "quantized_dequantize_f32": [_POINTER] * 4 + [_I64] * 8,
+    "quantized_linear_q8_f32": [_POINTER] * 7 + [_I64] * 9,  # only where the CPU has VNNI
+    "quantized_q8_unit": [],
+    "quantized_q8_workspace": [_I64] * 5,
 }
+_RESULTS = {"quantized_q8_unit": _I64, "quantized_q8_workspace": _I64}  # the functions that return a value
 _lib: dict[str, Callable[..., None]] = {}  # C function name -> the ctypes function
 _failed = False
 build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # kernels.configure sets it
@@ -94,7 +103,7 @@ def _load() -> dict[str, Callable[..., None]] | None:
                 for symbol, argtypes in _SIGNATURES.items():
                     if hasattr(lib, symbol):
                         fn = getattr(lib, symbol)
-                        fn.argtypes, fn.restype = argtypes, None
+                        fn.argtypes, fn.restype = argtypes, _RESULTS.get(symbol)
                         functions[symbol] = fn
             _lib.update(functions)
         except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
@@ -238,3 +247,152 @@ def reshape_and_cache(
         key.stride(0),
         value.stride(0),
     )
+
+
+# Which way a quantized linear runs (`path`), by its number of input rows M; crossovers measured on
+# SmolLM2's shapes with benchmarks/quantization.py, the C paths described in quantized_matmul.c:
+# - "fused" (few rows): every weight block widened to floats in registers, once per tile of input rows;
+# - "strips": each thread dequantizes a strip of weight rows into a workspace that stays in L2 and
+#   multiplies all input rows against it (4-bit blocks cost more to widen: strips pay off sooner);
+# - "int8" (where the CPU has VNNI), from 2 rows on: input rows quantized to int8 per row, integer dot
+#   products. 8-bit weights: 1.5-2.5x the fp32 matmul's speed here at any row count. 4-bit weights in
+#   groups of 128 columns: ~1.4x the float strips at any row count; in groups of 64: ~1.1-1.3x below
+#   _INT4_G64_ROWS, slower beyond (the per-group float work eats the gain); other groups: float. One row
+#   (single-stream decode) always keeps float activations;
+# - "tiles" (prefill): _TILE_FLOATS of dequantized weight at a time, multiplied by oneDNN (this
+#   machine's fastest float32 matmul, 2x MKL's here) into the output columns of that tile.
+_STRIP_ROWS = {4: 8, 8: 32}
+_INT4_G64_ROWS = 32  # 4-bit weights in 64-column groups: from here on, the float paths are faster
+_ONEDNN_ROWS = 64
+_STRIP_FLOATS = 1 << 14  # 64 KiB of dequantized weight per thread
+_STRIP_ALIGN = 4  # strips are whole register tiles (NR_MAX in quantized_matmul.c)
+_TILE_FLOATS = 1 << 17  # 512 KiB of dequantized weight per oneDNN tile
+_THREADED_WORK = 1 << 16  # multiply-adds below which one thread is faster than waking the others
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_tile = torch.empty(0)
+_q8_units: dict[int, int] = {}  # columns per integer vector, by library
+
+
+def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `kernels.quantized.reference_linear` (float32 activations on the CPU)."""
+    lib = _load()
+    if (
+        lib is None
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or packed.data.device.type != "cpu"
+        or (bias is not None and bias.dtype != torch.float32)
+    ):
+        return reference_linear(x, packed, bias)
+    return _quantized_linear(lib, x, packed, bias)
+
+
+def path(lib, rows: int, packed: PackedWeight) -> str:
+    """How `rows` input rows go through `packed` with `lib`: "fused", "strips", "int8" or "tiles"."""
+    if rows >= 2 and _int8_activations_pay(lib, rows, packed):
+        return "int8"
+    if rows >= _ONEDNN_ROWS:
+        return "tiles"
+    return "fused" if rows < _STRIP_ROWS[packed.bits] else "strips"
+
+
+def _int8_activations_pay(lib, rows: int, packed: PackedWeight) -> bool:
+    key = id(lib["quantized_linear_f32"])
+    if key not in _q8_units:  # (a library built without VNNI has no integer path)
+        _q8_units[key] = lib["quantized_q8_unit"]() if "quantized_q8_unit" in lib else 0
+    unit = _q8_units[key]
+    if not unit:
+        return False
+    if packed.bits == 8:  # one group per row, or groups of whole vectors
+        return (
+            packed.group_size % unit == 0
+            and packed.padded_in_features % unit == 0
+            and (packed.num_groups == 1 or packed.group_size >= 2 * unit)
+        )
+    return packed.group_size % 128 == 0 or (packed.group_size % 64 == 0 and rows < _INT4_G64_ROWS)
+
+
+def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    k, kp, n = packed.in_features, packed.padded_in_features, packed.out_features
+    if packed.perm is not None:
+        x = x.index_select(-1, packed.perm)
+    rows = x.reshape(-1, k)
+    if kp != k:  # the kernels read whole 32-column blocks: the padding columns must be zero
+        rows = torch.nn.functional.pad(rows, (0, kp - k))
+    elif rows.stride(-1) != 1 or rows.stride(0) < kp:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    bias = None if bias is None else bias.contiguous()
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    way = path(lib, m, packed)
+    if way == "tiles":
+        _tiled_matmul(lib, rows, packed, bias, out)
+        return out.reshape(*x.shape[:-1], n)
+    threads = torch.get_num_threads() if m * n * kp >= _THREADED_WORK else 1
+    weight = [
+        packed.data.data_ptr(),
+        packed.scales.data_ptr(),
+        0 if packed.mins is None else packed.mins.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+    ]
+    sizes = [m, n, kp, packed.num_groups, packed.group_size, packed.bits, rows.stride(0), n]
+    if way == "int8":  # workspace: per-row scales, per-group sums, then the int8 rows
+        workspace = _scratch(
+            lib["quantized_q8_workspace"](m, kp, packed.num_groups, packed.group_size, packed.bits, threads)
+        )
+        lib["quantized_linear_q8_f32"](rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, threads)
+    else:
+        if way == "fused":  # workspace: the group sums of x
+            strip_rows, workspace = 0, _scratch(m * packed.num_groups)
+        else:  # workspace: each thread's dequantized strip
+            strip_rows = max(_STRIP_ALIGN, _STRIP_FLOATS // kp // _STRIP_ALIGN * _STRIP_ALIGN)
+            workspace = _scratch(threads * strip_rows * kp)
+        lib["quantized_linear_f32"](
+            rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, strip_rows, threads
+        )
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _matmul_rows(count: int) -> int:
+    """Rows a oneDNN matmul runs at: oneDNN builds and caches a primitive (megabytes each) per shape,
+    so row counts are rounded to few sizes, as engine_core/layers/linear.py's `onednn_rows` does for the
+    float32 linears (the padding rows are zeros, their outputs dropped)."""
+    return -(-count // 8) * 8 if count <= 128 else -(-count // 64) * 64
+
+
+def _tiled_matmul(lib, rows: torch.Tensor, packed: PackedWeight, bias, out: torch.Tensor) -> None:
+    """out = rows W^T (+ bias), one tile of dequantized weight rows at a time (never all of W)."""
+    global _tile
+    kp, n, m = packed.padded_in_features, packed.out_features, rows.shape[0]
+    step = max(16, _TILE_FLOATS // kp // 16 * 16)
+    if _tile.numel() < step * kp:
+        _tile = torch.empty(step * kp, dtype=torch.float32)
+    if _ONEDNN and _matmul_rows(m) != m:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, _matmul_rows(m) - m))
+    threads = torch.get_num_threads()
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        w = _tile[: (stop - start) * kp].view(stop - start, kp)
+        lib["quantized_dequantize_f32"](
+            packed.data.data_ptr(),
+            packed.scales.data_ptr(),
+            0 if packed.mins is None else packed.mins.data_ptr(),
+            w.data_ptr(),
+            n,
+            kp,
+            packed.num_groups,
+            packed.group_size,
+            packed.bits,
+            start,
+            stop,
+            threads,
+        )
+        b = None if bias is None else bias[start:stop]
+        if _ONEDNN:
+            out[:, start:stop] = torch.ops.mkldnn._linear_pointwise(rows, w, b, "none", [], "")[:m]
+        elif b is None:
+            torch.mm(rows, w.t(), out=out[:, start:stop])
+        else:
+            torch.addmm(b, rows, w.t(), out=out[:, start:stop])

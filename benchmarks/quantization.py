@@ -1,0 +1,216 @@
+"""Quantized linears on the CPU: the kernels behind `--quantization int8|int4`, against fp32.
+
+    python -m benchmarks.quantization kernels                # SmolLM2-135M's linear shapes, 1/16/128 rows
+    python -m benchmarks.quantization kernels --rows 1 4 16  # other row counts
+    python -m benchmarks.quantization kernels --json out.json
+
+`kernels` times, for each linear shape of one SmolLM2 layer and its LM head:
+- fp32: the engine's own `Linear` with its weight packed by oneDNN (`pack_for_cpu`), what an unquantized
+  model runs;
+- C int8 / C int4: `kernels.quantized_linear` on weights quantized the way `--quantization int8|int4`
+  does at load (int8 per channel symmetric; int4 groups of 128/64 with scale and min); the path the
+  kernel takes is printed at the end of the row (fused / strips / int8 activations / tiles, see
+  kernels/cpu/__init__.py);
+- torch int8 / torch int4: torch's own `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` on the same
+  integers, where this torch build runs them.
+Each time is the median of many calls, all in one run (the ratios compare within it: the machine is
+shared and absolute numbers move by ~10 %). The `model/token` line adds one layer's four linears x the
+layer count and the LM head: the linear time of one decode step (rows = sequences in the batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+import kernels
+from engine_core.layers.linear import Linear
+from engine_core.quantization.at_load import int4_group_size, quantize_int4_grouped, quantize_int8_per_channel
+from engine_core.quantization.base import QuantizedShard, pack_shards
+from kernels import cpu
+
+# SmolLM2-135M: hidden 576, MLP 1536, 9 query heads and 3 KV heads of 64, tied LM head of 49152 rows.
+LAYERS = 30
+SHAPES = {  # name: (out_features, in_features)
+    "qkv": (960, 576),
+    "o": (576, 576),
+    "gate_up": (3072, 576),
+    "down": (576, 1536),
+    "lm_head": (49152, 576),
+}
+PER_LAYER = ("qkv", "o", "gate_up", "down")
+
+
+def timed(fn: Callable[[], object], min_seconds: float = 0.4, repeats: int = 5) -> float:
+    """Median seconds per call: `repeats` batches, each long enough to fill min_seconds / repeats."""
+    fn(), fn()
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-6)
+    calls = max(1, int(min_seconds / repeats / once))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
+Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _fp32(weight: torch.Tensor) -> Kernel:
+    n, k = weight.shape
+    layer = Linear(k, n, dtype=torch.float32)
+    layer.weight.data.copy_(weight)
+    layer.pack_for_cpu()
+    return layer
+
+
+def _quantized(shard: QuantizedShard) -> Kernel:
+    packed = pack_shards("bench", [shard])
+    return lambda x: kernels.quantized_linear(x, packed)
+
+
+def _c_path(bits: int, n: int, k: int, rows: int) -> str:
+    """The C kernel's path for this shape (kernels.cpu.path), as printed after its time."""
+    if not cpu.available():
+        return "torch reference"
+    weight = torch.zeros(n, k)
+    shard = quantize_int8_per_channel(weight) if bits == 8 else quantize_int4_grouped(weight, int4_group_size(k))
+    return cpu.path(cpu._load(), rows, pack_shards("path", [shard]))
+
+
+def _torch_int8(shard: QuantizedShard) -> Kernel | None:
+    op = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
+    if op is None:
+        return None
+    weight = (shard.q - 128).to(torch.int8).contiguous()
+    scales = shard.scales.reshape(-1).contiguous()
+    return lambda x: op(x, weight, scales)
+
+
+def _torch_int4(shard: QuantizedShard) -> Kernel | None:
+    """torch's layout: w = (q - 8) * scale + zero, qScaleAndZeros [groups, N, 2]."""
+    convert = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+    op = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+    if convert is None or op is None or shard.mins is None:
+        return None
+    packed = convert(shard.q.to(torch.int32).contiguous(), 1)
+    scales = shard.scales.float()
+    zeros = shard.mins.float() + 8.0 * scales
+    scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
+    return lambda x: op(x, packed, shard.group_size, scales_and_zeros)
+
+
+METHODS: dict[str, Callable[[torch.Tensor, QuantizedShard, QuantizedShard], Kernel | None]] = {
+    "fp32": lambda w, int8, int4: _fp32(w),
+    "C int8": lambda w, int8, int4: _quantized(int8),
+    "C int4": lambda w, int8, int4: _quantized(int4),
+    "torch int8": lambda w, int8, int4: _torch_int8(int8),
+    "torch int4": lambda w, int8, int4: _torch_int4(int4),
+}
+WEIGHT_BYTES = {"fp32": 4.0, "C int8": 1.0, "C int4": 0.5, "torch int8": 1.0, "torch int4": 0.5}
+
+
+def _cycling(build: Callable[[], Kernel | None], weight_bytes: float, working_set: int) -> Kernel | None:
+    """Copies of one kernel's weight, called in turn, enough of them that their bytes exceed
+    `working_set`: as in a decode step, whose ~30 layers of weights stream through the last-level cache,
+    no call finds its weight already cached (one layer's fp32 weights alone would fit in this machine's
+    32 MiB L3 and time as if read from it)."""
+    first = build()
+    if first is None:
+        return None
+    copies = [first] + [build() for _ in range(max(0, int(working_set / max(weight_bytes, 1.0)) - 1))]
+    turn = itertools.cycle(copies)
+    return lambda x: next(turn)(x)
+
+
+def bench_kernels(rows_list: list[int], threads: int, min_seconds: float, working_set: int) -> list[dict]:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    results = []
+    for name, (n, k) in SHAPES.items():
+        weight = torch.randn(n, k) * k**-0.5
+        int8 = quantize_int8_per_channel(weight)
+        int4 = quantize_int4_grouped(weight, int4_group_size(k))
+        fns = {
+            method: _cycling(functools.partial(build, weight, int8, int4), WEIGHT_BYTES[method] * n * k, working_set)
+            for method, build in METHODS.items()
+        }
+        for rows in rows_list:
+            x = torch.randn(rows, k)
+            times = {}
+            with torch.inference_mode():
+                for method, fn in fns.items():
+                    if fn is not None and _runs(fn, x):
+                        times[method] = timed(functools.partial(fn, x), min_seconds)
+            paths = {"C int8": _c_path(8, n, k, rows), "C int4": _c_path(4, n, k, rows)}
+            results.append({"shape": name, "n": n, "k": k, "rows": rows, "seconds": times, "paths": paths})
+            print(_row(name, n, k, rows, times), " ".join(f"{m}: {p}" for m, p in paths.items()), flush=True)
+        del fns
+    for rows in rows_list:
+        by_shape = {r["shape"]: r["seconds"] for r in results if r["rows"] == rows}
+        total = {
+            method: LAYERS * sum(by_shape[s][method] for s in PER_LAYER) + by_shape["lm_head"][method]
+            for method in METHODS
+            if all(method in by_shape[s] for s in SHAPES)
+        }
+        print(_row("model/token", 0, 0, rows, total), flush=True)
+        results.append({"shape": "model/token", "rows": rows, "seconds": total})
+    return results
+
+
+def _runs(fn: Kernel, x: torch.Tensor) -> bool:
+    """Whether this torch build runs the op on this input (torch's own kernels refuse some shapes)."""
+    try:
+        fn(x)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _row(name: str, n: int, k: int, rows: int, times: dict[str, float]) -> str:
+    shape = f"{k}->{n}" if n else f"{LAYERS}x layer + head"
+    cells = []
+    for method in METHODS:
+        if method not in times:
+            cells.append(f"{'-':>19}")
+            continue
+        ms = times[method] * 1e3
+        ratio = times["fp32"] / times[method] if "fp32" in times else float("nan")
+        cells.append(f"{ms:9.3f} ms {ratio:5.2f}x")
+    return f"{name:>11} {shape:>18} M={rows:<5}" + " ".join(cells)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    kern = sub.add_parser("kernels", help="linear kernels on SmolLM2's shapes: fp32 vs int8/int4")
+    kern.add_argument("--rows", type=int, nargs="+", default=[1, 16, 128])
+    kern.add_argument("--threads", type=int, default=2)
+    kern.add_argument("--seconds", type=float, default=0.4, help="timing budget per measurement")
+    kern.add_argument(
+        "--working-set", type=int, default=256, help="MiB of weight copies each method cycles through (0: one copy)"
+    )
+    kern.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.command == "kernels":
+        header = " ".join(f"{m + ' (vs fp32)':>19}" for m in METHODS)
+        print(f"{'linear':>11} {'K->N':>18} {'rows':<7}{header}  ({args.threads} threads, medians)")
+        results = bench_kernels(args.rows, args.threads, args.seconds, args.working_set << 20)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""Quantized linears on the CPU: the packed layout round trip, and the C kernel (every path it takes:
+fused for few rows, dequantized strips for a small batch, int8 activations where the CPU has VNNI,
+oneDNN tiles for prefill) and the torch reference against dequantize + float64 matmul, on odd shapes.
+
+Tolerances, both worst cases (the errors seen are 10-100x smaller, while a wrong nibble, group, min or
+row is off by far more):
+- float activations (`_bound`): float32 summation of K products in any order is off by at most
+  K * u * sum|terms| (u = 2^-24, the unit roundoff; Higham's gamma_K). The terms the kernels sum are
+  scale*q*x and min*x (the mins enter per group through sum(x)), so the bound is
+  K * u * (|x| @ (|scale*q| + |min|)^T), doubled for the rounding of the dequantized weight (the tiled
+  path) and of the final additions.
+- int8 activations (`_int8_bound`): each x[m, k] becomes sx * round(x / sx), sx = max|x[m]| / 127, off
+  by at most sx / 2, so y[m, n] is off by at most sx / 2 * sum_k |w[n, k]| (the integer sums are exact),
+  plus the float bound above for the remaining float operations, with the unsigned weights' larger terms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu
+from kernels.quantized import (
+    PackedWeight,
+    dequantize,
+    dequantize_original_order,
+    pack,
+    reference_linear,
+    unpack,
+)
+
+U = 2.0**-24
+
+
+def _weight(n: int, k: int, bits: int, group: int, symmetric: bool, gen: torch.Generator, perm: bool = False):
+    """Random integers, scales and mins packed; also the float64 parts the bound needs."""
+    q = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    g = -(-k // (k if group <= 0 or group >= k else group))
+    scales = torch.rand(n, g, generator=gen, dtype=torch.float64) * 0.02 + 0.001
+    mins = None if symmetric else -torch.rand(n, g, generator=gen, dtype=torch.float64) * 0.1 * (1 << bits) * 0.02
+    order = torch.randperm(k, generator=gen) if perm else None
+    return pack(q, scales.float(), None if mins is None else mins.float(), bits, group, order)
+
+
+def _bound(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """2 * K * u * (|x| @ (|scale*stored| + |min|)^T) in float64, x with columns in the kernel's order."""
+    k = packed.in_features
+    if packed.bits == 4:
+        stored = unpack(packed).double()
+    else:
+        stored = packed.data[:, :k].double()
+    scales = packed.scales.double().repeat_interleave(packed.group_size, dim=1)[:, :k]
+    magnitude = (scales * stored).abs()
+    if packed.mins is not None:
+        magnitude += packed.mins.double().abs().repeat_interleave(packed.group_size, dim=1)[:, :k]
+    return 2 * k * U * (x.double().abs().reshape(-1, k) @ magnitude.t()) + 1e-30
+
+
+def _exact(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W'^T in float64 (x already in perm order), W' = the dequantized weight computed in float64."""
+    k = packed.in_features
+    stored = unpack(packed).double() if packed.bits == 4 else packed.data[:, :k].double()
+    w = stored * packed.scales.double().repeat_interleave(packed.group_size, dim=1)[:, :k]
+    if packed.mins is not None:
+        w += packed.mins.double().repeat_interleave(packed.group_size, dim=1)[:, :k]
+    y = x.double().reshape(-1, k) @ w.t()
+    return y if bias is None else y + bias.double()
+
+
+def _int8_bound(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    k = packed.in_features
+    rows = x.double().reshape(-1, k)
+    half_step = rows.abs().amax(dim=1, keepdim=True) / 127 / 2
+    w = dequantize(packed).double()
+    # The float operations see the unsigned integers (up to 255 for 8 bits) and mins shifted by 128 scales.
+    scales = packed.scales.double().abs().repeat_interleave(packed.group_size, dim=1)[:, :k]
+    mins = 0 if packed.mins is None else packed.mins.double().abs().repeat_interleave(packed.group_size, dim=1)[:, :k]
+    magnitude = scales * (1 << packed.bits) * 2 + mins
+    float_part = 2 * k * U * ((rows.abs() + half_step) @ magnitude.t())
+    return half_step * w.abs().sum(dim=1) + float_part + 1e-30
+
+
+def _kernel_bound(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """The bound for the path the C kernel takes on this input."""
+    rows = x.reshape(-1, packed.in_features).shape[0]
+    if cpu.path(cpu._load(), rows, packed) == "int8":
+        return _int8_bound(x, packed)
+    return _bound(x, packed)
+
+
+def _assert_within(y: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> None:
+    error = (y.double().reshape(exact.shape) - exact).abs()
+    worst = float((error / bound).max())
+    assert worst <= 1.0, f"error {worst:.3g}x the bound (max abs error {float(error.max()):.3g})"
+
+
+# ---- the packed layout ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k,group", [(32, 32), (96, 64), (100, 32), (576, 64), (1536, 128), (70, -1)])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_pack_unpack_dequantize_round_trip(bits, k, group, symmetric):
+    gen = torch.Generator().manual_seed(bits * 1000 + k + group)
+    n = 33
+    q = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    stored_group = k if group <= 0 else group
+    g = -(-k // stored_group)
+    scales = torch.rand(n, g, generator=gen) * 0.02 + 0.001
+    mins = None if symmetric else -torch.rand(n, g, generator=gen)
+    packed = pack(q, scales, mins, bits, group)
+    assert packed.padded_in_features % 32 == 0 and packed.data.shape[0] == n
+    assert torch.equal(unpack(packed), q)
+    assert torch.equal(unpack(packed, slice(5, 9)), q[5:9])
+    expected_mins = -float(1 << (bits - 1)) * scales if symmetric else mins
+    w = scales.double().repeat_interleave(stored_group, 1)[:, :k] * q.double()
+    w += expected_mins.double().repeat_interleave(stored_group, 1)[:, :k]
+    torch.testing.assert_close(dequantize(packed).double(), w, rtol=0, atol=4 * U * float(w.abs().max()))
+    if bits == 8 and symmetric:
+        assert packed.mins is None  # min + 128 * scale is zero: dropped
+
+
+# ---- the kernels against float64 --------------------------------------------------------------------
+
+ROWS = [1, 3, 17, 40, 128]  # fused, strips, int8 and tiles, by bits and group size: see test_every_path_is_tested
+IN_FEATURES = [32, 96, 100, 576, 1536]  # 100: padded to 128 in the packed blocks
+
+
+def _implementations():
+    return {"kernel": kernels.quantized_linear, "reference": reference_linear}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128, -1])
+@pytest.mark.parametrize("k", IN_FEATURES)
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_quantized_linear_matches_float64(bits, group, k, m, symmetric):
+    gen = torch.Generator().manual_seed(bits * 100_000 + group * 1000 + k * 10 + m + symmetric)
+    n = 33 if (k + m) % 2 else 100
+    packed = _weight(n, k, bits, group, symmetric, gen)
+    x = torch.randn(m, k, generator=gen)
+    exact = _exact(x, packed)
+    for name, fn in _implementations().items():
+        y = fn(x, packed)
+        assert y.shape == (m, n) and y.dtype == torch.float32, name
+        _assert_within(y, exact, _kernel_bound(x, packed) if name == "kernel" else _bound(x, packed))
+
+
+@pytest.mark.parametrize("bits,group", [(8, -1), (8, 128), (4, 128)])
+def test_int8_path_computes_with_the_rounded_rows(bits, group):
+    """Exactly the x that int8 activations stand for: sx * round(x / sx) per row (rounded to nearest
+    even in float32, as the kernel does), against which only float rounding remains."""
+    lib = cpu._load()
+    gen = torch.Generator().manual_seed(bits + group)
+    packed = _weight(45, 576, bits, group, False, gen)
+    if cpu.path(lib, 16, packed) != "int8":
+        pytest.skip("this CPU has no VNNI: no int8 activations")
+    x = torch.randn(16, 576, generator=gen) * torch.rand(16, 1, generator=gen) * 4
+    top = x.abs().amax(dim=1, keepdim=True)
+    rounded = torch.round(x * (127.0 / top)) * (top / 127.0)  # float32 throughout, like the kernel
+    y = kernels.quantized_linear(x, packed)
+    float_part = _int8_bound(x, packed) - (top.double() / 254) * dequantize(packed).double().abs().sum(dim=1)
+    _assert_within(y, _exact(rounded, packed), float_part)
+
+
+def test_every_path_is_tested():
+    """The shapes above send work down each path the kernel has on this machine."""
+    lib = cpu._load()
+    taken = {
+        cpu.path(lib, m, _weight(33, k, bits, group, True, torch.Generator().manual_seed(0)))
+        for bits in (4, 8)
+        for group in (32, 64, 128, -1)
+        for k in IN_FEATURES
+        for m in ROWS
+    }
+    expected = {"fused", "strips", "tiles"} | ({"int8"} if "quantized_linear_q8_f32" in lib else set())
+    assert taken == expected
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 17, 128])
+def test_act_order_bias_and_3d_input(bits, m):
+    gen = torch.Generator().manual_seed(bits + m)
+    n, k = 71, 192
+    packed = _weight(n, k, bits, 64, False, gen, perm=True)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(2, m, k, generator=gen)
+    permuted = x.index_select(-1, packed.perm)
+    exact = _exact(permuted, packed, bias).reshape(2, m, n)
+    # The same product in the checkpoint's column order: the perm is applied to x, not forgotten.
+    original = x.double() @ dequantize_original_order(packed).double().t() + bias.double()
+    for name, fn in _implementations().items():
+        bound = (_kernel_bound if name == "kernel" else _bound)(permuted, packed)
+        bound = bound.reshape(2, m, n) + 2 * k * U * bias.abs().double()
+        y = fn(x, packed, bias)
+        assert y.shape == (2, m, n)
+        _assert_within(y, exact, bound)
+        _assert_within(y, original, bound)
+
+
+@pytest.mark.parametrize("m", [1, 17, 128])
+def test_non_contiguous_input(m):
+    gen = torch.Generator().manual_seed(m)
+    packed = _weight(50, 96, 4, 32, False, gen)
+    wide = torch.randn(m, 3 * 96, generator=gen)
+    x = wide[:, 96:192]  # rows 288 floats apart
+    transposed = torch.randn(96, m, generator=gen).t()  # columns not adjacent
+    for inp in (x, transposed):
+        _assert_within(kernels.quantized_linear(inp, packed), _exact(inp, packed), _kernel_bound(inp, packed))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 5, 17, 40])
+def test_threads_split_the_rows_without_changing_a_bit(bits, m):
+    """Each output is summed by one thread in a fixed order, whatever the thread count: results are
+    identical with 1 and 2 threads (a shared workspace or a wrong strip offset would show here). Large
+    enough (and repeated) that both threads surely run at once, even on a loaded machine."""
+    gen = torch.Generator().manual_seed(bits * m)
+    packed = _weight(16384, 576, bits, 64, False, gen)
+    x = torch.randn(m, 576, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.quantized_linear(x, packed)
+        torch.set_num_threads(2)
+        for _ in range(3):
+            assert torch.equal(kernels.quantized_linear(x, packed), one)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_within(one, _exact(x, packed), _kernel_bound(x, packed))
+
+
+def test_unsupported_activation_dtype_falls_back_to_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    packed = _weight(20, 64, 4, 32, False, gen)
+    x = torch.randn(3, 64, generator=gen, dtype=torch.float64)
+    y = kernels.quantized_linear(x, packed)
+    assert y.dtype == torch.float64
+    assert torch.equal(y, reference_linear(x, packed))
+
+
+def test_empty_input():
+    packed = _weight(20, 64, 8, 32, True, torch.Generator().manual_seed(0))
+    assert kernels.quantized_linear(torch.empty(0, 64), packed).shape == (0, 20)
+
+
+def test_cpu_dispatch_runs_the_c_kernel():
+    """A build failure must not fall back to the reference silently."""
+    assert cpu.available(), "the C kernels must build on this machine"
+    assert kernels.implementation("quantized_linear", torch.device("cpu")) is cpu.quantized_linear
+    assert {"quantized_linear_f32", "quantized_dequantize_f32"} <= set(cpu._load() or {})
+
+
+# ---- the other instruction sets of the same source --------------------------------------------------
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _variants() -> list[tuple[str, list[str]]]:
+    """The instruction sets this machine can run besides the one -march=native picks (AVX2 with and
+    without VNNI when it has AVX-512), and the scalar code."""
+    flags = _cpu_flags() if Path("/proc/cpuinfo").exists() else set()
+    variants = [("scalar", ["-mno-avx512f", "-mno-avxvnni", "-mno-avx2", "-mno-fma", "-mno-avx"])]
+    if "avx512f" in flags and {"avx2", "fma"} <= flags:
+        variants.append(("avx2", ["-mno-avx512f", "-mno-avxvnni"]))
+        if "avx_vnni" in flags:
+            variants.append(("avx-vnni", ["-mno-avx512f"]))
+    return variants
+
+
+@pytest.fixture(scope="module")
+def variant_libraries(tmp_path_factory):
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    built = {}
+    for name, extra in _variants():
+        target = tmp_path_factory.mktemp(name) / "quantized_matmul.so"
+        source = Path(cpu.__file__).parent / "quantized_matmul.c"
+        flags = [*cpu._COMMON_FLAGS, *cpu._LIBRARIES["quantized_matmul"], *extra]
+        subprocess.run([compiler, *flags, str(source), "-o", str(target), "-lm"], check=True, capture_output=True)
+        lib = ctypes.CDLL(str(target))
+        functions = {}
+        for symbol in cpu._SIGNATURES:
+            if hasattr(lib, symbol):
+                fn = getattr(lib, symbol)
+                fn.argtypes, fn.restype = cpu._SIGNATURES[symbol], cpu._RESULTS.get(symbol)
+                functions[symbol] = fn
+        built[name] = functions
+    return built
+
+
+@pytest.mark.parametrize("variant", [name for name, _ in _variants()])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("k,group", [(96, 64), (100, 32), (576, -1), (512, 128)])
+def test_other_instruction_sets_match_float64(variant_libraries, variant, bits, m, k, group):
+    gen = torch.Generator().manual_seed(len(variant) * 100_000 + bits * 10_000 + m * 100 + k)
+    packed = _weight(37, k, bits, group, bits == 8, gen)
+    bias = torch.randn(37, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    lib = variant_libraries[variant]
+    y = cpu._quantized_linear(lib, x, packed, bias)
+    bound = _int8_bound(x, packed) if cpu.path(lib, m, packed) == "int8" else _bound(x, packed)
+    _assert_within(y, _exact(x, packed, bias), bound + 2 * k * U * bias.abs().double())
