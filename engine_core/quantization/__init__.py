@@ -16,11 +16,15 @@ if TYPE_CHECKING:
     from engine_core.quantization.base import QuantizationMethod
 
 # Formats a checkpoint declares in `quantization_config.quant_method` -> "module:class" implementing it.
-CHECKPOINT_FORMATS: dict[str, str] = {}
+CHECKPOINT_FORMATS: dict[str, str] = {
+    "compressed-tensors": "engine_core.quantization.compressed_tensors:CompressedTensors",
+    "fp8": "engine_core.quantization.fp8:Fp8Checkpoint",
+}
 # Methods that quantize a full-precision checkpoint at load.
 AT_LOAD: dict[str, str] = {
     "int8": "engine_core.quantization.at_load:Int8AtLoad",
     "int4": "engine_core.quantization.at_load:Int4AtLoad",
+    "fp8": "engine_core.quantization.fp8:Fp8AtLoad",
 }
 CHOICES = ("auto", "none", *sorted(set(CHECKPOINT_FORMATS) | set(AT_LOAD)))
 
