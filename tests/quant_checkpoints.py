@@ -2,7 +2,7 @@
 
 The tool (llmcompressor, with transformers 5.17 and compressed-tensors) lives in its own venv,
 .venv-llmcompressor (`make quant-tools`); its python runs the scripts in tests/quant_tools/ in a
-subprocess. Checkpoints are written once into the model cache, `cache_root()/test-checkpoints/<name>`,
+subprocess. Checkpoints are written once into the model cache, `cache_root()/test-checkpoints/ct-<name>`,
 and reused: each is written into a staging directory and renamed into place, so a half-written one
 is never seen. Their names carry a hash of the scripts and pins that made them, so a change to either
 makes new ones (and removes the stale ones). HF's answers on a checkpoint are kept beside it the same way.
@@ -56,7 +56,7 @@ def _version() -> str:
 def checkpoint(source: str, scheme: str) -> Path:
     """The checkpoint of `source` ("smollm2" = the default model, or a tiny random model) quantized with
     `scheme` (tests/quant_tools/make_checkpoint.py), made on first use."""
-    name = f"{source}-{scheme}"
+    name = f"ct-{source}-{scheme}"  # (the directory is shared with other formats' test checkpoints)
     root = cache_root() / "test-checkpoints"
     target = root / f"{name}-{_version()}"
     if (target / COMPLETE).exists():

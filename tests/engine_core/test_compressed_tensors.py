@@ -361,11 +361,11 @@ def test_models_endpoint_and_startup_log_name_the_quantization(tmp_path):
         described = "compressed-tensors pack-quantized (INT4 weights, scales groups of 64, symmetric)"
         assert model.model_extra["quantization"] == described
         weight_bytes = model.model_extra["weight_bytes"]
-        # 30 layers' int4 linears (~0.5 byte a weight plus scales) and the float32 embedding table (tied LM
-        # head left unquantized by the recipe): 113 MiB of table, ~18 MiB of linears
-        assert 125 * 2**20 < weight_bytes < 140 * 2**20
+        # The float32 embedding table (the tied LM head the recipe left unquantized), 108 MiB, and 106 M
+        # weights of linears at half a byte plus a float32 scale and min per 64: 63 MiB (float32: 513 MiB)
+        assert 165 * 2**20 < weight_bytes < 175 * 2**20
         assert f"Weights: {described}, {weight_bytes / 2**20:.1f} MiB in memory" in server.log()
         completion = client.completions.create(model=model.id, prompt="The capital of France is", max_tokens=4)
-        assert completion.usage.completion_tokens == 4
+        assert "Paris" in completion.choices[0].text  # (served, and right)
     finally:
         assert server.stop() == 0, server.log()[-2000:]
