@@ -136,7 +136,8 @@ class CompressedTensors(QuantizationMethod):
         zero = "symmetric" if self.symmetric else "with zero points"
         text = f"compressed-tensors {self.format} (INT{self.bits} weights, scales {scales}, {zero}"
         if self.input_activations is not None:
-            text += f"; W{self.bits}A8 served weight-only: activations in float, not {self._activations()}"
+            act_bits = self.input_activations.get("num_bits", 8)
+            text += f"; W{self.bits}A{act_bits} served weight-only: activations in float, not {self._activations()}"
         return text + ")"
 
     def from_checkpoint(
@@ -225,6 +226,8 @@ def _supported_format(fmt: str | None, weights: dict) -> str:
     if fmt == "float-quantized":
         if (kind, bits) != ("float", 8):
             raise ValueError(f"compressed-tensors float-quantized with {kind} {bits}-bit weights: only FP8 (float, 8)")
+        if not weights.get("symmetric", True):
+            raise ValueError("compressed-tensors FP8 weights with zero points (symmetric: false): only symmetric")
         if strategy not in FLOAT_STRATEGIES:
             raise ValueError(
                 f"compressed-tensors FP8 weights with strategy {strategy!r}: supported: {', '.join(FLOAT_STRATEGIES)}"

@@ -44,6 +44,14 @@ SCHEMES = {
     "fp8-tensor": dict(
         weights=dict(num_bits=8, type="float", symmetric=True, strategy="tensor"), input_activations=_DYNAMIC_TOKEN_FP8
     ),
+    # llmcompressor's FP8_BLOCK preset: 128x128 weight blocks (partial ones at SmolLM2's 576 edges), and
+    # activations per group of 128
+    "fp8-ct-block": dict(
+        weights=dict(num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[128, 128]),
+        input_activations=dict(
+            num_bits=8, type="float", symmetric=True, strategy="group", group_size=128, dynamic=True
+        ),
+    ),
 }
 FP8_BLOCKS = (64, 32)  # square blocks: the largest that tiles every projection (transformers' op needs that)
 FP8_BLOCK_SCALES = {"fp8-block": "float", "fp8-block-ue8m0": "ue8m0"}  # scheme -> scale_fmt
