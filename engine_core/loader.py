@@ -56,8 +56,7 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
-                names = list(f.keys())
-                for name in names:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                     yield name, f.get_tensor(name)
         except SafetensorError as exc:
             raise ValueError(f"{path} is not a complete safetensors file (truncated or corrupt?): {exc}") from exc
