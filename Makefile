@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.pagoda-installed
 # an unpinned torch would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: install model serve generate test test-fast lint bench clean
+.PHONY: install model serve generate test test-fast lint bench clean quant-tools
 
 install: $(STAMP) model
 
@@ -21,6 +21,22 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[test,lint]" "$(TORCH)"
 	touch $(STAMP)
 
+# The quantization tool the compressed-tensors tests make their checkpoints with (llmcompressor, and HF
+# transformers with compressed-tensors as their reference): its own venv, as it pins transformers and
+# others differently from .venv (tests/quant_tools/llmcompressor.txt).
+LLMC_VENV  := .venv-llmcompressor
+LLMC_STAMP := $(LLMC_VENV)/.pagoda-installed
+LLMC_REQS  := tests/quant_tools/llmcompressor.txt
+
+quant-tools: $(LLMC_STAMP)
+
+$(LLMC_STAMP): $(LLMC_REQS)
+	$(PYTHON) -m venv $(LLMC_VENV)
+	$(LLMC_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LLMC_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(LLMC_VENV)/bin/python -m pip install -q -r $(LLMC_REQS) "$(TORCH)"
+	touch $(LLMC_STAMP)
+
 model: $(STAMP)
 	$(VENV)/bin/pagoda download-default
 
@@ -30,7 +46,7 @@ serve: install
 
 # Tests run in a random order (pytest-randomly): PYTEST_FLAGS="-p no:randomly" for file order,
 # "--randomly-seed=N" to repeat one (.ci/run pins one).
-test: install
+test: install quant-tools
 	$(PY) -m pytest -q $(PYTEST_FLAGS) tests
 
 test-fast: install
@@ -49,4 +65,4 @@ bench: install
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LLMC_VENV) .pytest_cache .hypothesis

@@ -187,6 +187,9 @@ class ApiServer:
                 "owned_by": "pagoda",
                 "root": report.model,
                 "max_model_len": report.max_model_len,
+                # Pagoda's own fields: how the weights are stored (null: full precision), and their size
+                "quantization": report.quantization,
+                "weight_bytes": report.weight_bytes,
             }
             for name in self.settings.served_model_names
         ]

@@ -302,6 +302,8 @@ class DetokProc:
             num_running=s.num_running,
             num_waiting=s.num_waiting,
             kv_cache_usage=s.kv_cache_usage,
+            quantization=self.engine.quantization if self.engine is not None else None,
+            weight_bytes=self.engine.weight_bytes if self.engine is not None else 0,
         )
 
     def _tokenize(self, identity: bytes, request: protocol.TokenizeRequest) -> None:

@@ -53,7 +53,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card this process may use, KV pool included
     enforce_eager: bool = False  # CUDA: no graph capture for decode steps
     load_format: str = "auto"  # auto = the checkpoint's safetensors; dummy = random weights (benchmarks)
-    quantization: str = "auto"  # auto = what the checkpoint says; none; a format; int8/int4 = at load
+    quantization: str = "auto"  # auto = what the checkpoint says; none; a format; int8/int4/fp8 = at load
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set (tests)
     max_num_batched_tokens: int = 2048
     max_joint_prefill_tokens: int = 256  # see Scheduler: how many prefill tokens several requests may share a step with
@@ -123,7 +123,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="auto",
         choices=QUANTIZATION_CHOICES,
         help="auto = what the checkpoint says (GPTQ, AWQ, compressed-tensors, FP8, GGUF); none = refuse a "
-        "quantized checkpoint; int8 / int4 = quantize a full-precision checkpoint at load (see docs/quantization.md)",
+        "quantized checkpoint; int8 / int4 / fp8 = quantize a full-precision checkpoint at load (docs/quantization.md)",
     )
     g.add_argument(
         "--enforce-eager",

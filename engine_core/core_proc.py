@@ -114,6 +114,8 @@ class EngineCoreProc:
                 engine.model_cfg.vocab_size,
                 str(engine.model_dir),
                 os.getpid(),
+                None if engine.runner.quantization is None else engine.runner.quantization.describe(),
+                engine.runner.weight_bytes,
             )
         )
         was_busy = False

@@ -55,8 +55,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every shard, or of the GGUF file the directory stands for;
-    tensors are memory-mapped, one at a time."""
-    from safetensors import safe_open
+    tensors are memory-mapped, one at a time. A file that cannot be read (truncated, corrupt header) is
+    a ValueError naming it."""
+    from safetensors import SafetensorError, safe_open
 
     source = gguf_source(model_dir)
     if source is not None:
@@ -66,9 +67,12 @@ def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         return
 
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                    yield name, f.get_tensor(name)
+        except SafetensorError as exc:
+            raise ValueError(f"{path} is not a complete safetensors file (truncated or corrupt?): {exc}") from exc
 
 
 def load_model(

@@ -202,6 +202,8 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     vocab_size: int
     model_dir: str
     pid: int = 0  # the engine process (the tokenizer process reports its process metrics)
+    quantization: str | None = None  # how the weights are stored (QuantizationMethod.describe()); None: full precision
+    weight_bytes: int = 0  # bytes the weights hold in memory
 
 
 class EngineDead(msgspec.Struct, tag="dead", array_like=True):
@@ -378,6 +380,8 @@ class HealthReport(msgspec.Struct, tag="health", kw_only=True):
     num_running: int
     num_waiting: int
     kv_cache_usage: float
+    quantization: str | None = None  # the engine's, once ready (EngineReady)
+    weight_bytes: int = 0
 
 
 class PrefixCacheResetResult(msgspec.Struct, tag="prefix_cache_reset"):

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 # Formats a checkpoint declares in `quantization_config.quant_method` -> "module:class" implementing it.
 CHECKPOINT_FORMATS: dict[str, str] = {
+    "compressed-tensors": "engine_core.quantization.compressed_tensors:CompressedTensors",
+    "fp8": "engine_core.quantization.fp8:Fp8Checkpoint",
     # A .gguf file's model directory declares it (engine_core/gguf_model.py) when the file has quantized linears.
     "gguf": "engine_core.quantization.gguf:GGUFMethod",
 }
@@ -24,6 +26,7 @@ CHECKPOINT_FORMATS: dict[str, str] = {
 AT_LOAD: dict[str, str] = {
     "int8": "engine_core.quantization.at_load:Int8AtLoad",
     "int4": "engine_core.quantization.at_load:Int4AtLoad",
+    "fp8": "engine_core.quantization.fp8:Fp8AtLoad",
 }
 CHOICES = ("auto", "none", *sorted(set(CHECKPOINT_FORMATS) | set(AT_LOAD)))
 

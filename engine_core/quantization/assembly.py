@@ -65,7 +65,8 @@ class LinearAssembler:
         tensors = self._collecting.get(key)
         if tensors is None:
             return
-        missing = self.method.required - tensors.keys() if "weight" not in tensors else set()
+        full_precision = _is_full_precision(tensors)
+        missing = set() if full_precision else self.method.required - tensors.keys()
         if missing:
             if final:
                 raise ValueError(f"checkpoint is missing {sorted(missing)} of {path} (shard {shard})")
@@ -76,7 +77,7 @@ class LinearAssembler:
         out_features = (
             linear.out_sizes[shard] if isinstance(linear, MergedLinear) and shard is not None else (linear.out_features)
         )
-        if "weight" in tensors:
+        if full_precision:
             weight = tensors["weight"]
             result: QuantizedShard | torch.Tensor = (
                 self.method.quantize(path, weight) if self.method.quantizes_full_precision else weight
@@ -120,3 +121,15 @@ class LinearAssembler:
         with torch.no_grad():
             target.copy_(weight)
         self._float_shards.setdefault(path, set()).add(0 if shard is None else shard)
+
+
+def _is_full_precision(tensors: dict[str, torch.Tensor]) -> bool:
+    """A linear stored as a plain float `weight` of 16 bits or more: a layer the checkpoint left
+    unquantized. FP8 and INT8 checkpoints name their quantized tensor `weight` too, next to its scales."""
+    weight = tensors.get("weight")
+    return (
+        tensors.keys() == {"weight"}
+        and weight is not None
+        and weight.is_floating_point()
+        and weight.element_size() >= 2
+    )
