@@ -1,9 +1,10 @@
-/* Weight-only quantized linear for the CPU, float32 activations: y = x W^T (+ bias), where W is a
- * kernels/quantized.py PackedWeight: 4-bit (GGUF block order: 16 bytes per 32 columns, byte j = column j
- * in the low nibble, column j + 16 in the high one) or 8-bit (int8 holding q - 128), with one float scale
- * and one optional float min per (output row, group of columns): w = scale * stored + min.
+/* Quantized linear for the CPU on float32 inputs: y = x W^T (+ bias), where W is a kernels/quantized.py
+ * PackedWeight: 4-bit (GGUF block order: 16 bytes per 32 columns, byte j = column j in the low nibble,
+ * column j + 16 in the high one) or 8-bit (int8 holding q - 128), with one float scale and one optional
+ * float min per (output row, group of columns): w = scale * stored + min.
  *
- * Two ways through, both reading the packed weight once per call and never dequantizing all of it:
+ * Three ways through, each reading the packed weight once per call and never dequantizing all of it
+ * (which one runs is chosen by kernels/cpu/__init__.py, by row count and weight layout):
  * - fused (one input row: decode). A tile of NR weight rows is widened block by block into float vectors
  *   in registers (the stored integers, converted exactly) and multiplied into the input row; a group's
  *   sum is scaled once at the group's end, and the mins enter as min[n, g] * sum(x over group g), so they
@@ -12,8 +13,10 @@
  *   into its own workspace, which stays in L2, and runs a plain float32 register tile (MR input rows x NR
  *   weight rows of dot products) over it for every input row: the widening is paid once per strip, not
  *   once per input row, and the group bookkeeping leaves the inner loop.
- * For many rows (prefill) kernels/cpu/__init__.py dequantizes tiles with `quantized_dequantize_f32` and
- * multiplies them with BLAS, whose cache blocking wins there.
+ * - int8 activations (batches, where the CPU has VNNI): the input rows quantized to int8, integer dot
+ *   products (W8A8 / W4A8; see the section further down for its layout and its error).
+ * For prefill sizes kernels/cpu/__init__.py also dequantizes tiles with `quantized_dequantize_f32` and
+ * multiplies them with oneDNN, whose cache blocking wins there.
  *
  * Intrinsics, AVX-512 or AVX2 + FMA as the build machine has them (the library is built with
  * -march=native), each behind its #if: the int8/int4 -> float widening (vpmovzx/vpmovsx + vcvtdq2ps, the
