@@ -53,6 +53,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card this process may use, KV pool included
     enforce_eager: bool = False  # CUDA: no graph capture for decode steps
     load_format: str = "auto"  # auto = the checkpoint's safetensors; dummy = random weights (benchmarks)
+    int8_activations: bool = False  # CPU: quantized linears may round batched inputs to int8 (W8A8)
     quantization: str = "auto"  # auto = what the checkpoint says; none; a format; int8/int4/fp8 = at load
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set (tests)
     max_num_batched_tokens: int = 2048
@@ -126,6 +127,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "quantized checkpoint; int8 / int4 / fp8 = quantize a full-precision checkpoint at load (docs/quantization.md)",
     )
     g.add_argument(
+        "--int8-activations",
+        action="store_true",
+        help="CPU, quantized models: from 2 rows on, round each input row of a quantized linear to int8 and "
+        "use integer dot products where that is faster (W8A8; needs AVX-512 VNNI). Faster batches, but a "
+        "request's tokens then depend on what it is batched with",
+    )
+    g.add_argument(
         "--enforce-eager",
         action="store_true",
         help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs",
@@ -171,6 +179,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
         quantization=args.quantization,
+        int8_activations=args.int8_activations,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_joint_prefill_tokens=args.max_joint_prefill_tokens,
         max_num_seqs=args.max_num_seqs,

@@ -54,7 +54,7 @@ def onednn_linear_disabled() -> bool:
     return _flag("PAGODA_DISABLE_ONEDNN_LINEAR")
 
 
-def configure_kernels() -> None:
+def configure_kernels(int8_activations: bool = False) -> None:
     """Tell `kernels` which implementations this process may use and where it builds C kernels."""
     import kernels
 
@@ -62,4 +62,5 @@ def configure_kernels() -> None:
         cpu_kernels=not _flag("PAGODA_DISABLE_CPU_KERNELS"),
         triton=not _flag("PAGODA_DISABLE_TRITON"),
         build_dir=cache_root() / "kernels",
+        int8_activations=int8_activations,
     )

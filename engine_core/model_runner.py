@@ -46,7 +46,9 @@ def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dty
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir, model_cfg: ModelConfig):
-        configure_kernels()  # which kernels this process may use (PAGODA_DISABLE_*), before any runs
+        configure_kernels(
+            config.int8_activations
+        )  # which kernels this process may use (PAGODA_DISABLE_*), before any runs
         self.config = config
         self.model_cfg = model_cfg
         self.device = config.torch_device()

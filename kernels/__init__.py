@@ -36,12 +36,17 @@ _CPU_COMPILED = {"paged_decode_attention", "rotary_embedding", "reshape_and_cach
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
 
 
-def configure(cpu_kernels: bool = True, triton: bool = True, build_dir: Path | None = None) -> None:
+def configure(
+    cpu_kernels: bool = True, triton: bool = True, build_dir: Path | None = None, int8_activations: bool = False
+) -> None:
     """Which implementations to use from now on, and where C kernels are built (default: a
-    directory per user under the system's temporary directory)."""
+    directory per user under the system's temporary directory). `int8_activations`: quantized linears
+    on the CPU may round their input rows to int8 (from 2 rows on, where that is faster): quicker
+    batches, but a request's tokens then depend on what it is batched with."""
     from kernels import cpu
 
     _enabled["cpu"], _enabled["cuda"] = cpu_kernels, triton
+    cpu.int8_activations = int8_activations
     if build_dir is not None:
         cpu.build_dir = Path(build_dir)
     _resolve.cache_clear()

@@ -254,11 +254,11 @@ def reshape_and_cache(
 # - "fused" (few rows): every weight block widened to floats in registers, once per tile of input rows;
 # - "strips": each thread dequantizes a strip of weight rows into a workspace that stays in L2 and
 #   multiplies all input rows against it (4-bit blocks cost more to widen: strips pay off sooner);
-# - "int8" (where the CPU has VNNI), from 2 rows on: input rows quantized to int8 per row, integer dot
-#   products. 8-bit weights: 1.5-2.5x the fp32 matmul's speed here at any row count. 4-bit weights in
-#   groups of 128 columns: ~1.4x the float strips at any row count; in groups of 64: ~1.1-1.3x below
-#   _INT4_G64_ROWS, slower beyond (the per-group float work eats the gain); other groups: float. One row
-#   (single-stream decode) always keeps float activations;
+# - "int8" (where the CPU has VNNI and `int8_activations` is on), from 2 rows on: input rows quantized
+#   to int8 per row, integer dot products. 8-bit weights: 1.5-2.5x the fp32 matmul's speed here at any
+#   row count. 4-bit weights in groups of 128 columns: ~1.4x the float strips at any row count; in
+#   groups of 64: ~1.1-1.3x below _INT4_G64_ROWS, slower beyond (the per-group float work eats the
+#   gain); other groups: float. One row (single-stream decode) always keeps float activations;
 # - "tiles" (prefill): _TILE_FLOATS of dequantized weight at a time, multiplied by oneDNN (this
 #   machine's fastest float32 matmul, 2x MKL's here) into the output columns of that tile.
 _STRIP_ROWS = {4: 8, 8: 32}
@@ -271,6 +271,8 @@ _THREADED_WORK = 1 << 16  # multiply-adds below which one thread is faster than 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _tile = torch.empty(0)
 _q8_units: dict[int, int] = {}  # columns per integer vector, by library
+# The "int8" path is opt-in (kernels.configure): it changes results with the batch a row is in.
+int8_activations = False
 
 
 def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -297,6 +299,8 @@ def path(lib, rows: int, packed: PackedWeight) -> str:
 
 
 def _int8_activations_pay(lib, rows: int, packed: PackedWeight) -> bool:
+    if not int8_activations:
+        return False
     key = id(lib["quantized_linear_f32"])
     if key not in _q8_units:  # (a library built without VNNI has no integer path)
         _q8_units[key] = lib["quantized_q8_unit"]() if "quantized_q8_unit" in lib else 0

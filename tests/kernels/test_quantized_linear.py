@@ -38,6 +38,14 @@ from kernels.quantized import (
 U = 2.0**-24
 
 
+@pytest.fixture(autouse=True)
+def int8_activations_allowed():
+    """This file checks every path of the kernel, the opt-in int8-activation one included."""
+    cpu.int8_activations = True
+    yield
+    cpu.int8_activations = False
+
+
 def _weight(n: int, k: int, bits: int, group: int, symmetric: bool, gen: torch.Generator, perm: bool = False):
     """Random integers, scales and mins packed; also the float64 parts the bound needs."""
     q = torch.randint(0, 1 << bits, (n, k), generator=gen)
@@ -315,3 +323,13 @@ def test_other_instruction_sets_match_float64(variant_libraries, variant, bits, 
     y = cpu._quantized_linear(lib, x, packed, bias)
     bound = _int8_bound(x, packed) if cpu.path(lib, m, packed) == "int8" else _bound(x, packed)
     _assert_within(y, _exact(x, packed, bias), bound + 2 * k * U * bias.abs().double())
+
+
+def test_int8_activations_are_opt_in():
+    """By default a batch keeps float activations, so a row's result does not depend on its batch."""
+    packed = _weight(64, 256, 8, -1, True, torch.Generator().manual_seed(3))
+    cpu.int8_activations = False
+    assert cpu.path(cpu._load(), 16, packed) != "int8"
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([kernels.quantized_linear(x[i : i + 1], packed) for i in range(16)])
+    assert torch.allclose(kernels.quantized_linear(x, packed), alone, rtol=1e-5, atol=1e-5)
