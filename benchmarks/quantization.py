@@ -1,14 +1,22 @@
-"""Quantized linears on the CPU: the kernels behind `--quantization int8|int4`, against fp32.
+"""Quantized models on the CPU, against fp32 in the same run: the kernels behind `--quantization
+int8|int4`, and the whole engine (with llama.cpp beside it where llama-cpp-python runs).
 
     python -m benchmarks.quantization kernels                # SmolLM2-135M's linear shapes, 1/16/128 rows
     python -m benchmarks.quantization kernels --rows 1 4 16  # other row counts
+    python -m benchmarks.quantization kernels --int8-activations   # the opt-in W8A8 path from 2 rows
     python -m benchmarks.quantization kernels --json out.json
+    python -m benchmarks.quantization engine --llama-cpp-python .venv-llamacpp/bin/python
+
+`engine` runs the offline engine on SmolLM2 in fp32, `--quantization int8`, `int4` and its Q4_1 GGUF
+served directly: weight memory, one stream's decode speed (512-token prompt, 256 greedy tokens:
+255 / (time for 256 - time for 1)) and 16 concurrent 128 -> 128 streams' output tok/s; llama.cpp decodes
+the same Q4_1 file and the fp32 weights with the same prompt (n_threads as --threads).
 
 `kernels` times, for each linear shape of one SmolLM2 layer and its LM head:
 - fp32: the engine's own `Linear` with its weight packed by oneDNN (`pack_for_cpu`), what an unquantized
   model runs;
 - C int8 / C int4: `kernels.quantized_linear` on weights quantized the way `--quantization int8|int4`
-  does at load (int8 per channel symmetric; int4 groups of 128/64 with scale and min); the path the
+  does at load (int8 per channel symmetric; int4 groups of 32 with scale and min); the path the
   kernel takes is printed at the end of the row (fused / strips / int8 activations / tiles, see
   kernels/cpu/__init__.py);
 - torch int8 / torch int4: torch's own `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` on the same
@@ -33,7 +41,7 @@ import torch
 
 import kernels
 from engine_core.layers.linear import Linear
-from engine_core.quantization.at_load import int4_group_size, quantize_int4_grouped, quantize_int8_per_channel
+from engine_core.quantization.at_load import INT4_GROUP_SIZE, quantize_int4_grouped, quantize_int8_per_channel
 from engine_core.quantization.base import QuantizedShard, pack_shards
 from kernels import cpu
 
@@ -86,7 +94,7 @@ def _c_path(bits: int, n: int, k: int, rows: int) -> str:
     if not cpu.available():
         return "torch reference"
     weight = torch.zeros(n, k)
-    shard = quantize_int8_per_channel(weight) if bits == 8 else quantize_int4_grouped(weight, int4_group_size(k))
+    shard = quantize_int8_per_channel(weight) if bits == 8 else quantize_int4_grouped(weight, INT4_GROUP_SIZE)
     return cpu.path(cpu._load(), rows, pack_shards("path", [shard]))
 
 
@@ -142,7 +150,7 @@ def bench_kernels(rows_list: list[int], threads: int, min_seconds: float, workin
     for name, (n, k) in SHAPES.items():
         weight = torch.randn(n, k) * k**-0.5
         int8 = quantize_int8_per_channel(weight)
-        int4 = quantize_int4_grouped(weight, int4_group_size(k))
+        int4 = quantize_int4_grouped(weight, INT4_GROUP_SIZE)
         fns = {
             method: _cycling(functools.partial(build, weight, int8, int4), WEIGHT_BYTES[method] * n * k, working_set)
             for method, build in METHODS.items()
@@ -192,6 +200,85 @@ def _row(name: str, n: int, k: int, rows: int, times: dict[str, float]) -> str:
     return f"{name:>11} {shape:>18} M={rows:<5}" + " ".join(cells)
 
 
+def bench_engine(threads: int, repeats: int, int8_activations: bool, llama_python: str | None) -> list[dict]:
+    """Per configuration: weight memory, one-stream decode tok/s, 16-stream output tok/s (best of
+    `repeats`), printed with ratios against fp32 from this run."""
+    import gc
+    import random
+
+    from engine_core.default_model import ensure_default_gguf, ensure_default_model
+    from engine_core.llm import LLM
+    from engine_core.sampling_params import SamplingParams
+
+    torch.set_num_threads(threads)
+    rng = random.Random(0)
+    single = [rng.randrange(100, 40000) for _ in range(512)]
+    batch = [[rng.randrange(100, 40000) for _ in range(128)] for _ in range(16)]
+    model_dir, gguf = str(ensure_default_model()), str(ensure_default_gguf())
+    configs = [
+        ("fp32", {"model": model_dir}),
+        ("int8", {"model": model_dir, "quantization": "int8"}),
+        ("int4", {"model": model_dir, "quantization": "int4"}),
+        ("Q4_1 GGUF", {"model": gguf}),
+    ]
+    rows = []
+    for label, kwargs in configs:
+        llm = LLM(enable_prefix_caching=False, num_kv_blocks=1024, int8_activations=int8_activations, **kwargs)
+
+        def run(prompts: list[list[int]], tokens: int, llm=llm) -> float:
+            params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+            start = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            return time.perf_counter() - start
+
+        run([single], 8)  # warm-up
+        decode = max(255 / (run([single], 256) - run([single], 1)) for _ in range(repeats))
+        concurrent = max(16 * 128 / run(batch, 128) for _ in range(repeats))
+        rows.append({"config": label, "weights_mib": llm.engine.runner.weight_bytes / 2**20,
+                     "decode_tok_s": decode, "c16_tok_s": concurrent})  # fmt: skip
+        del llm
+        gc.collect()
+    if llama_python:
+        for label, path in (("llama.cpp Q4_1", gguf),):
+            rows.append({"config": label, **_llama_cpp_decode(llama_python, path, single, threads, repeats)})
+    base = rows[0]
+    print(f"{'config':>15} {'weights MiB':>12} {'decode tok/s':>13} {'vs fp32':>8} {'c16 tok/s':>10} {'vs fp32':>8}")
+    for row in rows:
+        c16 = row.get("c16_tok_s")
+        print(
+            f"{row['config']:>15} {row.get('weights_mib', float('nan')):>12.1f} {row['decode_tok_s']:>13.1f} "
+            f"{row['decode_tok_s'] / base['decode_tok_s']:>7.2f}x "
+            + (f"{c16:>10.1f} {c16 / base['c16_tok_s']:>7.2f}x" if c16 else f"{'-':>10} {'':>8}")
+        )
+    return rows
+
+
+_LLAMA_CPP_DECODE = """
+import json, sys, time
+from llama_cpp import Llama
+args = json.loads(sys.stdin.read())
+llm = Llama(model_path=args["path"], n_ctx=1024, n_threads=args["threads"], n_batch=512, verbose=False)
+def run(tokens):
+    llm.reset()
+    start = time.perf_counter()
+    for i, _ in enumerate(llm.generate(args["prompt"], temp=0.0, reset=True)):
+        if i + 1 == tokens:
+            break
+    return time.perf_counter() - start
+run(8)
+print(json.dumps(max(255 / (run(256) - run(1)) for _ in range(args["repeats"]))))
+"""
+
+
+def _llama_cpp_decode(python: str, path: str, prompt: list[int], threads: int, repeats: int) -> dict:
+    """llama.cpp's one-stream decode tok/s on the same prompt, measured like ours (in its own venv)."""
+    import subprocess
+
+    payload = json.dumps({"path": path, "prompt": prompt, "threads": threads, "repeats": repeats})
+    done = subprocess.run([python, "-c", _LLAMA_CPP_DECODE], input=payload, capture_output=True, text=True, check=True)
+    return {"decode_tok_s": float(done.stdout.strip().splitlines()[-1])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -203,8 +290,20 @@ def main() -> None:
         "--working-set", type=int, default=256, help="MiB of weight copies each method cycles through (0: one copy)"
     )
     kern.add_argument("--json", type=Path)
+    kern.add_argument("--int8-activations", action="store_true", help="allow the kernel's W8A8 path")
+    eng = sub.add_parser("engine", help="the whole engine: fp32 / int8 / int4 / Q4_1 GGUF (+ llama.cpp)")
+    eng.add_argument("--threads", type=int, default=2)
+    eng.add_argument("--repeats", type=int, default=2)
+    eng.add_argument("--int8-activations", action="store_true", help="allow the kernel's W8A8 path")
+    eng.add_argument("--llama-cpp-python", metavar="PYTHON", help="an interpreter that can import llama_cpp")
+    eng.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.command == "engine":
+        results = bench_engine(args.threads, args.repeats, args.int8_activations, args.llama_cpp_python)
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
     if args.command == "kernels":
+        cpu.int8_activations = args.int8_activations
         header = " ".join(f"{m + ' (vs fp32)':>19}" for m in METHODS)
         print(f"{'linear':>11} {'K->N':>18} {'rows':<7}{header}  ({args.threads} threads, medians)")
         results = bench_kernels(args.rows, args.threads, args.seconds, args.working_set << 20)
