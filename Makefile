@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.pagoda-installed
 # an unpinned torch would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: install model serve generate test test-fast lint bench clean
+.PHONY: install model serve generate test test-fast lint bench clean tool-venvs
 
 install: $(STAMP) model
 
@@ -21,6 +21,27 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[test,lint]" "$(TORCH)"
 	touch $(STAMP)
 
+# Venvs of the quantization tools the GPTQ / AWQ tests run (tests/quant_checkpoints.py): GPTQModel and
+# AutoAWQ pull other versions of transformers than ours, so each has its own, from a pinned
+# requirements file; the stamp is written only once the install is complete.
+TOOL_STAMP := .pagoda-tool-installed
+
+tool-venvs: .venv-gptq/$(TOOL_STAMP) .venv-awq/$(TOOL_STAMP)
+
+.venv-gptq/$(TOOL_STAMP): tests/quant_tools/gptq.txt
+	rm -rf .venv-gptq
+	$(PYTHON) -m venv .venv-gptq
+	.venv-gptq/bin/python -m pip install -q "$(TORCH)"
+	.venv-gptq/bin/python -m pip install -q -r tests/quant_tools/gptq.txt
+	touch $@
+
+.venv-awq/$(TOOL_STAMP): tests/quant_tools/awq.txt
+	rm -rf .venv-awq
+	$(PYTHON) -m venv .venv-awq
+	.venv-awq/bin/python -m pip install -q "$(TORCH)"
+	.venv-awq/bin/python -m pip install -q -r tests/quant_tools/awq.txt
+	touch $@
+
 model: $(STAMP)
 	$(VENV)/bin/pagoda download-default
 
@@ -30,7 +51,7 @@ serve: install
 
 # Tests run in a random order (pytest-randomly): PYTEST_FLAGS="-p no:randomly" for file order,
 # "--randomly-seed=N" to repeat one (.ci/run pins one).
-test: install
+test: install tool-venvs
 	$(PY) -m pytest -q $(PYTEST_FLAGS) tests
 
 test-fast: install
@@ -49,4 +70,4 @@ bench: install
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-gptq .venv-awq .pytest_cache .hypothesis

@@ -50,12 +50,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every shard; tensors are memory-mapped, one at a time."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                    yield name, f.get_tensor(name)
+        except SafetensorError as exc:  # a truncated or corrupt file: name it, before anything is served
+            raise ValueError(f"{path} is not a complete safetensors file: {exc}") from None
 
 
 def load_model(

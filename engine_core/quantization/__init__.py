@@ -16,7 +16,10 @@ if TYPE_CHECKING:
     from engine_core.quantization.base import QuantizationMethod
 
 # Formats a checkpoint declares in `quantization_config.quant_method` -> "module:class" implementing it.
-CHECKPOINT_FORMATS: dict[str, str] = {}
+CHECKPOINT_FORMATS: dict[str, str] = {
+    "awq": "engine_core.quantization.awq:AWQ",
+    "gptq": "engine_core.quantization.gptq:GPTQ",
+}
 # Methods that quantize a full-precision checkpoint at load.
 AT_LOAD: dict[str, str] = {
     "int8": "engine_core.quantization.at_load:Int8AtLoad",
