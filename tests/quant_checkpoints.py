@@ -10,7 +10,9 @@ the scripts in tests/quant_tools with that venv's python:
   layers, or of every layer as a float32 model directory.
 
 Checkpoints and tool outputs are kept in the model cache (`cache_root()/test-checkpoints/<name>`), keyed
-by what made them (the tool's arguments, its pinned requirements, its script), and written atomically.
+by what made them (the tool's arguments and pinned requirements, the calibration, the source model, and
+TOOLS_VERSION), and written atomically. Bump TOOLS_VERSION when a script in tests/quant_tools changes
+what it writes for the same arguments.
 Calibration uses a few texts bundled here (or random ids for a tiny model): nothing is downloaded.
 """
 
@@ -35,6 +37,7 @@ TOOLS = REPO / "tests" / "quant_tools"
 VENVS = {"gptq": REPO / ".venv-gptq", "awq": REPO / ".venv-awq"}
 VENV_STAMP = ".pagoda-tool-installed"  # written by the Makefile once a tool venv is complete
 MARKER = ".pagoda-checkpoint.json"
+TOOLS_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 CALIBRATION_TEXTS = [
@@ -84,13 +87,14 @@ TINY_COMMON = dict(
     tie_word_embeddings=False,
 )
 TINY_PROMPT_LENGTHS = (1, 5, 9, 16, 24, 33, 40, 57, 70, 90)  # around blocks and past Mistral's window of 24
+SMOLLM2_PREFIX_LAYERS = 4
 
 
 @dataclass(frozen=True)
 class Spec:
     name: str  # directory under cache_root()/test-checkpoints
     tool: str  # "gptq" | "awq"
-    source: str  # "smollm2" | "tiny-qwen2" | "tiny-mistral"
+    source: str  # "smollm2" | "smollm2-4layers" | "tiny-qwen2" | "tiny-mistral"
     args: tuple[str, ...] = ()
 
 
@@ -152,8 +156,34 @@ def source_model(source: str) -> Path:
         from engine_core.default_model import ensure_default_model
 
         return ensure_default_model()
+    if source == "smollm2-4layers":
+        key = _fingerprint(SMOLLM2_PREFIX_LAYERS, source_model("smollm2") / ".pagoda-complete")
+        return _cached_dir(f"gptq-awq-source-{source}", key, _build_smollm2_prefix)
     arch = source.removeprefix("tiny-")
-    return _cached_dir(source, _fingerprint(TINY_COMMON, arch, 2), lambda out: _build_tiny(arch, out))
+    key = _fingerprint(TINY_COMMON, arch, 3)
+    return _cached_dir(f"gptq-awq-source-{source}", key, lambda out: _build_tiny(arch, out))
+
+
+def _build_smollm2_prefix(out: Path) -> None:
+    """SmolLM2's first layers, its embeddings, final norm and tokenizer: real weights and dimensions (576,
+    1536) for a tool too slow to quantize all 30 layers here (AutoAWQ: over 20 minutes on two busy cores)."""
+    from safetensors.torch import load_file, save_file
+
+    smollm2 = source_model("smollm2")
+    config = json.loads((smollm2 / "config.json").read_text())
+    config["num_hidden_layers"] = SMOLLM2_PREFIX_LAYERS
+    weights = load_file(str(smollm2 / "model.safetensors"))
+    kept = {
+        name: tensor
+        for name, tensor in weights.items()
+        if not name.startswith("model.layers.") or int(name.split(".")[2]) < SMOLLM2_PREFIX_LAYERS
+    }
+    out.mkdir()
+    save_file(kept, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if (smollm2 / name).exists():
+            shutil.copy(smollm2 / name, out / name)
 
 
 def _build_tiny(arch: str, out: Path) -> None:
@@ -169,6 +199,12 @@ def _build_tiny(arch: str, out: Path) -> None:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if arch == "mistral":
+        # Groups of positive weights only: asymmetric GPTQ gives them a zero point of 0, which a v1
+        # checkpoint stores as -1 (the case where GPTQModel's whole-word subtraction borrows).
+        with torch.no_grad():
+            model.model.layers[0].self_attn.o_proj.weight.abs_()
+            model.model.layers[0].mlp.up_proj.weight[:64].abs_()
     model.save_pretrained(out, safe_serialization=True)
     # GPTQModel loads a model's tokenizer even when given token ids (for Mistral it would otherwise build
     # a sentencepiece one): SmolLM2's, whose ids cover the tiny vocabulary's.
@@ -178,7 +214,7 @@ def _build_tiny(arch: str, out: Path) -> None:
 
 
 def calibration_ids(source: str) -> list[list[int]]:
-    if source == "smollm2":
+    if source.startswith("smollm2"):
         from engine_core.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(source_model(source))
@@ -188,7 +224,7 @@ def calibration_ids(source: str) -> list[list[int]]:
 
 
 def prompt_ids(source: str) -> list[list[int]]:
-    if source == "smollm2":
+    if source.startswith("smollm2"):
         from engine_core.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(source_model(source))
@@ -205,7 +241,7 @@ def checkpoint(spec: Spec) -> Path:
     script = TOOLS / f"make_{spec.tool}.py"
     calibration = calibration_ids(spec.source)
     source_marker = src / MARKER if (src / MARKER).exists() else src / ".pagoda-complete"  # the default model's
-    key = _fingerprint(spec.args, calibration, script, TOOLS / f"{spec.tool}.txt", source_marker)
+    key = _fingerprint(spec.args, calibration, TOOLS / f"{spec.tool}.txt", source_marker, TOOLS_VERSION)
 
     def build(out: Path) -> None:
         calibration_file = out.parent / "calibration.json"
@@ -223,10 +259,8 @@ def tool_reference(spec: Spec, model_dir: Path, prompts: list[list[int]], max_to
     first-step logprobs (through GPTQModel's kernels); `dequantized`, the tool's own float32 dequantization
     of `layers` ({name: [out, in]}); for AWQ also `float32_dir`, the whole model dequantized by AutoAWQ."""
     script = TOOLS / "hf_reference.py"
-    key = _fingerprint(
-        prompts, max_tokens, layers, script, TOOLS / "awq_dequantize.py", TOOLS / "gptq.txt", TOOLS / "awq.txt"
-    )
-    key = _fingerprint(key, json.loads((model_dir / MARKER).read_text()))
+    model_key = json.loads((model_dir / MARKER).read_text())
+    key = _fingerprint(prompts, max_tokens, layers, TOOLS / "gptq.txt", TOOLS / "awq.txt", model_key, TOOLS_VERSION)
 
     def build(out: Path) -> None:
         out.mkdir()

@@ -21,6 +21,7 @@ from engine_core.quantization.base import pack_shards
 from engine_core.quantization.gptq import GPTQ, unpack_words
 from engine_core.sampling_params import SamplingParams
 from kernels.quantized import dequantize
+from tests import quant_checkpoints
 from tests.quant_checkpoints import Spec, checkpoint, prompt_ids, tool_reference
 
 NEW_TOKENS = 32
@@ -46,8 +47,11 @@ SPECS = [
     smollm2("gptq-smollm2-w4-g64-actorder", "gptq", "--bits", "4", "--group-size", "64", "--desc-act"),
     smollm2("gptq-smollm2-w8-g64", "gptq", "--bits", "8", "--group-size", "64"),
     smollm2("gptq-smollm2-w4-perchannel", "gptq", "--bits", "4", "--group-size", "-1"),
-    smollm2("awq-smollm2-g64", "awq", "--group-size", "64"),  # 576 and 1536 are not multiples of 128
+    # AutoAWQ takes over 20 minutes on all of SmolLM2 here: its first 4 layers (576 and 1536 are not
+    # multiples of 128, so groups of 64), and tiny models with AWQ's usual group of 128.
+    Spec("awq-smollm2-4layers-g64", "awq", "smollm2-4layers", ("--group-size", "64")),
     Spec("gptq-tiny-qwen2-w4-g64", "gptq", "tiny-qwen2", ("--bits", "4", "--group-size", "64")),
+    Spec("gptq-tiny-mistral-w4-g32-asym", "gptq", "tiny-mistral", ("--bits", "4", "--group-size", "32", "--asym")),
     Spec(
         "gptq-tiny-mistral-w4-g32-asym-v2",
         "gptq",
@@ -246,6 +250,23 @@ def test_v1_zero_points_undo_gptqmodels_whole_word_subtraction():
         "layer", {"qweight": q, "qzeros": v1, "scales": torch.ones(1, 8, dtype=torch.float16)}, 8, 32
     )
     assert shard.mins is not None and torch.equal(shard.mins[:, 0], -zeros[0].float())
+
+
+def test_a_missing_tool_venv_fails_with_the_command_that_makes_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(quant_checkpoints.VENVS, "gptq", tmp_path / ".venv-gptq")
+    with pytest.raises(pytest.fail.Exception, match=r"run `make tool-venvs`"):
+        quant_checkpoints.tool_python("gptq")
+
+
+@pytest.mark.slow
+def test_a_real_v1_checkpoint_has_borrowed_zero_points():
+    """The tiny Mistral's positive-only groups get a zero point of 0 (stored as -1): the per-layer test
+    then checks the borrow against GPTQModel's own dequantization."""
+    model_dir = checkpoint(BY_NAME["gptq-tiny-mistral-w4-g32-asym"])
+    qzeros = read_linear(model_dir, "model.layers.0.self_attn.o_proj")["qzeros"]
+    zeros = unpack_words(qzeros.to(torch.int64) + 0x11111111, 4)
+    per_field = (unpack_words(qzeros, 4) + 1) & 15
+    assert int((zeros == 0).sum()) > 0 and not torch.equal(zeros, per_field)
 
 
 @pytest.fixture

@@ -38,6 +38,8 @@ def main() -> None:
         sym=not args.asym,
         desc_act=args.desc_act,
         format=args.format,
+        # GPTQModel's default "act group aware" ordering needs groups; per channel (-1) it is refused.
+        act_group_aware=None if args.group_size > 0 else False,
         # Pack in memory with the reference packer (pack_original): the default offloads every module to
         # disk and packs in threads, four times slower on two cores for the same tensors.
         offload_to_disk=False,
