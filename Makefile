@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.pagoda-installed
 # an unpinned torch would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: install model serve generate test test-fast lint bench clean quant-tools
+.PHONY: install model serve generate test test-fast lint bench clean quant-tools tool-venvs
 
 install: $(STAMP) model
 
@@ -28,7 +28,7 @@ LLMC_VENV  := .venv-llmcompressor
 LLMC_STAMP := $(LLMC_VENV)/.pagoda-installed
 LLMC_REQS  := tests/quant_tools/llmcompressor.txt
 
-quant-tools: $(LLMC_STAMP)
+quant-tools: $(LLMC_STAMP) .venv-gptq/$(TOOL_STAMP) .venv-awq/$(TOOL_STAMP)
 
 $(LLMC_STAMP): $(LLMC_REQS)
 	$(PYTHON) -m venv $(LLMC_VENV)
@@ -36,6 +36,27 @@ $(LLMC_STAMP): $(LLMC_REQS)
 	$(LLMC_VENV)/bin/python -m pip install -q "$(TORCH)"
 	$(LLMC_VENV)/bin/python -m pip install -q -r $(LLMC_REQS) "$(TORCH)"
 	touch $(LLMC_STAMP)
+
+# Venvs of the quantization tools the GPTQ / AWQ tests run (tests/gptq_awq_checkpoints.py): GPTQModel and
+# AutoAWQ pull other versions of transformers than ours, so each has its own, from a pinned
+# requirements file; the stamp is written only once the install is complete.
+TOOL_STAMP := .pagoda-tool-installed
+
+tool-venvs: quant-tools
+
+.venv-gptq/$(TOOL_STAMP): tests/quant_tools/gptq.txt
+	rm -rf .venv-gptq
+	$(PYTHON) -m venv .venv-gptq
+	.venv-gptq/bin/python -m pip install -q "$(TORCH)"
+	.venv-gptq/bin/python -m pip install -q -r tests/quant_tools/gptq.txt
+	touch $@
+
+.venv-awq/$(TOOL_STAMP): tests/quant_tools/awq.txt
+	rm -rf .venv-awq
+	$(PYTHON) -m venv .venv-awq
+	.venv-awq/bin/python -m pip install -q "$(TORCH)"
+	.venv-awq/bin/python -m pip install -q -r tests/quant_tools/awq.txt
+	touch $@
 
 model: $(STAMP)
 	$(VENV)/bin/pagoda download-default
@@ -65,4 +86,4 @@ bench: install
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) $(LLMC_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(LLMC_VENV) .venv-gptq .venv-awq .pytest_cache .hypothesis

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 # Formats a checkpoint declares in `quantization_config.quant_method` -> "module:class" implementing it.
 CHECKPOINT_FORMATS: dict[str, str] = {
+    "awq": "engine_core.quantization.awq:AWQ",
+    "gptq": "engine_core.quantization.gptq:GPTQ",
     "compressed-tensors": "engine_core.quantization.compressed_tensors:CompressedTensors",
     "fp8": "engine_core.quantization.fp8:Fp8Checkpoint",
     # A .gguf file's model directory declares it (engine_core/gguf_model.py) when the file has quantized linears.
