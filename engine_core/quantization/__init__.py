@@ -62,7 +62,7 @@ def resolve_method(flag: str, config: dict) -> QuantizationMethod | None:
         )
     if declared is not None and flag not in ("auto", declared):
         raise ValueError(
-            f"the checkpoint is quantized with {declared!r}; --quantization {flag} cannot load it (use auto)"
+            f"the checkpoint is already quantized with {declared!r}; --quantization {flag} cannot load it (use auto)"
         )
     if declared is None and flag in CHECKPOINT_FORMATS and flag not in AT_LOAD:
         raise ValueError(
