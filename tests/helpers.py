@@ -27,6 +27,30 @@ def run_engine(
     return [outputs[rid] for rid in ids]
 
 
+def greedy_with_first_logprobs(
+    model_dir, prompts: list[list[int]], new_tokens: int = 32, top: int = 20, **engine_args
+) -> tuple[list[list[int]], list[dict[int, float]]]:
+    """A fresh engine on `model_dir`: each prompt's greedy tokens (ignore_eos), and its first step's top
+    logprobs {token: logprob} (the quantized formats' comparisons with their references)."""
+    from engine_core.config import EngineConfig
+    from engine_core.engine import EngineCore
+
+    engine = EngineCore(EngineConfig(model=str(model_dir), **{"num_kv_blocks": 128, **engine_args}))
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=top)
+    ids = [f"req-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    first: dict[str, dict[int, float]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.new_logprobs and out.request_id not in first:
+                sampled = out.new_logprobs[0].sampled_and_top()
+                first[out.request_id] = dict(zip(sampled.top_ids, sampled.top_logprobs, strict=True))
+    return [tokens[rid] for rid in ids], [first[rid] for rid in ids]
+
+
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> list[int]:
     """HF transformers `generate`, greedy, fp32, one prompt, no repetition penalty. The model is left as it

@@ -19,7 +19,7 @@ from engine_core.engine import EngineCore
 from engine_core.quantization import resolve_method
 from engine_core.quantization.compressed_tensors import CompressedTensors, unpack_int32
 from engine_core.quantization.fp8 import dequantize_fp8
-from engine_core.sampling_params import SamplingParams
+from tests.helpers import greedy_with_first_logprobs
 from tests.quant_checkpoints import checkpoint, ct_decompressed, hf_reference
 
 NEW_TOKENS = 32
@@ -61,20 +61,7 @@ def tiny_prompts() -> list[list[int]]:
 
 def serve(model_dir, prompts, **engine_args) -> tuple[list[list[int]], list[dict[int, float]]]:
     """Pagoda's greedy tokens for each prompt, and the first step's top-20 logprobs by token."""
-    engine = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=64, **engine_args))
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=20)
-    ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    first: dict[str, dict[int, float]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.new_logprobs and out.request_id not in first:
-                top = out.new_logprobs[0].sampled_and_top()
-                first[out.request_id] = dict(zip(top.top_ids, top.top_logprobs, strict=True))
-    return [tokens[rid] for rid in ids], [first[rid] for rid in ids]
+    return greedy_with_first_logprobs(model_dir, prompts, NEW_TOKENS, 20, num_kv_blocks=64, **engine_args)
 
 
 def assert_matches_hf(model_dir, prompts) -> None:

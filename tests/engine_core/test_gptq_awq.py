@@ -20,10 +20,10 @@ from engine_core.engine import EngineCore
 from engine_core.quantization import resolve_method
 from engine_core.quantization.base import pack_shards
 from engine_core.quantization.gptq import GPTQ, unpack_words
-from engine_core.sampling_params import SamplingParams
 from kernels.quantized import dequantize
 from tests import gptq_awq_checkpoints as quant_checkpoints
 from tests.gptq_awq_checkpoints import Spec, checkpoint, prompt_ids, tool_reference
+from tests.helpers import greedy_with_first_logprobs
 
 NEW_TOKENS = 32
 TOP_LOGPROBS = 20
@@ -89,20 +89,7 @@ def read_linear(model_dir, name: str) -> dict[str, torch.Tensor]:
 
 def pagoda_greedy(model_dir, prompts: list[list[int]]) -> tuple[list[list[int]], list[dict[int, float]]]:
     """Greedy tokens, and the first step's top logprobs {token: logprob}, of each prompt."""
-    engine = EngineCore(EngineConfig(model=str(model_dir), max_num_batched_tokens=256, num_kv_blocks=128))
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=TOP_LOGPROBS)
-    ids = [f"req-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params)
-    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
-    first: dict[str, dict[int, float]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.new_logprobs and out.request_id not in first:
-                top = out.new_logprobs[0].sampled_and_top()
-                first[out.request_id] = dict(zip(top.top_ids, top.top_logprobs, strict=True))
-    return [tokens[rid] for rid in ids], [first[rid] for rid in ids]
+    return greedy_with_first_logprobs(model_dir, prompts, NEW_TOKENS, TOP_LOGPROBS, max_num_batched_tokens=256)
 
 
 @pytest.fixture(scope="module", params=[spec.name for spec in SPECS])
