@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from engine_core.environment import cache_root
+from tests.helpers import PARAGRAPHS
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tests" / "quant_tools"
@@ -40,23 +41,15 @@ MARKER = ".pagoda-checkpoint.json"
 TOOLS_VERSION = 1
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
+# The golden prompts' paragraphs, and two of other kinds (code, a question), in this order (the order is
+# part of what a checkpoint's cache key hashes).
 CALIBRATION_TEXTS = [
-    "The river town woke slowly. Fishermen checked their nets by lantern light while the bakery on the "
-    "corner pulled its first loaves from the oven, and the smell of bread drifted over the water.",
-    "In computing, a cache is a small, fast store that keeps copies of data likely to be needed again. "
-    "Caches trade memory for time: a hit avoids a slow trip to main memory or disk.",
-    "Photosynthesis converts light energy into chemical energy. Plants absorb carbon dioxide and water "
-    "and, using sunlight captured by chlorophyll, produce glucose and release oxygen.",
+    *PARAGRAPHS[:3],
     "def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) if a[0] <= b[0] else b.pop(0))\n"
     "    return out + a + b\n",
     "Question: Why do we have seasons?\nAnswer: Because the Earth is tilted on its axis, each hemisphere "
     "leans toward the Sun for part of the year and away from it for the rest.",
-    "The committee met on Tuesday to review the budget. After a long debate about road repairs, the "
-    "members agreed to fund the new library and postpone the stadium renovation.",
-    "To make a simple tomato sauce, warm olive oil in a pan, add chopped garlic, then crushed tomatoes, "
-    "a pinch of salt and fresh basil. Simmer for twenty minutes, stirring now and then.",
-    "Mountains form when tectonic plates collide. Over millions of years, the crust folds and rises, "
-    "while wind, rain and ice wear the peaks down into valleys and ridges.",
+    *PARAGRAPHS[3:6],
 ]
 
 PROMPT_TEXTS = [
