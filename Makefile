@@ -21,41 +21,26 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[test,lint]" "$(TORCH)"
 	touch $(STAMP)
 
-# The quantization tool the compressed-tensors tests make their checkpoints with (llmcompressor, and HF
-# transformers with compressed-tensors as their reference): its own venv, as it pins transformers and
-# others differently from .venv (tests/quant_tools/llmcompressor.txt).
-LLMC_VENV  := .venv-llmcompressor
-LLMC_STAMP := $(LLMC_VENV)/.pagoda-installed
-LLMC_REQS  := tests/quant_tools/llmcompressor.txt
-
-quant-tools: $(LLMC_STAMP) .venv-gptq/$(TOOL_STAMP) .venv-awq/$(TOOL_STAMP)
-
-$(LLMC_STAMP): $(LLMC_REQS)
-	$(PYTHON) -m venv $(LLMC_VENV)
-	$(LLMC_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LLMC_VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(LLMC_VENV)/bin/python -m pip install -q -r $(LLMC_REQS) "$(TORCH)"
-	touch $(LLMC_STAMP)
-
-# Venvs of the quantization tools the GPTQ / AWQ tests run (tests/gptq_awq_checkpoints.py): GPTQModel and
-# AutoAWQ pull other versions of transformers than ours, so each has its own, from a pinned
-# requirements file; the stamp is written only once the install is complete.
+# The quantization tools the tests make real checkpoints with, each in its own venv because each pins
+# other versions of transformers and numpy than .venv (and than each other):
+#   .venv-llmcompressor  llmcompressor (compressed-tensors checkpoints; HF reference through compressed-tensors)
+#   .venv-gptq           GPTQModel (GPTQ checkpoints) and transformers + optimum as the GPTQ/AWQ reference
+#   .venv-awq            AutoAWQ (AWQ GEMM checkpoints)
+# Each from a fully pinned requirements file tests/quant_tools/<tool>.txt, torch==2.13.0 (the CPU wheel)
+# first; the stamp is written only once the install is complete, so a broken install is redone.
+TOOLS      := llmcompressor gptq awq
 TOOL_STAMP := .pagoda-tool-installed
+
+quant-tools: $(foreach t,$(TOOLS),.venv-$(t)/$(TOOL_STAMP))
 
 tool-venvs: quant-tools
 
-.venv-gptq/$(TOOL_STAMP): tests/quant_tools/gptq.txt
-	rm -rf .venv-gptq
-	$(PYTHON) -m venv .venv-gptq
-	.venv-gptq/bin/python -m pip install -q "$(TORCH)"
-	.venv-gptq/bin/python -m pip install -q -r tests/quant_tools/gptq.txt
-	touch $@
-
-.venv-awq/$(TOOL_STAMP): tests/quant_tools/awq.txt
-	rm -rf .venv-awq
-	$(PYTHON) -m venv .venv-awq
-	.venv-awq/bin/python -m pip install -q "$(TORCH)"
-	.venv-awq/bin/python -m pip install -q -r tests/quant_tools/awq.txt
+.venv-%/$(TOOL_STAMP): tests/quant_tools/%.txt
+	rm -rf .venv-$*
+	$(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q --upgrade pip
+	.venv-$*/bin/python -m pip install -q "$(TORCH)"
+	.venv-$*/bin/python -m pip install -q -r $< "$(TORCH)"
 	touch $@
 
 model: $(STAMP)
@@ -86,4 +71,4 @@ bench: install
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) $(LLMC_VENV) .venv-gptq .venv-awq .pytest_cache .hypothesis
+	rm -rf $(VENV) $(foreach t,$(TOOLS),.venv-$(t)) .pytest_cache .hypothesis

@@ -33,7 +33,7 @@ TINY_SOURCES = ("tiny-qwen2", "tiny-mistral")
 
 def tool_python() -> Path:
     """The tool venv's python; a test needing it fails (never skips) when it is not there."""
-    if not (TOOL_PYTHON.parent.parent / ".pagoda-installed").exists():
+    if not (TOOL_PYTHON.parent.parent / ".pagoda-tool-installed").exists():
         pytest.fail(f"the quantization tool venv is missing: run `make quant-tools` in {REPO}", pytrace=False)
     return TOOL_PYTHON
 
