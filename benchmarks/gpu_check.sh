@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, for a session lent a GPU machine (docs/gpu.md): Triton kernel tests
 # compiled for the GPU, kernel timings against torch and the copy-bandwidth roofline, the quantized
-# GEMM's tests and timings (Llama-3-8B linears against bf16 F.linear and the weight-read bound), greedy
+# and FP8 GEMMs' tests and timings (Llama-3-8B linears against bf16 F.linear and the weight-read bound), greedy
 # tokens (CUDA graphs = eager = torch-reference kernels), offline throughput of a random-weight
 # Llama-3-8B-shaped model in bf16 with graphs on and off, batch-1 decode against the weight-bytes bound.
 # Ends with a short table. Results (JSON) go to $OUT (default /tmp/pagoda-gpu-check).
@@ -43,7 +43,8 @@ if wanted kernels; then
 fi
 if wanted quantized; then
     step "quantized GEMM: tests on the GPU, then Llama-3-8B linears against bf16 F.linear and the weight-read bound"
-    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_triton_quantized.py 2>&1 | tail -5
+    timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_triton_quantized.py \
+        tests/kernels/test_fp8_linear.py 2>&1 | tail -5
     echo "quantized tests exit $?" >"$OUT/tests_quantized.txt"
     timeout 90 python3 -m benchmarks.kernels --only quantized --json "$OUT/quantized.json"
 fi

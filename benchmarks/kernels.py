@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kernels import _TORCH, implementation
+from kernels.fp8 import quantize_per_channel
 from kernels.quantized import PackedWeight, pack
 
 
@@ -259,6 +260,31 @@ def quantized_table(linears: list[tuple[str, int, int]], dtype, device, bandwidt
     return rows
 
 
+def fp8_table(linears: list[tuple[str, int, int]], dtype, device, bandwidth: float) -> list[dict]:
+    """CUDA only: the FP8 linear (torch._scaled_mm, per-token activation scales) against F.linear in
+    `dtype` and its weight-read bound. (On the CPU an FP8 weight is dequantized per call: nothing to time.)"""
+    fn = implementation("fp8_linear", device)
+    print(f"\nfp8_linear: {fn.__module__}.{fn.__name__} against F.linear in {dtype} and the weight-read bound")
+    print(f"{'layer':<8} {'K -> N':<14} {'rows':>4} {'ours ms':>8} {'dense ms':>8} {'vs dense':>8} {'x bound':>7}")
+    rows = []
+    for layer, k, n in linears:
+        dense_weight = torch.randn(n, k, dtype=dtype, device=device)
+        weight = quantize_per_channel(dense_weight)
+        for m in QUANTIZED_ROWS:
+            x = torch.randn(m, k, dtype=dtype, device=device)
+            dense = timed(lambda x=x, w=dense_weight: torch.nn.functional.linear(x, w), device)
+            ours = timed(lambda x=x, w=weight: fn(x, w), device)
+            bound = weight.nbytes() / bandwidth
+            row = {"layer": layer, "in_features": k, "out_features": n, "rows": m, "format": "fp8 e4m3 per-channel"}
+            row |= {"ours_ms": ours * 1e3, "dense_ms": dense * 1e3, "vs_dense": dense / ours, "x_bound": ours / bound}
+            rows.append(row)
+            print(
+                f"{layer:<8} {f'{k} -> {n}':<14} {m:>4} {row['ours_ms']:>8.3f} {row['dense_ms']:>8.3f} "
+                f"{row['vs_dense']:>7.2f}x {row['x_bound']:>6.2f}x"
+            )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=None, help="save the rows here")
@@ -276,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [] if args.only == "quantized" else ops_table(shape, dtype, device, bandwidth)
     linears = GPU_LINEARS if device.type == "cuda" else CPU_LINEARS
     quantized = [] if args.only == "ops" else quantized_table(linears, dtype, device, bandwidth)
+    if args.only != "ops" and device.type == "cuda":
+        quantized += fp8_table(linears, dtype, device, bandwidth)
     if args.json:
         args.json.write_text(
             json.dumps(

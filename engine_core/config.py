@@ -55,6 +55,7 @@ class EngineConfig:
     load_format: str = "auto"  # auto = the checkpoint's safetensors; dummy = random weights (benchmarks)
     int8_activations: bool = False  # CPU: quantized linears may round batched inputs to int8 (W8A8)
     quantization: str = "auto"  # auto = what the checkpoint says; none; a format; int8/int4/fp8 = at load
+    fp8_matmul: str = "auto"  # FP8 weights: auto = kept in FP8 where the GPU multiplies in FP8; on; off
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set (tests)
     max_num_batched_tokens: int = 2048
     max_joint_prefill_tokens: int = 256  # see Scheduler: how many prefill tokens several requests may share a step with
@@ -73,6 +74,8 @@ class EngineConfig:
             raise ValueError("load_format must be auto or dummy")
         if self.quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}")
+        if self.fp8_matmul not in ("auto", "on", "off"):
+            raise ValueError("fp8_matmul must be auto, on or off")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
@@ -125,6 +128,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATION_CHOICES,
         help="auto = what the checkpoint says (GPTQ, AWQ, compressed-tensors, FP8, GGUF); none = refuse a "
         "quantized checkpoint; int8 / int4 / fp8 = quantize a full-precision checkpoint at load (docs/quantization.md)",
+    )
+    g.add_argument(
+        "--fp8-matmul",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="FP8 weights (FP8 checkpoints, -q fp8): auto = kept in FP8 and multiplied on FP8 tensor cores "
+        "where the GPU has them (compute capability >= 8.9, bfloat16), dequantized at load elsewhere; off = "
+        "always dequantized at load; on = always kept in FP8 (on the CPU: a quarter of float32's weight "
+        "memory, but each layer is dequantized per step, which is slow)",
     )
     g.add_argument(
         "--int8-activations",
@@ -180,6 +192,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format,
         quantization=args.quantization,
         int8_activations=args.int8_activations,
+        fp8_matmul=args.fp8_matmul,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_joint_prefill_tokens=args.max_joint_prefill_tokens,
         max_num_seqs=args.max_num_seqs,

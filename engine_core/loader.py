@@ -82,9 +82,11 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     quantization: QuantizationMethod | None = None,
+    fp8_matmul: bool | None = None,
 ) -> LlamaForCausalLM:
     """Build the model and fill it from the checkpoint; with a `quantization` method its linears are
-    assembled from quantized tensors (or quantized as they stream by) without a full-precision copy."""
+    assembled from quantized tensors (or quantized as they stream by) without a full-precision copy.
+    `fp8_matmul`: keep FP8 weights in FP8 (None: where the device multiplies in FP8)."""
     import contextlib
 
     import torch
@@ -96,7 +98,7 @@ def load_model(
     cls = model_class(model_cfg.architecture)
     with torch.device(device), deferred_weights() if quantization is not None else contextlib.nullcontext():
         model = cls(model_cfg, dtype)
-    assembler = None if quantization is None else LinearAssembler(quantization, device)
+    assembler = None if quantization is None else LinearAssembler(quantization, device, fp8_matmul)
     if load_format == "dummy":
         if assembler is not None:
             model.load_weights(_dummy_weights(model_cfg, dtype), assembler)

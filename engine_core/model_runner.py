@@ -55,7 +55,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.quantization = resolve_method(config.quantization, model_cfg.raw)
-        self.model = load_model(model_dir, model_cfg, self.dtype, self.device, config.load_format, self.quantization)
+        fp8_matmul = {"auto": None, "on": True, "off": False}[config.fp8_matmul]
+        self.model = load_model(
+            model_dir, model_cfg, self.dtype, self.device, config.load_format, self.quantization, fp8_matmul
+        )
         self.weight_bytes = weight_bytes(self.model)
         logger.info(
             "Weights: %s, %.1f MiB in memory",

@@ -3,7 +3,8 @@
 Every op has a plain torch implementation (`kernels.torch_ref`), the reference in tests and the
 fallback everywhere. On the CPU, ops with a compiled C kernel (`kernels.cpu`) use it when it builds.
 On CUDA every op has a Triton kernel with the same signature (`kernels.triton`), imported the first
-time a CUDA tensor asks for one, so CPU processes never load Triton. `configure` turns the compiled
+time a CUDA tensor asks for one, so CPU processes never load Triton; FP8 linears use torch's own CUDA
+kernel instead (`torch._scaled_mm`, kernels/fp8.py). `configure` turns the compiled
 C kernels or Triton off (the torch path is then used: the reference the GPU check compares against)
 and says where C kernels are built; the engine calls it from its environment (engine_core/
 environment.py), since this package reads no environment of its own.
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from kernels import fp8 as _fp8
 from kernels import quantized as _quantized
+from kernels.fp8 import Fp8Weight as Fp8Weight  # (re-exported, like PackedWeight)
 from kernels.quantized import PackedWeight as PackedWeight  # (re-exported: the model layers hold one)
 from kernels.torch_ref import attention as _attn
 from kernels.torch_ref import layers as _layers
@@ -31,7 +34,9 @@ _TORCH: dict[str, Callable] = {
     "silu_and_mul": _layers.silu_and_mul,
     "rotary_embedding": _layers.rotary_embedding,
     "quantized_linear": _quantized.reference_linear,
+    "fp8_linear": _fp8.reference_linear,
 }
+_CUDA_NATIVE: dict[str, Callable] = {"fp8_linear": _fp8.scaled_mm_linear}  # torch's cuBLASLt FP8 GEMM
 _CPU_COMPILED = {"paged_decode_attention", "rotary_embedding", "reshape_and_cache", "quantized_linear"}
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
 
@@ -64,7 +69,7 @@ def _triton(name: str) -> Callable:
 @functools.cache
 def _resolve(name: str, device_type: str) -> Callable:
     if device_type == "cuda" and _enabled["cuda"]:
-        return _triton(name)
+        return _CUDA_NATIVE[name] if name in _CUDA_NATIVE else _triton(name)
     if device_type == "cpu" and name in _CPU_COMPILED and _enabled["cpu"]:
         from kernels import cpu
 
@@ -95,3 +100,11 @@ fused_add_rms_norm = _dispatching("fused_add_rms_norm")
 silu_and_mul = _dispatching("silu_and_mul")
 rotary_embedding = _dispatching("rotary_embedding")
 quantized_linear = _dispatching("quantized_linear")  # (x, PackedWeight, bias=None): see kernels/quantized.py
+fp8_linear = _dispatching("fp8_linear")  # (x, Fp8Weight, bias=None): see kernels/fp8.py
+
+
+def embedding_rows(weight: PackedWeight | Fp8Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `ids` of a quantized weight, dequantized: the embedding lookup of a tied, quantized LM head."""
+    if isinstance(weight, Fp8Weight):
+        return weight.rows(ids, dtype)
+    return _quantized.embedding_rows(weight, ids, dtype)

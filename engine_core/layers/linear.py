@@ -10,7 +10,8 @@ After loading, `pack_for_cpu` hands float32 CPU weights to oneDNN in its own blo
 once, valid for any batch size): here 1.3x faster than MKL on the plain weight at one token and up
 to 2.7x at 16. The plain weight is then released, unless another module reads it too.
 
-A quantized linear holds a `kernels.PackedWeight` instead (see engine_core/quantization). While a
+A quantized linear holds a `kernels.PackedWeight` (integer weights with group scales) or a
+`kernels.Fp8Weight` (FP8 on CUDA) instead (see engine_core/quantization). While a
 quantized model is built (`deferred_weights()`), weights are not allocated: the loader either fills a
 linear's packed weight or, for a layer the checkpoint keeps in full precision, allocates its weight
 when the first tensor for it arrives (`materialize`).
@@ -27,6 +28,7 @@ from torch import nn
 
 import kernels
 from engine_core.environment import onednn_linear_disabled
+from kernels.fp8 import Fp8Weight
 from kernels.quantized import PackedWeight
 
 _deferred = False  # inside deferred_weights(): linears are built without weight storage
@@ -83,7 +85,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(_weight(in_features, out_features, dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN's layout of the weight, once packed
-        self.quantized: PackedWeight | None = None  # the quantized weight, which replaces `weight`
+        self.quantized: PackedWeight | Fp8Weight | None = None  # the quantized weight, which replaces `weight`
+        self._quantized_linear = kernels.quantized_linear  # the kernel op for `quantized`'s type
 
     @property
     def materialized(self) -> bool:
@@ -95,7 +98,7 @@ class Linear(nn.Module):
             weight = _weight(self.in_features, self.out_features, self.weight.dtype, device)
             self.weight = nn.Parameter(weight, requires_grad=False)
 
-    def set_quantized(self, packed: PackedWeight) -> None:
+    def set_quantized(self, packed: PackedWeight | Fp8Weight) -> None:
         """From now on compute with `packed`; the full-precision weight is released."""
         if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
             raise ValueError(
@@ -103,6 +106,7 @@ class Linear(nn.Module):
                 f"the layer is {self.out_features}x{self.in_features}"
             )
         self.quantized = packed
+        self._quantized_linear = kernels.fp8_linear if isinstance(packed, Fp8Weight) else kernels.quantized_linear
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device="meta"), requires_grad=False)
 
     def weight_bytes(self) -> int:
@@ -133,7 +137,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return kernels.quantized_linear(x, self.quantized, self.bias)
+            return self._quantized_linear(x, self.quantized, self.bias)
         if self.packed is not None:
             rows = x.reshape(-1, x.shape[-1])
             count = rows.shape[0]

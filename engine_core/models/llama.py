@@ -17,7 +17,6 @@ from engine_core.layers.linear import Linear, MergedLinear
 from engine_core.layers.rotary import RotaryEmbedding
 from engine_core.model_config import ModelConfig
 from engine_core.quantization.assembly import LinearAssembler
-from kernels.quantized import embedding_rows
 
 
 class RMSNorm(nn.Module):
@@ -123,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_tokens is not None:
             return self.embed_tokens[input_ids]
         if self.lm_head.quantized is not None:  # a tied, quantized LM head: dequantize just these rows
-            return embedding_rows(self.lm_head.quantized, input_ids, self.lm_head.weight.dtype)
+            return kernels.embedding_rows(self.lm_head.quantized, input_ids, self.lm_head.weight.dtype)
         return self.lm_head.weight[input_ids]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

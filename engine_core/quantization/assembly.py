@@ -5,6 +5,9 @@ each other in practice (safetensors files list names sorted). A linear's tensors
 as a tensor of another linear arrives, so at most one linear's checkpoint tensors are held at a time;
 when a merged linear (QKV, gate+up) has all its shards, they are packed together and moved to the
 device. Nothing of a quantized model is ever held in full precision beyond one linear.
+
+FP8 linears (`Fp8Weight`) stay in FP8 where the device multiplies in FP8 (kernels/fp8.py `supported`);
+elsewhere they are dequantized here to the compute dtype, and the log says which happened.
 """
 
 from __future__ import annotations
@@ -15,16 +18,22 @@ import torch
 
 from engine_core.layers.linear import Linear, MergedLinear
 from engine_core.quantization.base import QuantizationMethod, QuantizedShard, pack_shards
+from kernels import fp8
+from kernels.fp8 import Fp8Weight
 
 logger = logging.getLogger(__name__)
 
 
 class LinearAssembler:
-    def __init__(self, method: QuantizationMethod, device: torch.device):
+    def __init__(self, method: QuantizationMethod, device: torch.device, fp8_matmul: bool | None = None):
+        """`fp8_matmul`: keep FP8 linears in FP8 (None: where `kernels.fp8.supported` says the device
+        multiplies in FP8; True on a device that does not: dequantized per step, `--fp8-matmul on`)."""
         self.method = method
         self.device = device
+        self.fp8_matmul = fp8_matmul
+        self._fp8_logged = False
         self._collecting: dict[tuple[str, int | None], dict[str, torch.Tensor]] = {}
-        self._shards: dict[str, dict[int, QuantizedShard]] = {}  # merged linear -> its quantized shards
+        self._shards: dict[str, dict[int, QuantizedShard | Fp8Weight]] = {}  # merged linear -> quantized shards
         self._float_shards: dict[str, set[int]] = {}  # merged linear -> shards loaded in full precision
         self._done: set[tuple[str, int | None]] = set()
         self._last: tuple[str, int | None] | None = None
@@ -79,31 +88,62 @@ class LinearAssembler:
         )
         if full_precision:
             weight = tensors["weight"]
-            result: QuantizedShard | torch.Tensor = (
+            result: QuantizedShard | Fp8Weight | torch.Tensor = (
                 self.method.quantize(path, weight) if self.method.quantizes_full_precision else weight
             )
         else:
             result = self.method.from_checkpoint(path, tensors, out_features, linear.in_features)
-        if isinstance(result, QuantizedShard):
-            if tuple(result.q.shape) != (out_features, linear.in_features):
+        if isinstance(result, Fp8Weight) and not self._keeps_fp8(linear):
+            result = result.dequantize(linear.weight.dtype)
+        if isinstance(result, QuantizedShard | Fp8Weight):
+            shape = tuple(result.q.shape if isinstance(result, QuantizedShard) else result.weight.shape)
+            if shape != (out_features, linear.in_features):
                 raise ValueError(
-                    f"{path}: quantized weight is {tuple(result.q.shape)}, "
-                    f"model expects {(out_features, linear.in_features)}"
+                    f"{path}: quantized weight is {shape}, model expects {(out_features, linear.in_features)}"
                 )
             self._add_quantized(path, linear, shard, result)
         else:
             self._add_float(path, linear, shard, result)
 
-    def _add_quantized(self, path: str, linear: Linear, shard: int | None, result: QuantizedShard) -> None:
+    def _keeps_fp8(self, linear: Linear) -> bool:
+        native = fp8.supported(self.device, linear.weight.dtype, linear.out_features, linear.in_features)
+        if self.fp8_matmul and self.device.type == "cuda" and not native:
+            raise ValueError(
+                f"--fp8-matmul on: {self.device} cannot multiply this model's FP8 weights in FP8 (it needs compute "
+                f"capability >= 8.9, bfloat16 and dimensions that are multiples of 16; here {linear.weight.dtype}, "
+                f"{linear.out_features}x{linear.in_features}); use --fp8-matmul auto or off"
+            )
+        keep = native if self.fp8_matmul is None else self.fp8_matmul
+        if not self._fp8_logged:
+            self._fp8_logged = True
+            if keep and native:
+                logger.info("FP8 weights kept in FP8: torch._scaled_mm with activations quantized per token")
+            elif keep:
+                logger.info("FP8 weights kept in FP8 on %s (--fp8-matmul on): each dequantized per step", self.device)
+            else:
+                logger.info(
+                    "FP8 weights dequantized at load to %s on %s, so no memory saving: FP8 matmuls need CUDA "
+                    "with compute capability >= 8.9, bfloat16 and dimensions that are multiples of 16",
+                    linear.weight.dtype,
+                    self.device,
+                )
+        return keep
+
+    def _add_quantized(self, path: str, linear: Linear, shard: int | None, result: QuantizedShard | Fp8Weight) -> None:
         if path in self._float_shards:
             raise ValueError(f"{path}: some merged projections are quantized and some are not; not supported")
         shards = self._shards.setdefault(path, {})
         shards[0 if shard is None else shard] = result
         expected = len(linear.out_sizes) if isinstance(linear, MergedLinear) else 1
         if len(shards) == expected:
-            packed = pack_shards(path, [shards[i] for i in range(expected)])
-            linear.set_quantized(packed.to(self.device))
+            parts = [shards[i] for i in range(expected)]
             del self._shards[path]
+            fp8_parts = [p for p in parts if isinstance(p, Fp8Weight)]
+            int_parts = [p for p in parts if isinstance(p, QuantizedShard)]
+            if fp8_parts and int_parts:
+                raise ValueError(f"{path}: merged projections mix FP8 and integer quantization; not supported")
+            packed = Fp8Weight.concat(fp8_parts) if fp8_parts else pack_shards(path, int_parts)
+            linear.set_quantized(packed.to(self.device))
 
     def _add_float(self, path: str, linear: Linear, shard: int | None, weight: torch.Tensor) -> None:
         if path in self._shards:

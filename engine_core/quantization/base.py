@@ -3,8 +3,9 @@ a method implements to produce it.
 
 A method is chosen once per model (engine_core/quantization/__init__.py). The loader hands it the
 checkpoint tensors of one linear at a time (`q_proj.qweight`, `q_proj.scales`, ... or a plain
-`q_proj.weight`); the method answers with a `QuantizedShard` (integers + group scales and mins) or a
-float weight (a format dequantized at load). Merged linears (QKV, gate+up) concatenate their shards'
+`q_proj.weight`); the method answers with a `QuantizedShard` (integers + group scales and mins), an
+`Fp8Weight` (FP8 with per-channel scales: kept where the device multiplies in FP8, else dequantized by
+the loader) or a float weight (a format dequantized at load). Merged linears (QKV, gate+up) concatenate their shards'
 rows, and the result is packed once for the kernels (`kernels.quantized.pack`). Model files never see
 any of it: they build `Linear`s, and a `Linear` holding a `PackedWeight` computes with it.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.fp8 import Fp8Weight
 from kernels.quantized import PackedWeight, group_size_for, pack
 
 
@@ -55,11 +57,11 @@ class QuantizationMethod:
 
     def from_checkpoint(
         self, name: str, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
-    ) -> QuantizedShard | torch.Tensor:
+    ) -> QuantizedShard | Fp8Weight | torch.Tensor:
         """One linear's checkpoint tensors (by kind) -> its quantized shard, or a float weight [n, K]."""
         raise NotImplementedError(f"{self.name} checkpoints hold no quantized tensors")
 
-    def quantize(self, name: str, weight: torch.Tensor) -> QuantizedShard | torch.Tensor:
+    def quantize(self, name: str, weight: torch.Tensor) -> QuantizedShard | Fp8Weight | torch.Tensor:
         """A full-precision weight [n, K] -> its quantized shard (quantizes_full_precision methods)."""
         raise NotImplementedError(f"{self.name} does not quantize at load")
 

@@ -17,7 +17,7 @@ block, group_size, block_structure, actorder}`. Three formats are read:
   int8 when asymmetric). The recipe also quantizes activations per token at run time: that is a kernel's
   choice, and here activations stay in float, so it is served as weight-only INT8 (said in the log).
 - `float-quantized` (FP8 W8A8): `weight` float8_e4m3fn + `weight_scale` per tensor, per channel or per
-  block -> dequantized at load to the compute dtype (fp8.py says why).
+  block -> FP8 matmuls where they run, else dequantized at load to the compute dtype (fp8.py says where).
 
 Only one weight scheme per model is read (all config groups quantizing weights alike, which is what
 llmcompressor recipes write); a checkpoint mixing schemes per layer is refused, as are activation
@@ -31,7 +31,8 @@ import logging
 import torch
 
 from engine_core.quantization.base import QuantizationMethod, QuantizedShard
-from engine_core.quantization.fp8 import NO_FP8_MATMUL, dequantize_fp8
+from engine_core.quantization.fp8 import BLOCKS_DEQUANTIZED, FP8_PATH, fp8_weight
+from kernels.fp8 import Fp8Weight
 from kernels.quantized import BLOCK
 
 logger = logging.getLogger(__name__)
@@ -114,8 +115,6 @@ class CompressedTensors(QuantizationMethod):
                 fmt,
                 method._activations(),
             )
-        if fmt == "float-quantized":
-            logger.info("compressed-tensors float-quantized (FP8 E4M3 weights): %s", NO_FP8_MATMUL)
         return method
 
     def _activations(self) -> str:
@@ -132,7 +131,8 @@ class CompressedTensors(QuantizationMethod):
         else:
             scales = f"per {self.strategy}"
         if self.type == "float":
-            return f"compressed-tensors float-quantized (FP8 E4M3 weights, scales {scales}; {NO_FP8_MATMUL})"
+            path = BLOCKS_DEQUANTIZED if self.strategy == "block" else FP8_PATH
+            return f"compressed-tensors float-quantized (FP8 E4M3 weights, scales {scales}; {path})"
         zero = "symmetric" if self.symmetric else "with zero points"
         text = f"compressed-tensors {self.format} (INT{self.bits} weights, scales {scales}, {zero}"
         if self.input_activations is not None:
@@ -142,11 +142,11 @@ class CompressedTensors(QuantizationMethod):
 
     def from_checkpoint(
         self, name: str, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
-    ) -> QuantizedShard | torch.Tensor:
+    ) -> QuantizedShard | Fp8Weight | torch.Tensor:
         if "weight_g_idx" in tensors:
             raise ValueError(f"{name}: activation-ordered groups (weight_g_idx) are not supported")
         if self.type == "float":
-            return dequantize_fp8(name, tensors["weight"], tensors["weight_scale"], self.block)
+            return fp8_weight(name, tensors["weight"], tensors["weight_scale"], self.block)
         n, k = out_features, in_features
         if self.format == "pack-quantized":
             shape = tuple(int(d) for d in tensors["weight_shape"].tolist())

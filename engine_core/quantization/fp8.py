@@ -1,11 +1,13 @@
 """FP8 (E4M3) weights: `quant_method: fp8` checkpoints, and `--quantization fp8` at load.
 
-Pagoda has no FP8 matmul: every device dequantizes FP8 weights once, at load, to the compute dtype,
-so an FP8 model takes the memory of a full-precision one and computes like it; only the FP8 rounding of
-the weights remains. Why not `torch._scaled_mm`: on the CPU it runs (torch 2.13) but 40-50x slower than
-`F.linear` in float32 on SmolLM2's shapes, and the CUDA path it is meant for (FP8 tensor cores, with
-activations quantized per token) could not be run and tested where this was written. It is the next step
-for CUDA (docs/quantization.md).
+Per-tensor and per-channel FP8 weights become `kernels.Fp8Weight`s (one scale per output channel). Where
+FP8 matmuls run (CUDA of compute capability 8.9 or newer, bfloat16: kernels/fp8.py `supported`), the
+loader keeps them in FP8 and every linear multiplies on FP8 tensor cores through `torch._scaled_mm`, with
+activations quantized per token: half the weight memory of bfloat16. Elsewhere (the CPU, older GPUs) the
+loader dequantizes them once to the compute dtype, with a log line saying so: `_scaled_mm` runs on the CPU
+(torch 2.13) but 40-50x slower than float32 `F.linear` on SmolLM2's shapes. Block-wise FP8 (128x128 blocks,
+DeepSeek-V3 / Qwen3-FP8) is dequantized at load on every device: its scales do not fit one per channel, and
+the block-scaled `_scaled_mm` could not be run where this was written.
 
 `quant_method: fp8` checkpoints come in two layouts, both read here:
 - block-wise (DeepSeek-V3, Qwen3-FP8, what transformers' FineGrainedFP8 writes): `weight_block_size:
@@ -23,11 +25,12 @@ import logging
 import torch
 
 from engine_core.quantization.base import QuantizationMethod
+from kernels.fp8 import Fp8Weight, quantize_per_channel
 
 logger = logging.getLogger(__name__)
 
-E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-NO_FP8_MATMUL = "dequantized at load to the compute dtype: no FP8 matmul yet, so no memory saving"
+FP8_PATH = "FP8 matmuls on CUDA (compute capability >= 8.9, bfloat16), dequantized at load elsewhere"
+BLOCKS_DEQUANTIZED = "dequantized at load to the compute dtype on every device: no memory saving"
 
 
 def dequantize_fp8(
@@ -59,11 +62,20 @@ def dequantize_fp8(
     return weight.float() * s
 
 
-def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 weight [N, K] and float32 scales [N, 1] with each row's absmax at 448 (round to nearest)."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    return (w / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
+def fp8_weight(
+    name: str, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None
+) -> Fp8Weight | torch.Tensor:
+    """A checkpoint's FP8 linear: an `Fp8Weight` when its scales are per tensor or per output channel
+    (the loader keeps it in FP8 where FP8 matmuls run), else (blocks) the float32 weight."""
+    if block is not None or weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        return dequantize_fp8(name, weight, scale, block)  # (which also names what is wrong)
+    n = weight.shape[0]
+    s = scale.float().reshape(-1)
+    if s.numel() == 1:
+        s = s.expand(n)
+    elif s.numel() != n:
+        return dequantize_fp8(name, weight, scale, block)  # raises: the scale's shape is wrong
+    return Fp8Weight(weight.contiguous(), s.contiguous())
 
 
 class Fp8Checkpoint(QuantizationMethod):
@@ -96,40 +108,35 @@ class Fp8Checkpoint(QuantizationMethod):
         activation_scheme = str(qcfg.get("activation_scheme") or "dynamic").lower()
         if activation_scheme not in ("dynamic", "static"):
             raise ValueError(f"fp8 checkpoint: activation_scheme {activation_scheme!r}; supported: dynamic, static")
-        method = cls(block, scale_fmt, activation_scheme)
-        logger.info("FP8 checkpoint (%s): %s", method.layout(), NO_FP8_MATMUL)
-        return method
+        return cls(block, scale_fmt, activation_scheme)
 
     def layout(self) -> str:
-        weights = "per tensor" if self.block is None else f"blocks of {self.block[0]}x{self.block[1]}"
-        return f"E4M3 weights, scales {weights}; {self.activation_scheme} FP8 activations served in float"
+        if self.block is None:
+            return f"E4M3 weights, scales per tensor or channel; {FP8_PATH}"
+        return f"E4M3 weights, scales in blocks of {self.block[0]}x{self.block[1]}; {BLOCKS_DEQUANTIZED}"
 
     def from_checkpoint(
         self, name: str, tensors: dict[str, torch.Tensor], out_features: int, in_features: int
-    ) -> torch.Tensor:
-        return dequantize_fp8(name, tensors["weight"], tensors[self.scale_kind], self.block)
+    ) -> Fp8Weight | torch.Tensor:
+        return fp8_weight(name, tensors["weight"], tensors[self.scale_kind], self.block)
 
     def describe(self) -> str:
-        return f"fp8 ({self.layout()}; {NO_FP8_MATMUL})"
+        return f"fp8 ({self.layout()})"
 
 
 class Fp8AtLoad(QuantizationMethod):
     """`--quantization fp8`: every linear but the LM head rounded to E4M3 with one scale per output
-    channel, as llmcompressor's FP8 recipes do (the LM head stays in full precision there too), then
-    held dequantized. Chosen over refusing the flag: it serves the weights an FP8 checkpoint of this
-    model would hold (its accuracy), on any device; the log says that it saves no memory."""
+    channel, as llmcompressor's FP8 recipes do (the LM head stays in full precision there too). Where FP8
+    matmuls run they are kept in FP8; elsewhere held dequantized, which still serves the weights an FP8
+    checkpoint of this model would hold (its accuracy), and the log says that it saves no memory there."""
 
     name = "fp8"
     quantizes_full_precision = True
 
-    def __init__(self):
-        logger.warning("--quantization fp8: weights rounded to FP8 E4M3 per channel and %s", NO_FP8_MATMUL)
-
-    def quantize(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+    def quantize(self, name: str, weight: torch.Tensor) -> Fp8Weight | torch.Tensor:
         if name == "lm_head":
             return weight
-        fp8, scale = quantize_fp8_per_channel(weight)
-        return fp8.float() * scale
+        return quantize_per_channel(weight)
 
     def describe(self) -> str:
-        return f"fp8 (E4M3 per channel, quantized at load, LM head in full precision; {NO_FP8_MATMUL})"
+        return f"fp8 (E4M3 per channel, quantized at load, LM head in full precision; {FP8_PATH})"

@@ -19,6 +19,7 @@ from engine_core.engine import EngineCore
 from engine_core.quantization import resolve_method
 from engine_core.quantization.compressed_tensors import CompressedTensors, unpack_int32
 from engine_core.quantization.fp8 import dequantize_fp8
+from kernels.fp8 import Fp8Weight
 from tests.helpers import greedy_with_first_logprobs
 from tests.quant_checkpoints import checkpoint, ct_decompressed, hf_reference
 
@@ -136,14 +137,45 @@ def test_fp8_at_load_equals_llmcompressor_fp8_per_channel(default_model_dir, tok
             weight = full.get_tensor(module + ".weight")
             tensors = {kind: fp8.get_tensor(f"{module}.{kind}") for kind in ("weight", "weight_scale")}
             ours = at_load.quantize(module, weight)
-            assert torch.equal(ours, from_tool.from_checkpoint(module, tensors, *weight.shape))
-            assert not torch.equal(ours, weight)
+            theirs = from_tool.from_checkpoint(module, tensors, *weight.shape)
+            assert isinstance(ours, Fp8Weight) and isinstance(theirs, Fp8Weight)
+            assert torch.equal(ours.weight.view(torch.uint8), theirs.weight.view(torch.uint8))
+            assert torch.equal(ours.scale, theirs.scale)
+            assert not torch.equal(ours.dequantize(), weight)
         assert at_load.quantize("lm_head", weight) is weight
     prompts = smollm2_prompts(tokenizer)[:5]
     with caplog.at_level(logging.INFO):
         tokens = serve(default_model_dir, prompts, quantization="fp8")[0]
-    assert "fp8 (E4M3 per channel, quantized at load" in caplog.text and "no memory saving" in caplog.text
+    assert "fp8 (E4M3 per channel, quantized at load" in caplog.text
+    assert "FP8 weights dequantized at load to torch.float32 on cpu, so no memory saving" in caplog.text
     assert tokens == serve(tool_dir, prompts)[0]
+
+
+@pytest.mark.slow
+def test_fp8_weights_kept_in_fp8(tokenizer, caplog):
+    """`--fp8-matmul on` keeps every FP8 linear in FP8 (`Fp8Weight`, a quarter of float32's bytes), also
+    on the CPU, where each is dequantized per step (kernels.fp8.reference_linear): the same weights as
+    dequantizing at load, so the same tokens up to summation order."""
+    model_dir = checkpoint("smollm2", "fp8-channel")
+    prompts = smollm2_prompts(tokenizer)
+    engine = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=64, fp8_matmul="on"))
+    linears = {name: m.quantized for name, m in engine.runner.model.named_modules() if hasattr(m, "quantized")}
+    fp8_layers = [name for name, q in linears.items() if isinstance(q, Fp8Weight)]
+    assert len(fp8_layers) == len(linears) - 1 and "lm_head" not in fp8_layers  # the recipe's ignore list
+    off = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=64, fp8_matmul="off"))
+    assert not any(isinstance(getattr(m, "quantized", None), Fp8Weight) for m in off.runner.model.modules())
+    kept_bytes, float_bytes = engine.runner.weight_bytes, off.runner.weight_bytes
+    embedding = engine.runner.model.lm_head.weight_bytes()  # tied LM head, float32 in both
+    assert kept_bytes - embedding < 0.26 * (float_bytes - embedding)
+    del engine, off
+    with caplog.at_level(logging.INFO):
+        kept = serve(model_dir, prompts, fp8_matmul="on")
+    assert "FP8 weights kept in FP8 on cpu (--fp8-matmul on)" in caplog.text
+    dequantized = serve(model_dir, prompts, fp8_matmul="off")
+    same = sum(a == b for a, b in zip(kept[0], dequantized[0], strict=True))
+    assert same >= len(prompts) - 1
+    pairs = [(lp, dequantized[1][i].get(t)) for i, top in enumerate(kept[1]) for t, lp in top.items()]
+    assert max(abs(a - b) for a, b in pairs if b is not None) <= LOGPROB_TOLERANCE
 
 
 @pytest.mark.slow
