@@ -34,7 +34,15 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 # general.architecture -> (Hugging Face architecture, model_type). Mistral and TinyLlama GGUFs say llama.
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama")}
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),  # q/k/v biases (attn_q.bias, ...)
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),  # q/k norms per head (attn_q_norm, attn_k_norm)
+}
+# llama.cpp's converter permutes the rows of q/k for the architectures whose rotary embedding it runs
+# in the interleaved (GPT-J) order; the file must be un-permuted for Hugging Face's rotate-half order.
+# Qwen2/3 use the rotate-half (NeoX) order in llama.cpp too, so their rows are stored as in HF.
+_PERMUTED_ROPE = {"llama"}
 
 # GGUF tensor name inside block N -> Hugging Face Llama module name.
 _BLOCK_NAMES = {
@@ -47,6 +55,8 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 
@@ -98,10 +108,10 @@ def read_gguf(path: Path) -> GGUFModel:
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))} "
-            "(Llama 2/3, Mistral, SmolLM2, TinyLlama)"
+            "(Llama 2/3, Mistral, SmolLM2, TinyLlama, Qwen2 / Qwen2.5, Qwen3)"
         )
     names = {t.name for t in reader.tensors}
-    config = _llama_config(path, meta, reader, names)
+    config = _model_config(path, meta, reader, names)
     # (A truncated file fails in the reader already: each tensor's bytes are mapped when it is listed.)
     tensors = [_tensor(path, t, config) for t in reader.tensors]
     return GGUFModel(path, config, tensors, reader)
@@ -191,7 +201,7 @@ def _tokenizer_id(reader, key: str) -> int | None:
     return None if field is None else int(field.contents())
 
 
-def _llama_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
+def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
     arch = meta["general.architecture"]
     p = arch + "."
     if "rope_freqs.weight" in names:
@@ -211,7 +221,10 @@ def _llama_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
             "num_hidden_layers": int(meta[p + "block_count"]),
             "num_attention_heads": num_heads,
             "num_key_value_heads": int(meta.get(p + "attention.head_count_kv") or num_heads),
-            "head_dim": int(meta.get(p + "rope.dimension_count") or hidden // num_heads),
+            # Qwen3's heads are wider than hidden / heads: attention.key_length says so where it differs.
+            "head_dim": int(
+                meta.get(p + "attention.key_length") or meta.get(p + "rope.dimension_count") or hidden // num_heads
+            ),
             "max_position_embeddings": int(meta[p + "context_length"]),
             "rms_norm_eps": float(meta[p + "attention.layer_norm_rms_epsilon"]),
             "rope_theta": float(meta.get(p + "rope.freq_base") or 10000.0),
@@ -271,9 +284,9 @@ def _tensor(path: Path, t, config: dict) -> GGUFTensor:
             f"{', '.join(FLOAT_TYPES + QUANTIZED_TYPES)}"
         )
     rope_heads = 0
-    if parts[0] == "blk" and parts[2] == "attn_q":
+    if config["model_type"] in _PERMUTED_ROPE and parts[0] == "blk" and parts[2] == "attn_q":
         rope_heads = config["num_attention_heads"]
-    elif parts[0] == "blk" and parts[2] == "attn_k":
+    elif config["model_type"] in _PERMUTED_ROPE and parts[0] == "blk" and parts[2] == "attn_k":
         rope_heads = config["num_key_value_heads"]
     shape = tuple(int(d) for d in reversed(t.shape))
     return GGUFTensor(t.name, hf_name, type_name, shape, int(t.data_offset), int(t.n_bytes), linear, rope_heads)

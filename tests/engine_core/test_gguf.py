@@ -12,18 +12,19 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from engine_core.config import EngineConfig
 from engine_core.default_model import ensure_default_gguf
 from engine_core.engine import EngineCore
 from engine_core.environment import cache_root
-from engine_core.gguf_model import MARKER, model_source
+from engine_core.gguf_model import MARKER, model_source, read_gguf
 from engine_core.loader import iterate_weights, resolve_model
 from engine_core.sampling_params import SamplingParams
 from engine_core.tokenizer import load_tokenizer
 from tests.engine_core.gguf_files import TEST_MODELS, float32_dir, smollm2_as, write_gguf
-from tests.helpers import golden_prompts, run_engine
+from tests.helpers import golden_prompts, hf_greedy, run_engine
 
 T = GGMLQuantizationType
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
@@ -109,7 +110,7 @@ def test_an_unsupported_tensor_type_is_refused_naming_the_supported_ones(tmp_pat
 def test_an_unsupported_architecture_is_refused(tmp_path, q4_1_reader):
     overrides = {"general.architecture": ("falcon", GGUFValueType.STRING)}
     path = _small_file(tmp_path / "falcon.gguf", q4_1_reader, [("output_norm.weight", np.ones(576), T.F32)], overrides)
-    with pytest.raises(ValueError, match="GGUF architecture 'falcon' is not supported; supported: llama"):
+    with pytest.raises(ValueError, match="GGUF architecture 'falcon' is not supported; supported: llama, qwen2, qwen3"):
         resolve_model(str(path))
 
 
@@ -255,3 +256,94 @@ def _mixed(name: str) -> GGMLQuantizationType:
 def test_a_file_of_mixed_types_serves_like_its_float32_dequantization(tokenizer):
     path = smollm2_as("mixed-Q4_0-Q5_0-Q5_1-Q8_0", _mixed)
     assert _compare(path, float32_dir(path), tokenizer) >= 9
+
+
+# --- Qwen2 (q/k/v biases) and Qwen3 (q/k norms): no rotary permutation, against transformers' GGUF loader --
+
+
+# Heads of 64: transformers' GGUF reader takes Qwen's head_dim as 64, whatever the file says.
+QWEN = {"hidden": 256, "ffn": 256, "layers": 2, "heads": 4, "kv_heads": 2, "vocab": 49152}
+
+
+def _qwen_tensors(arch: str, seed: int = 0):
+    """A tiny untied Qwen2 / Qwen3 in Q8_0 and F32 (exact in both readers)."""
+    rng = np.random.default_rng(seed)
+    h, f, v, hd = QWEN["hidden"], QWEN["ffn"], QWEN["vocab"], QWEN["hidden"] // QWEN["heads"]
+    q, kv = QWEN["heads"] * hd, QWEN["kv_heads"] * hd
+
+    def w(*shape):
+        return rng.standard_normal(shape).astype(np.float32) * shape[-1] ** -0.5
+
+    tensors = [("token_embd.weight", w(v, h) * 8, T.Q8_0), ("output_norm.weight", 1 + 0.1 * w(h), T.F32)]
+    for i in range(QWEN["layers"]):
+        b = f"blk.{i}."
+        tensors += [
+            (b + "attn_norm.weight", 1 + 0.1 * w(h), T.F32),
+            (b + "attn_q.weight", w(q, h), T.Q8_0),
+            (b + "attn_k.weight", w(kv, h), T.Q8_0),
+            (b + "attn_v.weight", w(kv, h), T.Q8_0),
+            (b + "attn_output.weight", w(h, q), T.Q8_0),
+            (b + "ffn_norm.weight", 1 + 0.1 * w(h), T.F32),
+            (b + "ffn_gate.weight", w(f, h), T.Q8_0),
+            (b + "ffn_up.weight", w(f, h), T.Q8_0),
+            (b + "ffn_down.weight", w(h, f), T.Q8_0),
+        ]
+        if arch == "qwen2":
+            tensors += [(b + f"attn_{x}.bias", w(n) * 4, T.F32) for x, n in (("q", q), ("k", kv), ("v", kv))]
+        else:
+            tensors += [(b + f"attn_{x}_norm.weight", 1 + 0.3 * w(hd), T.F32) for x in ("q", "k")]
+    return [*tensors, ("output.weight", w(v, h), T.Q8_0)]
+
+
+def _qwen_overrides(arch: str, reader, key_length: int) -> dict:
+    """The source's `llama.*` keys under `arch`'s prefix, with the tiny model's sizes."""
+    u32 = GGUFValueType.UINT32
+    sizes = {
+        ".embedding_length": QWEN["hidden"],
+        ".feed_forward_length": QWEN["ffn"],
+        ".block_count": QWEN["layers"],
+        ".attention.head_count": QWEN["heads"],
+        ".attention.head_count_kv": QWEN["kv_heads"],
+        ".rope.dimension_count": QWEN["hidden"] // QWEN["heads"],
+        ".context_length": 512,
+        ".attention.key_length": key_length,
+    }
+    out = {arch + key: (value, u32) for key, value in sizes.items()}
+    for name, field in reader.fields.items():
+        if name.startswith("llama.") and arch + name.removeprefix("llama") not in out:
+            out[arch + name.removeprefix("llama")] = (field.contents(), field.types[0])
+    out["general.architecture"] = (arch, GGUFValueType.STRING)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_qwen_file_serves_like_transformers_reading_it(arch, tmp_path, q4_1_reader, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    hd = QWEN["hidden"] // QWEN["heads"]
+    _small_file(path, q4_1_reader, _qwen_tensors(arch), _qwen_overrides(arch, q4_1_reader, hd))
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    engine = EngineCore(EngineConfig(model=str(path), kv_cache_memory=KV))
+    model = engine.runner.model
+    assert engine.model_cfg.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    attn = model.layers[0].self_attn
+    assert (attn.qkv_proj.bias is not None) == (arch == "qwen2") and (attn.q_norm is not None) == (arch == "qwen3")
+    ours = run_engine(engine, prompts, GREEDY_32)
+    del engine
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    reference = [hf_greedy(hf, p, 32, stop_at_eos=False) for p in prompts]
+    assert sum(a == b for a, b in zip(ours, reference, strict=True)) >= len(prompts) - 1
+
+
+def test_qwen3_head_width_comes_from_key_length(tmp_path, q4_1_reader):
+    """Qwen3's heads can be wider than hidden / heads (Qwen3-0.6B: 1024 / 16 heads, head_dim 128)."""
+    path = tmp_path / "wide-heads.gguf"
+    _small_file(
+        path,
+        q4_1_reader,
+        [("output_norm.weight", np.ones(64, np.float32), T.F32)],
+        _qwen_overrides("qwen3", q4_1_reader, 128),
+    )
+    config = read_gguf(path).config
+    assert (config["head_dim"], config["hidden_size"], config["num_attention_heads"]) == (128, 256, 4)
