@@ -8,7 +8,8 @@
   layers, or of every layer as a float32 model directory.
 
 Each is kept under its fixed name in cache_dir(), keyed by what made it (the tool's arguments and pinned
-requirements, the calibration, the source model, TOOLS_VERSION), and made again in place when that changes.
+requirements, the calibration, the source model, TOOLS_VERSION: the scripts are not hashed), and made again
+in place when that changes.
 Calibration uses a few texts bundled here (or random ids for a tiny model): nothing is downloaded.
 """
 
@@ -25,7 +26,9 @@ from safetensors.torch import load_file, save_file
 from engine_core.default_model import COMPLETE_MARKER, ensure_default_model
 from tests import tiny_models
 from tests.helpers import PARAGRAPHS
-from tests.tool_runs import KEYED, TOOLS, TOOLS_VERSION, cache_dir, cached, fingerprint, run_tool
+from tests.tool_runs import KEYED, TOOLS, cache_dir, cached, fingerprint, run_tool
+
+TOOLS_VERSION = 1  # in every key here: bump it when a script changes what it writes for the same arguments
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 

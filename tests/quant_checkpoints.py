@@ -2,9 +2,10 @@
 in .venv-llmcompressor, HF transformers' answers on them, and compressed-tensors' own decompression. The tool
 venvs, the runs and the cache: tests/tool_runs.py.
 
-A checkpoint is `ct-<source>-<scheme>-<key>` under cache_dir(), its key (the tool's pins and TOOLS_VERSION) in
-its name, so that a new one never replaces one a running test reads; older ones of the same source and scheme
-are removed once it is made. HF's answers on it are kept inside it, in `hf-reference-<key>`.
+A checkpoint is `ct-<source>-<scheme>-<key>` under cache_dir(), its key in its name, so that a new one never
+replaces one a running test reads; older ones of the same source and scheme are removed once it is made.
+HF's answers on it are kept inside it, in `hf-reference-<key>`. Keys hash the script that makes the output
+and the tool's pins (and the request), so that a change to either makes new ones.
 """
 
 from __future__ import annotations
@@ -18,25 +19,25 @@ import torch
 from safetensors.torch import load_file
 
 from tests import tiny_models
-from tests.tool_runs import COMPLETE, TOOLS, TOOLS_VERSION, cache_dir, cached, fingerprint, run_tool
+from tests.tool_runs import COMPLETE, TOOLS, cache_dir, cached, fingerprint, run_tool
 
 TINY_SOURCES = {"tiny-qwen2": "qwen2", "tiny-mistral": "mistral"}  # source -> tests/tiny_models.py's name
 PINS = TOOLS / "llmcompressor.txt"
 
-# Key now -> the key an output cached before was made under. Until the HF reference script was shared with
-# GPTQ/AWQ and the tiny models moved to tests/tiny_models.py, these keys hashed the bytes of make_checkpoint.py
-# and hf_reference.py; for the same inputs the scripts still write the same, bit for bit (checked when they
-# moved), so those outputs keep their names rather than being made again (tens of minutes). An entry stops
-# matching once llmcompressor.txt or TOOLS_VERSION changes, and can go then.
+# Key now -> the key an output cached before was made under. make_checkpoint.py lost its tiny models (to
+# tests/tiny_models.py) and hf_reference.py gained GPTQ/AWQ, which changed their bytes but not what they write
+# for these inputs (checked bit for bit): those outputs keep their names rather than being made again (tens
+# of minutes). The key computation is unchanged (on the old bytes it gives the old keys); an entry stops
+# matching once its script or llmcompressor.txt changes, and can go then.
 _EARLIER_KEYS = {
-    "158c3be208": "4cf614b613",  # every checkpoint
-    "5c67df018170cd28": "95b223c87ed835c8",  # HF on SmolLM2's, test_compressed_tensors.py's prompts, 32 tokens
-    "5da6ed8e4b8901c3": "d95967580d87e05e",  # HF on the tiny models', their prompts, 32 tokens
+    "02be634dbc": "4cf614b613",  # every checkpoint
+    "99d94e3f8a217243": "95b223c87ed835c8",  # HF on SmolLM2's, test_compressed_tensors.py's prompts, 32 tokens
+    "50040ee70721187d": "d95967580d87e05e",  # HF on the tiny models', their prompts, 32 tokens
 }
 
 
 def _key(*inputs: object, length: int = 16) -> str:
-    key = fingerprint(*inputs, PINS, TOOLS_VERSION)[:length]
+    key = fingerprint(*inputs, PINS)[:length]
     return _EARLIER_KEYS.get(key, key)
 
 
@@ -46,7 +47,7 @@ def checkpoint(source: str, scheme: str) -> Path:
     if source != "smollm2" and source not in TINY_SOURCES:
         raise ValueError(f"unknown checkpoint source {source!r}")
     name = f"ct-{source}-{scheme}"  # (the directory is shared with other formats' test checkpoints)
-    target = cache_dir() / f"{name}-{_key(length=10)}"
+    target = cache_dir() / f"{name}-{_key(TOOLS / 'make_checkpoint.py', length=10)}"
 
     def build(out: Path) -> None:
         if source == "smollm2":
@@ -82,7 +83,7 @@ def hf_reference(
         args += ["--quantize-activations"] if quantize_activations else []
         run_tool("llmcompressor", "hf_reference.py", *args, cwd=out.parent)
 
-    key = _key([prompts, max_tokens, quantize_activations])
+    key = _key([prompts, max_tokens, quantize_activations], TOOLS / "hf_reference.py")
     answer = cached(model_dir / f"hf-reference-{key}", build)
     tokens = json.loads((answer / "tokens.json").read_text())
     return tokens, load_file(str(answer / "logits.safetensors"))["logits"]

@@ -8,10 +8,10 @@ its own beside .venv, built by `make tool-venvs` from tests/quant_tools/<tool>.t
 reading GPTQ and AWQ through it), .venv-awq (AutoAWQ). The scripts in tests/quant_tools run with that venv's
 python, in a subprocess, offline.
 
-What they write is kept under cache_root()/test-checkpoints/ and made once, found by a key: the fingerprint
-of everything that determines it (the inputs, the tool's pinned requirements, TOOLS_VERSION). The scripts
-themselves are not hashed: bump TOOLS_VERSION when one changes what it writes for the same arguments (every
-tool output is then made again: tens of minutes on two cores).
+What they write is kept under cache_dir() and made once (tens of minutes on two cores), found by a key: a
+fingerprint of what determines it, which each format's helpers choose (compressed-tensors: the scripts and
+the pins, so that editing a script makes new outputs; GPTQ/AWQ: the arguments, the pins and a version
+bumped by hand).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tests" / "quant_tools"
 VENVS = {tool: REPO / f".venv-{tool}" for tool in ("llmcompressor", "gptq", "awq")}
 VENV_STAMP = ".pagoda-tool-installed"  # the Makefile's TOOL_STAMP: written once a tool venv is complete
-TOOLS_VERSION = 1
 
 # The two ways a cached directory says it is complete (see `cached`).
 COMPLETE = COMPLETE_MARKER  # its key is part of its name: complete once this is written, as a downloaded model
