@@ -1,83 +1,69 @@
-"""Quantized test checkpoints made by the real tool, and HF transformers' answers on them.
+"""compressed-tensors and FP8 test checkpoints, made by the real tool (llmcompressor, and transformers' FP8 op)
+in .venv-llmcompressor, HF transformers' answers on them, and compressed-tensors' own decompression. The tool
+venvs, the runs and the cache: tests/tool_runs.py.
 
-The tool (llmcompressor, with transformers 5.17 and compressed-tensors) lives in its own venv,
-.venv-llmcompressor (`make quant-tools`); its python runs the scripts in tests/quant_tools/ in a
-subprocess. Checkpoints are written once into the model cache, `cache_root()/test-checkpoints/ct-<name>`,
-and reused: each is written into a staging directory and renamed into place, so a half-written one
-is never seen. Their names carry a hash of the scripts and pins that made them, so a change to either
-makes new ones (and removes the stale ones). HF's answers on a checkpoint are kept beside it the same way.
+A checkpoint is `ct-<source>-<scheme>-<key>` under cache_dir(), its key in its name, so that a new one never
+replaces one a running test reads; older ones of the same source and scheme are removed once it is made.
+HF's answers on it are kept inside it, in `hf-reference-<key>`. Keys hash the script that makes the output
+and the tool's pins (and the request), so that a change to either makes new ones.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_core.environment import cache_root
+from tests import tiny_models
+from tests.tool_runs import COMPLETE, TOOLS, cache_dir, cached, fingerprint, run_tool
 
-REPO = Path(__file__).resolve().parents[1]
-TOOLS = REPO / "tests" / "quant_tools"
-TOOL_PYTHON = REPO / ".venv-llmcompressor" / "bin" / "python"
-COMPLETE = ".pagoda-complete"
-TINY_SOURCES = ("tiny-qwen2", "tiny-mistral")
+TINY_SOURCES = {"tiny-qwen2": "qwen2", "tiny-mistral": "mistral"}  # source -> tests/tiny_models.py's name
+PINS = TOOLS / "llmcompressor.txt"
 
-
-def tool_python() -> Path:
-    """The tool venv's python; a test needing it fails (never skips) when it is not there."""
-    if not (TOOL_PYTHON.parent.parent / ".pagoda-tool-installed").exists():
-        pytest.fail(f"the quantization tool venv is missing: run `make quant-tools` in {REPO}", pytrace=False)
-    return TOOL_PYTHON
-
-
-def _run_tool(script: str, *args: str) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [str(tool_python()), str(TOOLS / script), *args]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+# Key now -> the key an output cached before was made under. make_checkpoint.py lost its tiny models (to
+# tests/tiny_models.py) and hf_reference.py gained GPTQ/AWQ, which changed their bytes but not what they write
+# for these inputs (checked bit for bit): those outputs keep their names rather than being made again (tens
+# of minutes). The key computation is unchanged (on the old bytes it gives the old keys); an entry stops
+# matching once its script or llmcompressor.txt changes, and can go then.
+_EARLIER_KEYS = {
+    "02be634dbc": "4cf614b613",  # every checkpoint
+    "99d94e3f8a217243": "95b223c87ed835c8",  # HF on SmolLM2's, test_compressed_tensors.py's prompts, 32 tokens
+    "50040ee70721187d": "d95967580d87e05e",  # HF on the tiny models', their prompts, 32 tokens
+}
 
 
-def _version() -> str:
-    digest = hashlib.sha256()
-    for path in (TOOLS / "make_checkpoint.py", TOOLS / "llmcompressor.txt"):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:10]
+def _key(*inputs: object, length: int = 16) -> str:
+    key = fingerprint(*inputs, PINS)[:length]
+    return _EARLIER_KEYS.get(key, key)
 
 
 def checkpoint(source: str, scheme: str) -> Path:
     """The checkpoint of `source` ("smollm2" = the default model, or a tiny random model) quantized with
     `scheme` (tests/quant_tools/make_checkpoint.py), made on first use."""
+    if source != "smollm2" and source not in TINY_SOURCES:
+        raise ValueError(f"unknown checkpoint source {source!r}")
     name = f"ct-{source}-{scheme}"  # (the directory is shared with other formats' test checkpoints)
-    root = cache_root() / "test-checkpoints"
-    target = root / f"{name}-{_version()}"
+    target = cache_dir() / f"{name}-{_key(TOOLS / 'make_checkpoint.py', length=10)}"
+
+    def build(out: Path) -> None:
+        if source == "smollm2":
+            from engine_core.default_model import ensure_default_model
+
+            source_dir = ensure_default_model()
+        else:
+            source_dir = out.parent / source  # oneshot wants a saved model
+            tiny_models.build(TINY_SOURCES[source]).save_pretrained(source_dir)
+        args = ["--source", source_dir, "--scheme", scheme, "--out", out]
+        run_tool("llmcompressor", "make_checkpoint.py", *args, cwd=out.parent)
+
     if (target / COMPLETE).exists():
         return target
-    if source == "smollm2":
-        from engine_core.default_model import ensure_default_model
-
-        source_arg = str(ensure_default_model())
-    elif source in TINY_SOURCES:
-        source_arg = source
-    else:
-        raise ValueError(f"unknown checkpoint source {source!r}")
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".staging-{name}-", dir=root))
-    try:
-        _run_tool("make_checkpoint.py", "--source", source_arg, "--scheme", scheme, "--out", str(staging))
-        (staging / COMPLETE).write_text(f"{source} {scheme}\n")
-        staging.rename(target)  # atomic: a half-written checkpoint is never visible
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    for stale in root.glob(f"{name}-*"):
+    cached(target, build)
+    for stale in target.parent.glob(f"{name}-*"):  # the same checkpoint under older keys
         if stale != target and stale.name.removeprefix(f"{name}-").isalnum():
             shutil.rmtree(stale, ignore_errors=True)
     return target
@@ -88,24 +74,17 @@ def hf_reference(
 ) -> tuple[list[list[int]], torch.Tensor]:
     """HF transformers on `model_dir` (decompressed by compressed-tensors): greedy tokens per prompt, EOS
     not stopping, and the first step's logits [prompts, vocab]. Activations stay in float unless asked.
-    Kept beside the checkpoint, keyed by everything that determines it (inputs, script, pins)."""
-    request = json.dumps([prompts, max_tokens, quantize_activations]).encode()
-    key = hashlib.sha256(
-        request + (TOOLS / "hf_reference.py").read_bytes() + (TOOLS / "llmcompressor.txt").read_bytes()
-    )
-    answer = model_dir / f"hf-reference-{key.hexdigest()[:16]}"
-    if not (answer / COMPLETE).exists():
-        staging = Path(tempfile.mkdtemp(prefix=".staging-hf-", dir=model_dir))
-        try:
-            prompts_file = staging / "prompts.json"
-            prompts_file.write_text(json.dumps(prompts))
-            args = ["--model", str(model_dir), "--prompts", str(prompts_file), "--max-tokens", str(max_tokens)]
-            args += ["--out", str(staging)] + (["--quantize-activations"] if quantize_activations else [])
-            _run_tool("hf_reference.py", *args)
-            (staging / COMPLETE).write_text("")
-            staging.rename(answer)  # atomic, as the checkpoints
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    Kept beside the checkpoint (tests/quant_tools/hf_reference.py writes it)."""
+
+    def build(out: Path) -> None:
+        out.mkdir()
+        (out / "prompts.json").write_text(json.dumps(prompts))
+        args = ["--model", model_dir, "--prompts", out / "prompts.json", "--max-tokens", max_tokens, "--out", out]
+        args += ["--quantize-activations"] if quantize_activations else []
+        run_tool("llmcompressor", "hf_reference.py", *args, cwd=out.parent)
+
+    key = _key([prompts, max_tokens, quantize_activations], TOOLS / "hf_reference.py")
+    answer = cached(model_dir / f"hf-reference-{key}", build)
     tokens = json.loads((answer / "tokens.json").read_text())
     return tokens, load_file(str(answer / "logits.safetensors"))["logits"]
 
@@ -114,5 +93,6 @@ def ct_decompressed(model_dir: Path, modules: list[str]) -> dict[str, torch.Tens
     """compressed-tensors' own decompression of these modules' weights (checkpoint names)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "weights.safetensors"
-        _run_tool("ct_decompress.py", "--model", str(model_dir), "--modules", ",".join(modules), "--out", str(out))
+        args = ["--model", model_dir, "--modules", ",".join(modules), "--out", out]
+        run_tool("llmcompressor", "ct_decompress.py", *args, cwd=Path(tmp))
         return load_file(str(out))

@@ -21,7 +21,7 @@ from engine_core.quantization import resolve_method
 from engine_core.quantization.base import pack_shards
 from engine_core.quantization.gptq import GPTQ, unpack_words
 from kernels.quantized import dequantize
-from tests import gptq_awq_checkpoints as quant_checkpoints
+from tests import tool_runs
 from tests.gptq_awq_checkpoints import Spec, checkpoint, prompt_ids, tool_reference
 from tests.helpers import greedy_with_first_logprobs
 
@@ -241,9 +241,9 @@ def test_v1_zero_points_undo_gptqmodels_whole_word_subtraction():
 
 
 def test_a_missing_tool_venv_fails_with_the_command_that_makes_it(monkeypatch, tmp_path):
-    monkeypatch.setitem(quant_checkpoints.VENVS, "gptq", tmp_path / ".venv-gptq")
+    monkeypatch.setitem(tool_runs.VENVS, "gptq", tmp_path / ".venv-gptq")
     with pytest.raises(pytest.fail.Exception, match=r"run `make tool-venvs`"):
-        quant_checkpoints.tool_python("gptq")
+        tool_runs.tool_python("gptq")
 
 
 @pytest.mark.slow

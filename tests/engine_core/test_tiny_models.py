@@ -1,64 +1,25 @@
-"""Tiny random-weight models of each supported architecture, built here from transformers configs and
-saved as safetensors: our greedy tokens equal HF `generate` for 32 tokens."""
+"""Tiny random-weight models of each supported architecture (tests/tiny_models.py), saved as safetensors: our
+greedy tokens equal HF `generate` for 32 tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from engine_core.sampling_params import SamplingParams
+from tests import tiny_models
 from tests.helpers import hf_greedy, run_engine
-
-COMMON = dict(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=3,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    initializer_range=0.25,
-    tie_word_embeddings=False,
-)
-
-CASES = {
-    "llama3": (
-        transformers.LlamaConfig,
-        dict(
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-            rope_theta=500000.0,
-        ),
-    ),
-    "llama-tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=8)),
-    "mistral": (transformers.MistralConfig, dict(sliding_window=24)),
-    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
-    "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),
-}
 
 
 def _build(tmp_path, name):
-    config_cls, extra = CASES[name]
-    config = config_cls(**{**COMMON, **extra})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if name == "qwen2":  # make sure the QKV biases matter
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
-    model.save_pretrained(tmp_path / name, safe_serialization=True)
+    model = tiny_models.build(name)
+    model.save_pretrained(tmp_path / name)
     return model, tmp_path / name
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(tiny_models.ARCHITECTURES))
 def test_greedy_matches_hf(tmp_path, name):
     hf_model, model_dir = _build(tmp_path, name)
     gen = torch.Generator().manual_seed(1)
@@ -105,9 +66,9 @@ def test_bfloat16_runs_and_mostly_agrees_with_float32(tmp_path):
 def test_dummy_weights_need_only_a_config_and_are_reproducible(tmp_path):
     """`load_format="dummy"`: a model directory holding just config.json runs, with the same random
     weights every time (the GPU benchmark builds Llama-3-8B this way)."""
-    config_cls, extra = CASES["llama3"]
+    config_cls, extra = tiny_models.ARCHITECTURES["llama3"]
     model_dir = tmp_path / "config-only"
-    config_cls(**{**COMMON, **extra}, architectures=["LlamaForCausalLM"]).save_pretrained(model_dir)
+    config_cls(**{**tiny_models.COMMON, **extra}, architectures=["LlamaForCausalLM"]).save_pretrained(model_dir)
     assert [p.name for p in model_dir.iterdir()] == ["config.json"]
     prompts = [[5, 6, 7, 8], list(range(10, 40))]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -8,12 +8,12 @@ import inspect
 
 import pytest
 import torch
-import transformers
 
 import kernels
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from engine_core.sampling_params import SamplingParams
+from tests import tiny_models
 from tests.helpers import run_engine
 
 pytest.importorskip("triton")
@@ -37,19 +37,8 @@ def test_cpu_tensors_never_reach_triton(name):
 
 @pytest.fixture
 def tiny_model(tmp_path):
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.25,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "tiny")
+    model = tiny_models.build("llama", vocab_size=256, num_hidden_layers=2, max_position_embeddings=512)
+    model.save_pretrained(tmp_path / "tiny")
     return tmp_path / "tiny"
 
 

@@ -10,8 +10,6 @@ about an ulp, and rotary, which has no reduction, to the bit.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -20,6 +18,7 @@ pytest.importorskip("triton")
 from kernels.torch_ref import layers as ref
 from kernels.triton import layers as tri
 from tests.kernels.devices import make_generator
+from tests.kernels.poison import poisoned_empty
 
 pytestmark = pytest.mark.usefixtures("on_device")
 
@@ -29,22 +28,6 @@ TOL = {
     torch.float16: dict(atol=1e-3, rtol=1e-3),
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
 }
-
-
-@contextlib.contextmanager
-def poisoned_empty():
-    """torch.empty returns NaN-filled float tensors inside the block: unwritten outputs become NaN."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real_empty
 
 
 def assert_matches(ours: torch.Tensor, expected: torch.Tensor) -> None:

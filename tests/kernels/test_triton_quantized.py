@@ -13,7 +13,6 @@ raw 16-bit patterns; see test_triton_attention.py).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 
@@ -22,7 +21,6 @@ import torch
 
 pytest.importorskip("triton")
 
-import transformers
 import triton
 import triton.language as tl
 
@@ -33,8 +31,10 @@ from engine_core.sampling_params import SamplingParams
 from kernels.quantized import PackedWeight, dequantize, pack
 from kernels.triton import quantized as tri
 from kernels.triton.quantized import _exact_float
+from tests import tiny_models
 from tests.helpers import run_engine
 from tests.kernels.devices import DEVICE, make_generator
+from tests.kernels.poison import poisoned_empty
 
 pytestmark = pytest.mark.usefixtures("on_device")
 
@@ -50,22 +50,6 @@ DTYPES = [
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 # (K, group size): one 32-column block per row, a short last group, small groups, large, per-channel
 SHAPES = [(32, -1), (96, 64), (576, 32), (576, 128), (576, -1)]
-
-
-@contextlib.contextmanager
-def poisoned_empty():
-    """torch.empty returns NaN-filled float tensors inside the block: unwritten outputs become NaN."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        out = real_empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
-
-    torch.empty = empty
-    try:
-        yield
-    finally:
-        torch.empty = real_empty
 
 
 def random_weight(
@@ -240,22 +224,9 @@ def test_cuda_tensors_dispatch_to_this_kernel():
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory):
     """A random Qwen2 (biased QKV projections, so the kernel's bias path runs in the model)."""
-    config = transformers.Qwen2Config(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.25,
-        tie_word_embeddings=False,
+    model = tiny_models.build(
+        "qwen2", vocab_size=256, num_hidden_layers=2, max_position_embeddings=256, tie_word_embeddings=False
     )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    for layer in model.model.layers:
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-            torch.nn.init.normal_(proj.bias, std=0.5)
     path = tmp_path_factory.mktemp("qwen2") / "tiny"
     model.save_pretrained(path)
     return path

@@ -1,6 +1,6 @@
 """Write a quantized test checkpoint with the real tools (run by .venv-llmcompressor's python, not .venv's).
 
-    make_checkpoint.py --source DIR|tiny-qwen2|tiny-mistral --scheme NAME --out DIR
+    make_checkpoint.py --source DIR --scheme NAME --out DIR
 
 compressed-tensors schemes go through llmcompressor's `oneshot` with a round-to-nearest
 `QuantizationModifier` (no calibration data), lm_head left out (`ignore`), as its examples do. SmolLM2's
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import types
 from pathlib import Path
 
@@ -55,36 +54,6 @@ SCHEMES = {
 }
 FP8_BLOCKS = (64, 32)  # square blocks: the largest that tiles every projection (transformers' op needs that)
 FP8_BLOCK_SCALES = {"fp8-block": "float", "fp8-block-ue8m0": "ue8m0"}  # scheme -> scale_fmt
-
-# Tiny random models, shaped like tests/engine_core/test_tiny_models.py's, so that Qwen2's QKV biases and
-# Mistral's sliding window run quantized.
-TINY_COMMON = dict(
-    vocab_size=512,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=3,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    initializer_range=0.25,
-)
-TINY = {
-    "tiny-qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
-    "tiny-mistral": (transformers.MistralConfig, dict(sliding_window=24, tie_word_embeddings=False)),
-}
-
-
-def save_tiny(name: str, where: Path) -> Path:
-    """The tiny random model `name`, in full precision, saved under `where` (oneshot wants a saved model)."""
-    config_cls, extra = TINY[name]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config_cls(**TINY_COMMON, **extra), dtype=torch.float32)
-    if name == "tiny-qwen2":  # biases large enough to matter
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
-    model.save_pretrained(where / name)
-    return where / name
 
 
 def load_source(source: str):
@@ -139,14 +108,12 @@ def write_fp8_block(model, out: Path, scale_fmt: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--source", required=True, help="a model directory, or " + " / ".join(TINY))
+    parser.add_argument("--source", required=True, help="a model directory (in full precision)")
     parser.add_argument("--scheme", required=True, choices=[*SCHEMES, *FP8_BLOCK_SCALES])
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        source = str(save_tiny(args.source, Path(tmp))) if args.source in TINY else args.source
-        model, tokenizer = load_source(source)
-        write(model, tokenizer, args.scheme, args.out)
+    model, tokenizer = load_source(args.source)
+    write(model, tokenizer, args.scheme, args.out)
 
 
 def write(model, tokenizer, scheme: str, out: Path) -> None:

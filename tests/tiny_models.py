@@ -1,0 +1,61 @@
+"""Tiny random-weight models of each architecture Pagoda serves, built from transformers configs: the one place
+their configurations live (the tiny-model tests, the Triton model tests and the quantized tiny checkpoints
+all build theirs here, with what they change named at the call).
+
+Every input dimension is a multiple of 128 and the weights are drawn large (initializer_range 0.25), so that
+greedy tokens differ between models that differ. Qwen2's QKV biases are drawn large too, so that they matter;
+Mistral's sliding window (24) is shorter than the longer test prompts.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+COMMON = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.25,
+    tie_word_embeddings=False,
+)
+
+# name -> (config class, what differs from COMMON)
+ARCHITECTURES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "llama3": (
+        transformers.LlamaConfig,
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        ),
+    ),
+    "llama-tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True, num_key_value_heads=8)),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=24)),
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),
+}
+
+
+def build(name: str, **overrides) -> transformers.PreTrainedModel:
+    """The float32 model `name` of ARCHITECTURES, its config changed by `overrides`, its weights drawn from
+    seed 0 (the same model on every call)."""
+    config_cls, extra = ARCHITECTURES[name]
+    config = config_cls(**{**COMMON, **extra, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if name == "qwen2":  # make sure the QKV biases matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    return model
