@@ -78,7 +78,8 @@ class RingSpec(msgspec.Struct, frozen=True):
 
 
 class RingPeerGone(RuntimeError):
-    """The process at the other end died: a reader that has not read what the writer needs, or the writer."""
+    """The other end is gone: a reader that closed or died before reading what the writer needs, or the
+    writer died."""
 
 
 class RingClosed(EOFError):
@@ -256,14 +257,18 @@ class RingWriter:
                 dead = [r for r in laggards if self._reader_gone(r)]
                 if dead:
                     raise RingPeerGone(
-                        f"ring write of message {m}: {self._describe(dead)} died before reading message {needed}"
+                        f"ring write of message {m}: {self._describe(dead)} left before reading message {needed}"
                     )
             if now - start > _SPIN_S:  # the reader is slow, not just a moment behind: stop burning a core
                 pause = min(max(pause * 2, 50e-6), 1e-3)
                 time.sleep(pause)
 
     def _reader_gone(self, r: int) -> bool:
-        pid = self._control[self._layout.reader(r, _R_PID)]
+        """Whether reader r will never read again: it closed its end, or its process died."""
+        control, layout = self._control, self._layout
+        if control[layout.reader(r, _R_STATE)] == _CLOSED:
+            return True
+        pid = control[layout.reader(r, _R_PID)]
         return pid != 0 and _process_gone(pid)
 
     def _describe(self, readers: list[int]) -> str:

@@ -138,15 +138,39 @@ class Readers:
                 process.join()
 
 
+class Rings:
+    """The rings and reader processes a test made, in a runtime directory like `pagoda serve`'s."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="pagoda-")
+        self.writers: list[RingWriter] = []
+        self.reader_groups: list[Readers] = []
+
+    def writer(self, num_readers: int, **kwargs) -> RingWriter:
+        self.writers.append(RingWriter(num_readers, runtime_dir=self.dir, **kwargs))
+        return self.writers[-1]
+
+    def readers(self, writer: RingWriter, num: int, **kwargs) -> Readers:
+        self.reader_groups.append(Readers(writer, num, **kwargs))
+        return self.reader_groups[-1]
+
+    def leftovers(self) -> list[str]:
+        prefix = os.path.basename(self.dir) + "-"
+        return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)] + os.listdir(self.dir)
+
+
 @pytest.fixture
-def runtime_dir():
-    """A runtime directory like `pagoda serve`'s; afterwards nothing of the ring may be left."""
-    path = tempfile.mkdtemp(prefix="pagoda-")
-    yield path
-    prefix = os.path.basename(path) + "-"
-    assert [name for name in os.listdir("/dev/shm") if name.startswith(prefix)] == []
-    assert os.listdir(path) == []
-    os.rmdir(path)
+def rings():
+    """Afterwards (once a failed test's writers are closed and its processes stopped, which a passing
+    test has already done itself) no shared-memory segment and no socket file of the test may be left."""
+    made = Rings()
+    yield made
+    for writer in made.writers:
+        writer.close()
+    for group in made.reader_groups:
+        group.stop()
+    assert made.leftovers() == []
+    os.rmdir(made.dir)
 
 
 def write_all(writer: RingWriter, count: int, seed: int = 0, first: int = 1) -> None:
@@ -155,22 +179,21 @@ def write_all(writer: RingWriter, count: int, seed: int = 0, first: int = 1) -> 
         writer.write(message(seq, rng), timeout_s=60)
 
 
-def test_three_readers_see_100k_messages_in_order_and_whole(runtime_dir):
-    writer = RingWriter(3, slot_bytes=SLOT_BYTES, num_slots=8, runtime_dir=runtime_dir)
-    readers = Readers(writer, 3)
+def test_three_readers_see_100k_messages_in_order_and_whole(rings):
+    writer = rings.writer(3, slot_bytes=SLOT_BYTES, num_slots=8)
+    readers = rings.readers(writer, 3)
     write_all(writer, 100_000)
     writer.close()
     results = readers.results()
-    readers.stop()
     for result in results:
         assert result["errors"] == [] and result["count"] == 100_000
         assert result["end"].startswith("RingClosed")
 
 
-def test_stalled_readers_make_the_writer_wait_then_it_goes_on(runtime_dir):
-    writer = RingWriter(3, slot_bytes=SLOT_BYTES, num_slots=8, runtime_dir=runtime_dir)
+def test_stalled_readers_make_the_writer_wait_then_it_goes_on(rings):
+    writer = rings.writer(3, slot_bytes=SLOT_BYTES, num_slots=8)
     # Reader 0 sleeps twice mid-stream, reader 2 once; reader 1 holds message 50 until told to go on.
-    readers = Readers(writer, 3, pauses={0: {100: 0.3, 1500: 0.3}, 2: {700: 0.5}}, hold={1: 50})
+    readers = rings.readers(writer, 3, pauses={0: {100: 0.3, 1500: 0.3}, 2: {700: 0.5}}, hold={1: 50})
     rng = random.Random(1)
     for seq in range(1, 58):  # 50 + 8 - 1: the last one before the held slot comes round again
         writer.write(message(seq, rng), timeout_s=60)
@@ -184,13 +207,12 @@ def test_stalled_readers_make_the_writer_wait_then_it_goes_on(runtime_dir):
         writer.write(message(seq, rng), timeout_s=60)
     writer.close()
     results = readers.results()
-    readers.stop()
     assert [(r["count"], r["errors"]) for r in results] == [(3000, [])] * 3
 
 
-def test_killed_reader_fails_the_writer_and_leaves_nothing(runtime_dir):
-    writer = RingWriter(3, slot_bytes=SLOT_BYTES, num_slots=8, runtime_dir=runtime_dir)
-    readers = Readers(writer, 3, hold={1: 200})
+def test_killed_reader_fails_the_writer_and_leaves_nothing(rings):
+    writer = rings.writer(3, slot_bytes=SLOT_BYTES, num_slots=8)
+    readers = rings.readers(writer, 3, hold={1: 200})
     rng = random.Random(2)
     for seq in range(1, 201):
         writer.write(message(seq, rng), timeout_s=60)
@@ -200,19 +222,18 @@ def test_killed_reader_fails_the_writer_and_leaves_nothing(runtime_dir):
     for seq in range(201, 208):  # the slots the dead reader had already given back
         writer.write(message(seq, rng), timeout_s=60)
     with pytest.raises(
-        RingPeerGone, match=rf"reader 1 \(pid {victim.pid}, process gone\) died before reading message 200"
+        RingPeerGone, match=rf"reader 1 \(pid {victim.pid}, process gone\) left before reading message 200"
     ):
         writer.write(message(208, rng), timeout_s=60)
     writer.close()
     results = readers.results([0, 2])
-    readers.stop()
     assert [(r["count"], r["errors"]) for r in results] == [(207, [])] * 2
     assert all(r["end"].startswith("RingClosed") for r in results)
 
 
-def test_a_stuck_reader_times_the_writer_out(runtime_dir):
-    writer = RingWriter(2, slot_bytes=64, num_slots=2, runtime_dir=runtime_dir)
-    readers = Readers(writer, 2, hold={1: 1})
+def test_a_stuck_reader_times_the_writer_out(rings):
+    writer = rings.writer(2, slot_bytes=64, num_slots=2)
+    readers = rings.readers(writer, 2, hold={1: 1})
     write_all(writer, 2)
     assert readers.pipes[1].poll(60) and readers.pipes[1].recv_bytes() == b"holding"
     with pytest.raises(TimeoutError, match=r"reader 1 \(pid \d+, alive\) did not read message 1 within 0.3 s"):
@@ -220,11 +241,10 @@ def test_a_stuck_reader_times_the_writer_out(runtime_dir):
     readers.pipes[1].send_bytes(b"go")
     writer.close()
     assert [(r["count"], r["errors"]) for r in readers.results()] == [(2, [])] * 2
-    readers.stop()
 
 
-def test_idle_reader_blocks_without_spinning(runtime_dir):
-    writer = RingWriter(1, slot_bytes=SLOT_BYTES, runtime_dir=runtime_dir)
+def test_idle_reader_blocks_without_spinning(rings):
+    writer = rings.writer(1, slot_bytes=SLOT_BYTES)
     mp = multiprocessing.get_context("spawn")
     mine, theirs = mp.Pipe()
     process = mp.Process(target=idle_reader_main, args=(msgspec.msgpack.encode(writer.spec), theirs), daemon=True)
@@ -263,15 +283,15 @@ def run_writer_process(runtime_dir: str, mode: str) -> tuple[subprocess.Popen, R
     return process, spec
 
 
-def test_writer_exiting_without_close_leaves_nothing(runtime_dir):
-    process, spec = run_writer_process(runtime_dir, "exit")
+def test_writer_exiting_without_close_leaves_nothing(rings):
+    process, spec = run_writer_process(rings.dir, "exit")
     assert process.wait(60) == 0
     assert process.stderr is not None and process.stderr.read() == b""  # no resource-tracker warning
     assert not os.path.exists(f"/dev/shm/{spec.shm_name}")
 
 
-def test_killed_writer_ends_its_readers_and_its_segment_goes(runtime_dir):
-    process, spec = run_writer_process(runtime_dir, "wait")
+def test_killed_writer_ends_its_readers_and_its_segment_goes(rings):
+    process, spec = run_writer_process(rings.dir, "wait")
     reader = RingReader(spec, 0)
     assert [int.from_bytes(reader.read(timeout_s=60), "little") for _ in range(3)] == [1, 2, 3]
     process.kill()
@@ -288,8 +308,8 @@ def test_killed_writer_ends_its_readers_and_its_segment_goes(runtime_dir):
     process.stdout.close()
 
 
-def test_in_process_contract(runtime_dir):
-    writer = RingWriter(1, slot_bytes=16, num_slots=2, runtime_dir=runtime_dir)
+def test_in_process_contract(rings):
+    writer = rings.writer(1, slot_bytes=16, num_slots=2)
     reader = RingReader(writer.spec, 0)
     writer.write([b"abc", bytearray(b"de"), memoryview(b"f")])
     writer.write([b"x" * 40])  # larger than a slot
