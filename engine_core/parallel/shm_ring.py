@@ -415,7 +415,7 @@ class RingReader:
                 raise TimeoutError(f"ring reader {self._index}: no {what} from the writer (pid {self._writer_pid})")
         closed_before = self._control[_H_CLOSED]  # set only after the writer's last payload left it
         if self._poller.poll(max(1, round(wait_s * 1000))):
-            while self._socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # cheaper than a zmq.Again per drain
+            while int(self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # cheaper than a zmq.Again per drain
                 frames = self._socket.recv_multipart(copy=False)
                 if len(frames) == 2:
                     self._big.append(frames)
