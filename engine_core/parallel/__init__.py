@@ -1,0 +1,1 @@
+"""The parallel executors' building blocks."""
