@@ -9,10 +9,26 @@ scale`; zero points: `min = -zero * scale`). `pack` stores that as a `PackedWeig
   bytes; byte j holds column j in its low nibble and column j + 16 in its high one (GGUF's Q4_0/Q4_1
   order, so those blocks are copied, not recomputed). A 32-column block fills a vector of 8-bit lanes
   after one mask and one shift.
-- 8 bits: `data` int8 `[N, Kp]` holding `q - 128`; `min` then becomes `min + 128 * scale`, which is
-  exactly zero for symmetric weights, and is dropped (`mins is None`) when it is zero everywhere.
-- `scales`, `mins`: float32 `[N, G]`, G = ceil(K / group_size); group_size is a multiple of 32 (a
-  per-channel scale is one group of K). Columns past K in the last block are zero and never read.
+- 8 bits: `data` int8 `[N, Kp]` holding `q - 128`. The kernels multiply that stored value, so the
+  term they add per group is `min + 128 * scale` (`offsets`), computed in float32 from the stored
+  scale and min: it is zero for symmetric weights, whose `mins` are then dropped (`None`). The min
+  itself is stored, not that sum: the sum needs more bits (with Q5_0's min -16d it is 112d).
+- `scales`: float16 `[N, G]`, G = ceil(K / group_size); group_size is a multiple of 32 (a per-channel
+  scale is one group of K). Columns past K in the last block are zero and never read. Why float16:
+  memory. With float32 scales and mins a 32-column 4-bit group took 16 + 8 bytes; with float16 ones it
+  takes 16 + 4, like GGUF's Q4_1 (whose d and m are float16, copied exactly), which is what puts
+  grouped INT4 under 0.2x of float32. Checkpoints' scales are float16 or bfloat16 values (copied
+  exactly) wherever the model was saved in half precision; a float32 scale is rounded, by at most
+  2**-11 of itself (1/2048 of a quantization step); the quantizers at load choose float16 values.
+  A scale beyond float16's range (|v| > 65504) is refused by `pack`, naming the layer; tiny ones
+  (below 2**-14) are kept as float16 subnormals, absolute error at most 2**-25 (those below 2**-25
+  become zero): weights that small contribute nothing measurable.
+- `mins`: `[N, G]`, float16 when that holds every min of the layer exactly (GGUF's m, -8d and -16d,
+  symmetric weights' -8 scales, the mins chosen at load), float32 otherwise. Zero points are why:
+  GPTQ's and AWQ's min = -zero * scale needs up to 11 + 8 bits, and rounded to float16 it would move
+  every weight of a group by up to 2**-11 of the min (1/16 of an 8-bit step): enough to change greedy
+  tokens against the checkpoint's own weights. (2 more bytes per group: 70 instead of 68 per 128
+  4-bit columns.) `mins` is `None` only for symmetric 8-bit weights; 4-bit ones always store theirs.
 - `perm` (act-order GPTQ): the layer computes `x[..., perm] @ W'^T`, where W' holds the original
   columns in `perm` order, so that each group's columns are adjacent.
 
@@ -28,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # columns per packed block; every group size is a multiple of it
+FLOAT16_MAX = 65504.0  # the largest finite float16: scales beyond it are refused
 _REFERENCE_ROWS = 1024  # output rows dequantized at a time by the reference matmul
 
 
@@ -38,8 +55,8 @@ class PackedWeight:
     in_features: int  # K
     group_size: int  # columns per scale; a multiple of BLOCK (a per-channel scale: K rounded up)
     data: torch.Tensor  # uint8 [N, Kp/2] (4 bits) or int8 [N, Kp] (8 bits)
-    scales: torch.Tensor  # float32 [N, G]
-    mins: torch.Tensor | None  # float32 [N, G]; None: zero
+    scales: torch.Tensor  # float16 [N, G]
+    mins: torch.Tensor | None  # float16 (or float32: not float16 values) [N, G]; None: symmetric 8-bit
     perm: torch.Tensor | None = None  # int64 [K]: input column order (act-order)
 
     @property
@@ -87,9 +104,12 @@ def pack(
     bits: int,
     group_size: int,
     perm: torch.Tensor | None = None,
+    name: str = "weight",
 ) -> PackedWeight:
     """Pack integers `q` [N, K] in [0, 2**bits) with their float `scales`/`mins` [N, G] (mins None:
-    symmetric around zero, i.e. -2**(bits-1) * scale)."""
+    symmetric around zero, i.e. -2**(bits-1) * scale). Scales are stored in float16, mins in float16
+    when that holds every one exactly and in float32 otherwise (see the module docstring); `name` (the
+    layer) names the error when a scale does not fit float16."""
     if bits not in (4, 8):
         raise ValueError(f"{bits}-bit weights are not supported: use 4 or 8")
     n, k = q.shape
@@ -100,26 +120,53 @@ def pack(
     q = q.to(torch.int32)
     if int(q.min()) < 0 or int(q.max()) >= 1 << bits:
         raise ValueError(f"quantized values outside [0, {1 << bits})")
-    scales = scales.to(torch.float32).contiguous()
-    mins = (-float(1 << (bits - 1)) * scales) if mins is None else mins.to(torch.float32)
-    if mins.shape != scales.shape:
+    if mins is not None and mins.shape != scales.shape:
         raise ValueError(f"mins have shape {tuple(mins.shape)}, expected {tuple(scales.shape)}")
+    half_scales = _float16(name, "scale", scales)
+    symmetric = -float(1 << (bits - 1)) * half_scales.float()  # exact: a power of two times a float16
+    full_mins = symmetric if mins is None else _finite(name, "min", mins.to(torch.float32))
     padded = -(-k // BLOCK) * BLOCK
     # Padding columns hold 0: kernels never multiply them (they stop at K).
     q = torch.nn.functional.pad(q, (0, padded - k))
+    stored_mins: torch.Tensor | None
     if bits == 4:
         blocks = q.reshape(n, padded // BLOCK, 2, BLOCK // 2)
         data = (blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)).to(torch.uint8).reshape(n, padded // 2)
-        stored_mins: torch.Tensor | None = mins.contiguous()
+        stored_mins = _compact(full_mins)
     else:
         data = (q - 128).to(torch.int8)
-        shifted = mins + 128.0 * scales
-        stored_mins = shifted.contiguous() if bool(shifted.any()) else None
+        # min + 128 * scale zero everywhere (symmetric weights): no mins at all
+        stored_mins = None if torch.equal(full_mins, symmetric) else _compact(full_mins)
     if perm is not None:
         perm = perm.to(torch.int64).contiguous()
         if perm.shape != (k,):
             raise ValueError(f"perm has shape {tuple(perm.shape)}, expected ({k},)")
-    return PackedWeight(bits, n, k, group, data.contiguous(), scales, stored_mins, perm)
+    return PackedWeight(bits, n, k, group, data.contiguous(), half_scales, stored_mins, perm)
+
+
+def _finite(name: str, what: str, values: torch.Tensor) -> torch.Tensor:
+    if values.numel() and not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{name}: a {what} is not finite (inf or nan): the quantized weight is corrupt")
+    return values
+
+
+def _float16(name: str, what: str, values: torch.Tensor) -> torch.Tensor:
+    """`values` rounded to float16 (to nearest), refusing what float16 cannot hold."""
+    values = _finite(name, what, values.to(torch.float32))
+    largest = float(values.abs().max()) if values.numel() else 0.0
+    if largest > FLOAT16_MAX:
+        raise ValueError(
+            f"{name}: a {what} of {largest:g} is outside float16's range (|{what}| <= {FLOAT16_MAX:g}), "
+            f"in which quantized weights store their {what}s"
+        )
+    return values.to(torch.float16).contiguous()
+
+
+def _compact(mins: torch.Tensor) -> torch.Tensor:
+    """Float32 mins as float16 where that changes none of them (beyond float16's range it would: inf),
+    else as they are."""
+    half = mins.to(torch.float16)
+    return half.contiguous() if torch.equal(half.float(), mins) else mins.contiguous()
 
 
 def unpack(packed: PackedWeight, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
@@ -134,19 +181,32 @@ def unpack(packed: PackedWeight, rows: slice | torch.Tensor | None = None) -> to
     return q[:, :k]
 
 
+def offsets(packed: PackedWeight, rows: slice | torch.Tensor | None = None) -> torch.Tensor | None:
+    """The float32 term [rows, G] each group adds to scale * stored integer: the min for 4 bits, min +
+    128 * scale for 8 bits (their stored integer is q - 128), computed in float32 as the kernels do;
+    None where it is zero (symmetric 8-bit weights)."""
+    if packed.mins is None:
+        return None
+    mins = (packed.mins if rows is None else packed.mins[rows]).float()
+    if packed.bits == 4:
+        return mins
+    scales = (packed.scales if rows is None else packed.scales[rows]).float()
+    return mins + 128.0 * scales
+
+
 def dequantize(packed: PackedWeight, rows: slice | torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
-    """W' [rows, K] in float (columns in `perm` order when there is one): scale * stored + min, where
-    stored is q for 4 bits and q - 128 for 8 bits (whose stored min already holds min + 128 * scale)."""
+    """W' [rows, K] in float (columns in `perm` order when there is one): scale * stored + offset, where
+    stored is q for 4 bits and q - 128 for 8 bits (see `offsets`)."""
     data = packed.data if rows is None else packed.data[rows]
     if packed.bits == 4:
         stored = unpack(packed, rows).to(torch.float32)
     else:
         stored = data[:, : packed.in_features].to(torch.float32)
-    scales = packed.scales if rows is None else packed.scales[rows]
+    scales = (packed.scales if rows is None else packed.scales[rows]).float()
     w = stored * scales.repeat_interleave(packed.group_size, dim=1)[:, : packed.in_features]
-    if packed.mins is not None:
-        mins = packed.mins if rows is None else packed.mins[rows]
-        w += mins.repeat_interleave(packed.group_size, dim=1)[:, : packed.in_features]
+    offset = offsets(packed, rows)
+    if offset is not None:
+        w += offset.repeat_interleave(packed.group_size, dim=1)[:, : packed.in_features]
     return w.to(dtype)
 
 

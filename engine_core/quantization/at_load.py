@@ -11,6 +11,10 @@ Why not larger groups and a 4-bit head, which would save ~10 % more memory: meas
 int8 head 34.24 (+0.2 %). A small model's logits are sensitive to its LM head, and its weights (here
 from a Q4_1 file) suit 32-column groups.
 
+Scales and mins are chosen as the float16 values the packed layout stores (kernels/quantized.py): the
+scale rounded up and the int4 min rounded down, so the stored levels still span every weight, and the
+integers are rounded against those stored values: each weight stays within half a step of its level.
+
 Every linear is quantized (for SmolLM2 the head is also the embedding table, served from the int8 rows);
 an untied embedding table stays in full precision (it is read a row at a time).
 """
@@ -19,7 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.quantization.base import QuantizationMethod, QuantizedShard
+from engine_core.quantization.base import (
+    FLOAT16_SMALLEST,
+    QuantizationMethod,
+    QuantizedShard,
+    float16_ceil,
+    float16_floor,
+)
 
 INT4_GROUP_SIZE = 32
 INT8_MODULES = ("lm_head",)  # quantized to int8 per channel under --quantization int4
@@ -27,7 +37,7 @@ INT8_MODULES = ("lm_head",)  # quantized to int8 per channel under --quantizatio
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> QuantizedShard:
     w = weight.float()
-    scales = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    scales = float16_ceil(w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(FLOAT16_SMALLEST)
     q = torch.round(w / scales).clamp_(-127, 127).to(torch.int32) + 128
     return QuantizedShard(q, scales, None, bits=8, group_size=-1)
 
@@ -39,8 +49,8 @@ def quantize_int4_grouped(weight: torch.Tensor, group_size: int) -> QuantizedSha
     # Padding repeats the last column, so the partial group's range is that of its real columns.
     wp = torch.cat([w, w[:, -1:].expand(n, padded - k)], dim=1) if padded != k else w
     groups = wp.reshape(n, padded // group_size, group_size)
-    low, high = groups.amin(dim=2), groups.amax(dim=2)
-    scales = ((high - low) / 15.0).clamp_min(torch.finfo(torch.float32).tiny)
+    low, high = float16_floor(groups.amin(dim=2)), groups.amax(dim=2)
+    scales = float16_ceil((high - low) / 15.0).clamp_min(FLOAT16_SMALLEST)
     q = torch.round((groups - low[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.int32)
     return QuantizedShard(q.reshape(n, padded)[:, :k], scales, low, bits=4, group_size=group_size)
 

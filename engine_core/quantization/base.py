@@ -103,7 +103,28 @@ def pack_shards(name: str, shards: list[QuantizedShard]) -> PackedWeight:
         if bool((counts[:-1] != group).any()) or int(counts[-1]) > group:
             raise ValueError(f"{name}: g_idx does not give every group {group} columns; not supported")
         q = q[:, perm]
-    return pack(q, scales, mins, first.bits, first.group_size, perm)
+    return pack(q, scales, mins, first.bits, first.group_size, perm, name=name)
+
+
+# The packed layout stores scales and mins in float16 (kernels/quantized.py). A quantizer that picks
+# them itself (at load, GGUF's Q6_K) rounds them to float16 first, in the direction that keeps every
+# weight within the range they cover, and then rounds the weights against the values actually stored.
+FLOAT16_SMALLEST = 2.0**-24  # the smallest positive float16 (a subnormal): a scale never below it
+
+
+def float16_ceil(values: torch.Tensor) -> torch.Tensor:
+    """The smallest float16 at least each value, as float32 (beyond float16's range: inf, which
+    `pack` then refuses with the layer's name)."""
+    half = values.to(torch.float16)
+    below = half.float() < values
+    return torch.where(below, torch.nextafter(half, torch.full_like(half, float("inf"))), half).float()
+
+
+def float16_floor(values: torch.Tensor) -> torch.Tensor:
+    """The largest float16 at most each value, as float32."""
+    half = values.to(torch.float16)
+    above = half.float() > values
+    return torch.where(above, torch.nextafter(half, torch.full_like(half, float("-inf"))), half).float()
 
 
 def _common_layout(shards: list[QuantizedShard]) -> list[QuantizedShard]:

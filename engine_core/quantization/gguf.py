@@ -11,19 +11,24 @@ The weights iterator (engine_core/gguf_weights.py) hands each quantized linear o
 | Q5_0 | 32: d, 5-bit q | INT8 g32 | lossless: scale d, min -16d |
 | Q5_1 | 32: d, m, 5-bit q | INT8 g32 | lossless: scale d, min m |
 | Q8_0 | 32: d, int8 q | INT8 g32 | lossless: symmetric, scale d |
-| Q4_K | 256: d, dmin, 8 × 6-bit (sc, m), 4-bit q | INT4 g32 | lossless: scale d·sc, min -dmin·m per 32 columns |
-| Q5_K | 256: as Q4_K, 5-bit q | INT8 g32 | lossless: as Q4_K |
+| Q4_K | 256: d, dmin, 8 × 6-bit (sc, m), 4-bit q | INT4 g32 | lossless shard: scale d·sc, min -dmin·m per 32 columns |
+| Q5_K | 256: as Q4_K, 5-bit q | INT8 g32 | as Q4_K |
 | Q6_K | 256: d, 16 × int8 sc, 6-bit q | INT8 g32 | requantized: see below |
 
 (d, m, dmin: float16; d·sc and dmin·m are exact in float32.) Q6_K's scales cover 16 columns and ours
-32, so its weights are dequantized exactly in float32 and requantized, symmetric, absmax / 127 per 32
-columns: the error is at most absmax / 254 of the group, about 1/8 of Q6_K's own step.
+32, so its weights are dequantized exactly in float32 and requantized, symmetric, per 32 columns with
+the float16 scale just above absmax / 127: the error is at most half that scale, absmax / 254 (+ 2**-10
+of it), about 1/8 of Q6_K's own step.
 
 "Lossless" means the shard's `scale * q + min` equals `gguf.quants.dequantize` bit for bit (tested).
-The 8-bit layout stores q - 128 with min + 128·scale, so its matmul may round the last bit differently.
-Where a merged linear mixes types (Q4_K_M files keep v_proj in Q6_K), `pack_shards` widens 4-bit
-shards to 8 bits, losslessly. Float tensors (F32, F16, BF16) stay float; types not listed are
-refused when the file is opened (engine_core/gguf_model.py).
+Packed for the kernels, scales are float16 and mins float16 where that is exact (kernels/quantized.py):
+Q4_0, Q4_1, Q5_0 and Q8_0 stay exact (d and m are float16, and so are -8d and -16d); Q5_1 too, but the
+8-bit layout's offset m + 128·d rounds in float32, so its matmul may round the last bit differently.
+The K types' scales d·sc (up to 17 significant bits) round to float16, by at most 2**-11 of
+themselves (1/2048 of a step); their mins dmin·m stay exact, in float32. Where a merged linear mixes
+types (Q4_K_M files keep v_proj in Q6_K), `pack_shards` widens 4-bit shards to 8 bits, losslessly.
+Float tensors (F32, F16, BF16) stay float; types not listed are refused when the file is opened
+(engine_core/gguf_model.py).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from collections.abc import Callable
 import torch
 
 from engine_core.gguf_model import QUANTIZED_TYPES
-from engine_core.quantization.base import QuantizationMethod, QuantizedShard
+from engine_core.quantization.base import FLOAT16_SMALLEST, QuantizationMethod, QuantizedShard, float16_ceil
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +64,8 @@ PATHS = {
     "Q5_0": "INT8 group 32, lossless",
     "Q5_1": "INT8 group 32, lossless",
     "Q8_0": "INT8 group 32, lossless",
-    "Q4_K": "INT4 group 32, lossless",
-    "Q5_K": "INT8 group 32, lossless",
+    "Q4_K": "INT4 group 32, scales and mins rounded to float16",
+    "Q5_K": "INT8 group 32, scales and mins rounded to float16",
     "Q6_K": "INT8 group 32, requantized (16-column scales do not fit 32-column groups)",
 }
 
@@ -150,7 +155,7 @@ def q6_k_float(b: torch.Tensor) -> torch.Tensor:
 
 def _q6_k(b: torch.Tensor):
     groups = q6_k_float(b).unflatten(-1, (8, GROUP))
-    scales = (groups.abs().amax(dim=-1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    scales = float16_ceil(groups.abs().amax(dim=-1) / 127.0).clamp_min(FLOAT16_SMALLEST)  # as stored
     q = torch.round(groups / scales[..., None]).clamp_(-127, 127).to(torch.int16) + 128
     return q.flatten(-2), scales, None, 8
 

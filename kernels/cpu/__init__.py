@@ -50,9 +50,9 @@ _SIGNATURES = {
     "paged_decode_attention_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],
     "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
     "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
-    "quantized_linear_f32": [_POINTER] * 7 + [_I64] * 10,
-    "quantized_dequantize_f32": [_POINTER] * 4 + [_I64] * 8,
-    "quantized_linear_q8_f32": [_POINTER] * 7 + [_I64] * 9,  # only where the CPU has VNNI
+    "quantized_linear_f32": [_POINTER] * 7 + [_I64] * 11,
+    "quantized_dequantize_f32": [_POINTER] * 4 + [_I64] * 9,
+    "quantized_linear_q8_f32": [_POINTER] * 7 + [_I64] * 10,  # only where the CPU has VNNI
     "quantized_q8_unit": [],
     "quantized_q8_workspace": [_I64] * 5,
 }
@@ -316,7 +316,25 @@ def _int8_activations_pay(lib, rows: int, packed: PackedWeight) -> bool:
     return packed.group_size % 128 == 0 or (packed.group_size % 64 == 0 and rows < _INT4_G64_ROWS)
 
 
+def _mins_f32(packed: PackedWeight) -> int:
+    """The C kernels read raw pointers to `kernels.quantized.pack`'s layout: contiguous float16 scales,
+    and mins contiguous in float16 or float32 (this flag tells them which). Checked on every call, cheaply:
+    the C code would read anything else as garbage."""
+    scales, mins = packed.scales, packed.mins
+    if (
+        scales.dtype != torch.float16
+        or not scales.is_contiguous()
+        or (mins is not None and (mins.dtype not in (torch.float16, torch.float32) or not mins.is_contiguous()))
+    ):
+        raise ValueError(
+            f"packed scales {scales.dtype} / mins {None if mins is None else mins.dtype}: the CPU kernel takes "
+            "contiguous float16 scales and float16 or float32 mins (build packed weights with kernels.quantized.pack)"
+        )
+    return int(mins is not None and mins.dtype == torch.float32)
+
+
 def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    mins_f32 = _mins_f32(packed)
     k, kp, n = packed.in_features, packed.padded_in_features, packed.out_features
     if packed.perm is not None:
         x = x.index_select(-1, packed.perm)
@@ -332,7 +350,7 @@ def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Te
         return out.reshape(*x.shape[:-1], n)
     way = path(lib, m, packed)
     if way == "tiles":
-        _tiled_matmul(lib, rows, packed, bias, out)
+        _tiled_matmul(lib, rows, packed, bias, out, mins_f32)
         return out.reshape(*x.shape[:-1], n)
     threads = torch.get_num_threads() if m * n * kp >= _THREADED_WORK else 1
     weight = [
@@ -346,7 +364,9 @@ def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Te
         workspace = _scratch(
             lib["quantized_q8_workspace"](m, kp, packed.num_groups, packed.group_size, packed.bits, threads)
         )
-        lib["quantized_linear_q8_f32"](rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, threads)
+        lib["quantized_linear_q8_f32"](
+            rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, threads, mins_f32
+        )
     else:
         if way == "fused":  # workspace: the group sums of x
             strip_rows, workspace = 0, _scratch(m * packed.num_groups)
@@ -354,7 +374,7 @@ def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Te
             strip_rows = max(_STRIP_ALIGN, _STRIP_FLOATS // kp // _STRIP_ALIGN * _STRIP_ALIGN)
             workspace = _scratch(threads * strip_rows * kp)
         lib["quantized_linear_f32"](
-            rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, strip_rows, threads
+            rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, strip_rows, threads, mins_f32
         )
     return out.reshape(*x.shape[:-1], n)
 
@@ -366,7 +386,7 @@ def _matmul_rows(count: int) -> int:
     return -(-count // 8) * 8 if count <= 128 else -(-count // 64) * 64
 
 
-def _tiled_matmul(lib, rows: torch.Tensor, packed: PackedWeight, bias, out: torch.Tensor) -> None:
+def _tiled_matmul(lib, rows: torch.Tensor, packed: PackedWeight, bias, out: torch.Tensor, mins_f32: int) -> None:
     """out = rows W^T (+ bias), one tile of dequantized weight rows at a time (never all of W)."""
     global _tile
     kp, n, m = packed.padded_in_features, packed.out_features, rows.shape[0]
@@ -392,6 +412,7 @@ def _tiled_matmul(lib, rows: torch.Tensor, packed: PackedWeight, bias, out: torc
             start,
             stop,
             threads,
+            mins_f32,
         )
         b = None if bias is None else bias[start:stop]
         if _ONEDNN:

@@ -1,7 +1,9 @@
 /* Quantized linear for the CPU on float32 inputs: y = x W^T (+ bias), where W is a kernels/quantized.py
  * PackedWeight: 4-bit (GGUF block order: 16 bytes per 32 columns, byte j = column j in the low nibble,
- * column j + 16 in the high one) or 8-bit (int8 holding q - 128), with one float scale and one optional
- * float min per (output row, group of columns): w = scale * stored + min.
+ * column j + 16 in the high one) or 8-bit (int8 holding q - 128), with one float16 scale and one optional
+ * min (float16, or float32 where float16 would round one: mins_f32) per (output row, group of columns):
+ * w = scale * q + min = scale * stored + offset, where offset = min for 4 bits and min + 128 * scale for
+ * 8 bits (in float32; see offset_of below).
  *
  * Three ways through, each reading the packed weight once per call and never dequantizing all of it
  * (which one runs is chosen by kernels/cpu/__init__.py, by row count and weight layout):
@@ -22,7 +24,8 @@
  * -march=native), each behind its #if: the int8/int4 -> float widening (vpmovzx/vpmovsx + vcvtdq2ps, the
  * nibbles split by one mask and one shift on 32-bit lanes) is not what GCC makes of the scalar loop or of
  * its generic vector types (it extracts bytes through general registers, several times slower). The
- * scalar code at the end is the portable fallback and the definition of every result.
+ * scalar code at the end is the portable fallback and the definition of every result. The vector builds
+ * read the float16 scales and mins with F16C (vcvtph2ps), which every AVX2 CPU has.
  * Work is split over output rows on torch's own OpenMP pool (libgomp), like the other kernels here.
  */
 #include <omp.h>
@@ -74,6 +77,27 @@ static inline __m128 vsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 #define QL_VL 0
 #endif
 
+#if QL_VL && !defined(__F16C__)
+#error "the AVX2 / AVX-512 paths read float16 scales and mins with F16C (every AVX2 CPU has it): build with -mf16c"
+#endif
+
+/* A float16 (its bits) as a float: exact. Without F16C (the scalar build), by its fields. */
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 31, mantissa = h & 1023;
+    if (exponent == 0) { /* zero or subnormal: mantissa * 2^-24 */
+        const float f = (float)mantissa * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    const uint32_t bits = sign | (exponent == 31 ? 0x7F800000u : (exponent + 112) << 23) | mantissa << 13;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
 #if QL_VL
 /* Lanes [0, count) of 4 floats: loaded, stored (masked: no scalar stores and vector reloads between,
  * which stall store-to-load forwarding). */
@@ -94,10 +118,11 @@ typedef struct {
     const float *x;             /* [M, Kp] row stride ldx, zero in columns K..Kp */
     const float *xsums;         /* [M, G]: x summed over each group (fused path with mins) */
     const uint8_t *data;        /* [N, Kp/2] (4 bits) or [N, Kp] int8 (8 bits) */
-    const float *scales, *mins; /* [N, G]; mins NULL = zero */
+    const uint16_t *scales;     /* float16 [N, G] */
+    const void *mins;           /* [N, G], float16 or (mins_f32) float32; NULL: offset zero (symmetric 8-bit) */
     const float *bias;          /* [N] or NULL */
     float *out;                 /* [M, N] row stride ldo */
-    int64_t M, N, Kp, G, group, bits, ldx, ldo;
+    int64_t M, N, Kp, G, group, bits, ldx, ldo, mins_f32;
 } Problem;
 
 static inline int64_t row_bytes(const Problem *p) { return p->bits == 4 ? p->Kp / 2 : p->Kp; }
@@ -114,11 +139,28 @@ static inline float stored(const uint8_t *row, int64_t k, int64_t bits) {
     return (float)((k % BLOCK) < BLOCK / 2 ? byte & 15 : byte >> 4);
 }
 
-/* The fused path's scalar parts of one output: the mins term and the bias. */
+static inline float scale_of(const Problem *p, int64_t n, int64_t g) { return half_to_float(p->scales[n * p->G + g]); }
+
+/* The stored min of group g of weight row n (mins not NULL). */
+static inline float min_of(const Problem *p, int64_t n, int64_t g) {
+    const int64_t i = n * p->G + g;
+    return p->mins_f32 ? ((const float *)p->mins)[i] : half_to_float(((const uint16_t *)p->mins)[i]);
+}
+
+/* What group g of weight row n adds to scale * stored: the min for 4 bits; for 8 bits, whose stored
+ * integer is q - 128, min + 128 * scale (kernels/quantized.py's `offsets`, to the bit: 128 * scale is
+ * exact, the sum rounds once). */
+static inline float offset_of(const Problem *p, int64_t n, int64_t g) {
+    if (!p->mins) return 0.f;
+    const float min = min_of(p, n, g);
+    return p->bits == 8 ? min + 128.f * scale_of(p, n, g) : min;
+}
+
+/* The fused path's scalar parts of one output: the offsets' term and the bias. */
 static inline float finish(const Problem *p, float dot, int64_t m, int64_t n) {
     if (p->mins) {
-        const float *mins = p->mins + n * p->G, *xs = p->xsums + m * p->G;
-        for (int64_t g = 0; g < p->G; g++) dot += mins[g] * xs[g];
+        const float *xs = p->xsums + m * p->G;
+        for (int64_t g = 0; g < p->G; g++) dot += offset_of(p, n, g) * xs[g];
     }
     return p->bias ? dot + p->bias[n] : dot;
 }
@@ -182,7 +224,7 @@ INLINE void fused_tile(const Problem *p, int64_t m0, int64_t n0, const int MR, c
             }
         }
         for (int n = 0; n < NR; n++) {
-            const vf s = vset1(p->scales[(n0 + n) * p->G + g]);
+            const vf s = vset1(scale_of(p, n0 + n, g));
             for (int m = 0; m < MR; m++) total[m][n] = vfma(acc[m][n], s, total[m][n]);
         }
     }
@@ -221,7 +263,7 @@ static void dequantize_rows(const Problem *p, int64_t n0, int64_t rows, float *w
         const uint8_t *row = p->data + n * row_bytes(p);
         float *dst = w + r * p->Kp;
         for (int64_t g = 0; g < p->G; g++) {
-            const vf s = vset1(p->scales[n * p->G + g]), mn = vset1(p->mins ? p->mins[n * p->G + g] : 0.f);
+            const vf s = vset1(scale_of(p, n, g)), mn = vset1(offset_of(p, n, g));
             for (int64_t b = g * p->group / BLOCK; b < group_end(p, g) / BLOCK; b++) {
                 vf v[BLOCK / QL_VL];
                 if (p->bits == 4)
@@ -282,7 +324,7 @@ static void fused(const Problem *p, int64_t m0, int64_t n0, int mr, int nr) {
         for (int64_t g = 0; g < p->G; g++) {
             float acc = 0.f;
             for (int64_t k = g * p->group; k < group_end(p, g); k++) acc += stored(row, k, p->bits) * x[k];
-            total += acc * p->scales[n * p->G + g];
+            total += acc * scale_of(p, n, g);
         }
         p->out[m * p->ldo + n] = finish(p, total, m, n);
     }
@@ -294,7 +336,7 @@ static void dequantize_rows(const Problem *p, int64_t n0, int64_t rows, float *w
         const int64_t n = n0 + r;
         const uint8_t *row = p->data + n * row_bytes(p);
         for (int64_t g = 0; g < p->G; g++) {
-            const float s = p->scales[n * p->G + g], mn = p->mins ? p->mins[n * p->G + g] : 0.f;
+            const float s = scale_of(p, n, g), mn = offset_of(p, n, g);
             for (int64_t k = g * p->group; k < group_end(p, g); k++) w[r * p->Kp + k] = s * stored(row, k, p->bits) + mn;
         }
     }
@@ -317,11 +359,11 @@ static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
  * strip_rows = 0: the fused path, workspace holds M * G floats (the group sums of x).
  * strip_rows > 0 (a multiple of NR_MAX): the strip path, workspace holds num_threads * strip_rows * Kp
  * floats (each thread's dequantized strip). */
-void quantized_linear_f32(const float *x, const uint8_t *data, const float *scales, const float *mins,
+void quantized_linear_f32(const float *x, const uint8_t *data, const uint16_t *scales, const void *mins,
                           const float *bias, float *out, float *workspace, int64_t M, int64_t N, int64_t Kp,
                           int64_t G, int64_t group, int64_t bits, int64_t ldx, int64_t ldo, int64_t strip_rows,
-                          int64_t num_threads) {
-    Problem p = {x, workspace, data, scales, mins, bias, out, M, N, Kp, G, group, bits, ldx, ldo};
+                          int64_t num_threads, int64_t mins_f32) {
+    Problem p = {x, workspace, data, scales, mins, bias, out, M, N, Kp, G, group, bits, ldx, ldo, mins_f32};
     if (strip_rows == 0) {
         if (mins) {
             for (int64_t m = 0; m < M; m++)
@@ -456,10 +498,22 @@ static int64_t xq_row_bytes(int64_t Kp, int64_t group, int64_t bits) {
     return (virtual_groups + LANES - 1) / LANES * vb * 2 * QI_BYTES;
 }
 
-/* m' = the min of w = s * u + m' for the unsigned integers u (see above). */
+/* m' = the min of w = s * u + m' for the unsigned integers u (see above): the stored min itself;
+ * without one, zero for 4 bits and -128 * s for (symmetric) 8 bits. */
 static inline float unsigned_min(const Problem *p, int64_t n, int64_t g) {
-    const float m = p->mins ? p->mins[n * p->G + g] : 0.f;
-    return p->bits == 4 ? m : m - 128.f * p->scales[n * p->G + g];
+    if (p->mins) return min_of(p, n, g);
+    return p->bits == 4 ? 0.f : -128.f * scale_of(p, n, g);
+}
+
+/* LANES adjacent float16 scales as floats (lanes past LANES zero). */
+INLINE __m128 lane_halves(const uint16_t *row) {
+#if LANES == 4
+    return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)row));
+#else
+    int32_t two;
+    memcpy(&two, row, sizeof two);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(two));
+#endif
 }
 
 /* xq = round(x / sx) with sx = max|x| / 127 (returned); Kp is a multiple of 8. */
@@ -539,7 +593,7 @@ INLINE void q8_tile8(const Q8 *q, int64_t m0, int64_t n0, const int MR, const in
                     acc[m][n] = vi_dot(acc[m][n], w, vi_load(q->xq + (m0 + m) * q->row + u * QI_BYTES));
             }
         for (int n = 0; n < NR; n++) {
-            const vf s = vset1(p->scales[(n0 + n) * p->G + g]);
+            const vf s = vset1(scale_of(p, n0 + n, g));
             for (int m = 0; m < MR; m++) total[m][n] = vfma(vi_float(acc[m][n]), s, total[m][n]);
         }
     }
@@ -572,15 +626,17 @@ INLINE void q8_tile4(const Q8 *q, int64_t m0, int64_t n0, const int MR, const in
                 }
             }
         }
-        /* The lanes' scales, built in registers (through memory, the store-to-load forwarding stalls). */
+        /* The lanes' scales, built in registers (through memory, the store-to-load forwarding stalls):
+         * where every lane holds a whole group, LANES adjacent float16 scales converted at once. */
         const int32_t *owner = q->owner + quad * LANES;
-        const __m128i used = _mm_cmpgt_epi32(_mm_set1_epi32(q->lanes_used[quad]), _mm_setr_epi32(0, 1, 2, 3));
+        const int adjacent = q->whole && q->lanes_used[quad] == LANES;
         for (int n = 0; n < NR; n++) {
-            const float *row = p->scales + (n0 + n) * p->G;
-            const __m128 s = q->whole ? _mm_maskload_ps(row + quad * LANES, used) /* adjacent scales */
-                                      : _mm_setr_ps(owner[0] < 0 ? 0.f : row[owner[0]], owner[1] < 0 ? 0.f : row[owner[1]],
-                                                    LANES > 2 && owner[2] >= 0 ? row[owner[2]] : 0.f,
-                                                    LANES > 3 && owner[3] >= 0 ? row[owner[3]] : 0.f);
+            const uint16_t *row = p->scales + (n0 + n) * p->G;
+            const __m128 s = adjacent ? lane_halves(row + quad * LANES)
+                                      : _mm_setr_ps(owner[0] < 0 ? 0.f : half_to_float(row[owner[0]]),
+                                                    owner[1] < 0 ? 0.f : half_to_float(row[owner[1]]),
+                                                    LANES > 2 && owner[2] >= 0 ? half_to_float(row[owner[2]]) : 0.f,
+                                                    LANES > 3 && owner[3] >= 0 ? half_to_float(row[owner[3]]) : 0.f);
             const vf sv = lane_scales(s);
             for (int m = 0; m < MR; m++) total[m][n] = vfma(vi_float(acc[m][n]), sv, total[m][n]);
         }
@@ -615,9 +671,10 @@ int64_t quantized_q8_workspace(int64_t M, int64_t Kp, int64_t G, int64_t group, 
 }
 
 /* y = x W^T (+ bias) through int8 activations (see above). workspace: quantized_q8_workspace() floats. */
-void quantized_linear_q8_f32(const float *x, const uint8_t *data, const float *scales, const float *mins,
+void quantized_linear_q8_f32(const float *x, const uint8_t *data, const uint16_t *scales, const void *mins,
                              const float *bias, float *out, float *workspace, int64_t M, int64_t N, int64_t Kp,
-                             int64_t G, int64_t group, int64_t bits, int64_t ldx, int64_t ldo, int64_t num_threads) {
+                             int64_t G, int64_t group, int64_t bits, int64_t ldx, int64_t ldo, int64_t num_threads,
+                             int64_t mins_f32) {
     float *sx = workspace, *xs_t = workspace + M;
     int32_t *owner = (int32_t *)(workspace + M + M * G);
     int32_t *lanes_used = owner + Kp / BLOCK + LANES;
@@ -638,7 +695,7 @@ void quantized_linear_q8_f32(const float *x, const uint8_t *data, const float *s
         }
         if (bits == 4) arrange_row(natural + m * Kp, Kp, vb, quads, xq + m * row);
     }
-    const Q8 q = {{x, NULL, data, scales, mins, bias, out, M, N, Kp, G, group, bits, ldx, ldo}, xq, sx, xs_t, row,
+    const Q8 q = {{x, NULL, data, scales, mins, bias, out, M, N, Kp, G, group, bits, ldx, ldo, mins_f32}, xq, sx, xs_t, row,
                   vb, quads, owner, lanes_used, vb * BLOCK == group};
     /* Strips of 16 tiles, walked one input-row tile at a time: each output row is written in bursts
      * (see quantized_linear_f32), and the strip's weight rows stay in L1/L2 for all the input rows. */
@@ -657,10 +714,10 @@ void quantized_linear_q8_f32(const float *x, const uint8_t *data, const float *s
 
 /* Weight rows [n0, n1) as floats (scale and min applied) into out [n1 - n0, Kp] (row stride Kp), for the
  * BLAS path; the padding columns hold min (x is zero there). */
-void quantized_dequantize_f32(const uint8_t *data, const float *scales, const float *mins, float *out, int64_t N,
+void quantized_dequantize_f32(const uint8_t *data, const uint16_t *scales, const void *mins, float *out, int64_t N,
                               int64_t Kp, int64_t G, int64_t group, int64_t bits, int64_t n0, int64_t n1,
-                              int64_t num_threads) {
-    const Problem p = {NULL, NULL, data, scales, mins, NULL, NULL, 0, N, Kp, G, group, bits, 0, 0};
+                              int64_t num_threads, int64_t mins_f32) {
+    const Problem p = {NULL, NULL, data, scales, mins, NULL, NULL, 0, N, Kp, G, group, bits, 0, 0, mins_f32};
     const int64_t chunk = 16, chunks = (n1 - n0 + chunk - 1) / chunk;
     if (num_threads > chunks) num_threads = chunks;
     if (num_threads < 1) num_threads = 1;

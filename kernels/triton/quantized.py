@@ -1,13 +1,15 @@
 """Weight-only quantized linear layers on CUDA: a Triton W4A16 / W8A16 GEMM over `PackedWeight`.
 
 Same contract and signature as `kernels.quantized.reference_linear`: `y = x W^T (+ bias)`, where W is
-held packed (4-bit GGUF block order or 8-bit q - 128, float32 scales/mins `[N, G]`, optional act-order
-`perm`; see kernels/quantized.py). The weight is never dequantized to memory: each program reads its
-packed tile, turns the integers into the activation dtype (exactly: they are at most 8 bits; see
-`_exact_float`) and multiplies them with `tl.dot` into a fresh fp32 tile, then applies the group's
-scale and min to that tile:
+held packed (4-bit GGUF block order or 8-bit q - 128, float16 scales and float16 or float32 mins
+`[N, G]`, optional act-order `perm`; see kernels/quantized.py). The weight is never dequantized to
+memory: each program reads its packed tile, turns the integers into the activation dtype (exactly: they
+are at most 8 bits; see `_exact_float`) and multiplies them with `tl.dot` into a fresh fp32 tile, then
+applies the group's scale and min (converted to fp32 as they are loaded) to that tile:
 
     sum_k x[m, k] (scale[n, g] q[n, k] + min[n, g]) = scale[n, g] (x . q)[m, n] + min[n, g] sum_k x[m, k]
+
+(for 8 bits q is the stored q - 128 and min the offset min + 128 * scale, as in kernels/quantized.py)
 
 so the scales cost two multiply-adds per output element per K-tile instead of one per weight, and no
 rounding of a dequantized weight enters the result. A K-tile therefore never straddles two groups:
@@ -132,10 +134,12 @@ def _quantized_gemm_kernel(
             if HAS_MINS:
                 x_sum = tl.sum(x.to(tl.float32), 1)
         group = k0 // group_size
-        scale = tl.load(s_rows + group * stride_sg, mask=n_mask, other=0.0)
+        scale = tl.load(s_rows + group * stride_sg, mask=n_mask, other=0.0).to(tl.float32)
         acc += dot * scale[None, :]
         if HAS_MINS:
-            group_min = tl.load(min_rows + group * stride_sg, mask=n_mask, other=0.0)
+            group_min = tl.load(min_rows + group * stride_sg, mask=n_mask, other=0.0).to(tl.float32)
+            if BITS == 8:  # the stored integer is q - 128: the offset is min + 128 * scale
+                group_min = group_min + 128.0 * scale
             acc += x_sum[:, None] * group_min[None, :]
 
     out_mask = m_mask[:, None] & n_mask[None, :]

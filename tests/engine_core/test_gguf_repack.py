@@ -1,6 +1,8 @@
 """Each GGUF type, repacked into the quantization seat, against `gguf.quants.dequantize` (the gguf
 package's reference): the shard's `scale * q + min` bit for bit for the lossless types, the packed
-weight's dequantization within float32 rounding, Q6_K within its stated requantization error."""
+weight's dequantization (float16 scales) exact for the types whose scale is d, within float32 rounding
+of the 8-bit offset for Q5_1, within float16 rounding of d·sc for the K types (their mins dmin·m are
+kept exact, in float32); Q6_K within its stated requantization error."""
 
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ ROWS = 48
 # The gguf package quantizes these; the K types (no quantizer there) get random blocks below.
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
-# The 8-bit layout stores q - 128 and min + 128 * scale; where min is not a small multiple of the
-# scale, that sum rounds, so the packed matmul's weights may differ from the shard's in the last bit.
-PACKED_EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K")
+# Packed scales are float16: exact for d (float16 in the file). The 8-bit layout adds min + 128 * scale
+# to q - 128; where min is not a small multiple of the scale that sum rounds in float32 (Q5_1). The K
+# types' scales d·sc round to float16; their mins dmin·m do not fit float16 and stay float32.
+PACKED_EXACT = ("Q4_0", "Q4_1", "Q8_0", "Q5_0")
+FLOAT16_ROUNDED = ("Q4_K", "Q5_K")
 
 
 def _weights(columns: int, seed: int) -> np.ndarray:
@@ -68,14 +72,23 @@ def test_repacked_weights_equal_the_reference_dequantization(type_name):
     if type_name == "Q6_K":
         # Requantized to 32-column groups: at most half an int8 step, absmax / 254 of each group (and
         # float32 rounding: the random blocks put some weights exactly half way between two steps).
+        # The scale is the float16 just above absmax / 127, so half a step is up to 2**-10 more.
         absmax = reference.reshape(ROWS, -1, 32).abs().amax(-1, keepdim=True)
-        bound = absmax / 254 + absmax * 2**-20
+        bound = absmax / 254 * (1 + 2**-10) + absmax * 2**-20
         for weights in (shard.dequantize(), packed):
             assert bool(((weights - reference).reshape(ROWS, -1, 32).abs() <= bound).all())
         return
     assert torch.equal(shard.dequantize(), reference), "a lossless type must repack bit for bit"
     if type_name in PACKED_EXACT:
         assert torch.equal(packed, reference)
+    elif type_name in FLOAT16_ROUNDED:
+        # each weight off by at most 2**-11 of |scale * q| (the float16 rounding of the scale), plus the
+        # float32 rounding of the sum (and of the 8-bit offset min + 128 * scale)
+        q, scales, mins = shard.q.double(), shard.scales.double(), shard.mins.double()
+        size = (scales.repeat_interleave(32, dim=1) * q).abs() * 2**-11
+        size += (mins.abs() + 128 * scales.abs()).repeat_interleave(32, dim=1) * 2**-22
+        assert bool(((packed.double() - reference.double()).abs() <= size).all())
+        assert not torch.equal(packed, reference)  # (the rounding is real: these are not exact)
     else:
         _assert_within_int8_rounding(pack_shards("w", [shard]), packed, reference)
 
@@ -86,7 +99,8 @@ def test_a_merged_linear_of_mixed_types_is_widened_losslessly():
         decode(torch.from_numpy(_raw(t, 256, i)), int(GGMLQuantizationType[t]), 256)[1]
         for i, t in enumerate(("Q4_0", "Q8_0", "Q5_1"))
     ]
-    per_channel = QuantizedShard(torch.randint(0, 16, (ROWS, 256)), torch.rand(ROWS, 1), None, 4, -1)
+    scale = torch.rand(ROWS, 1).half().float()  # a float16 scale, as packed: widening changes nothing
+    per_channel = QuantizedShard(torch.randint(0, 16, (ROWS, 256)), scale, None, 4, -1)
     shards.append(per_channel)
     packed = pack_shards("qkv", shards)
     assert (packed.bits, packed.group_size) == (8, 32)
@@ -98,7 +112,7 @@ def _assert_within_int8_rounding(packed, weights: torch.Tensor, expected: torch.
     """The 8-bit layout computes (q - 128) * scale + (min + 128 * scale): equal to scale * q + min up to
     float32 rounding of those terms, a few ulps of min + 128 * scale and of 128 * scale."""
     mins = torch.zeros_like(packed.scales) if packed.mins is None else packed.mins
-    size = (mins.abs() + 128 * packed.scales.abs()).repeat_interleave(packed.group_size, dim=1)
+    size = (mins.float().abs() + 128 * packed.scales.float().abs()).repeat_interleave(packed.group_size, dim=1)
     assert bool(((weights - expected).abs() <= size[:, : weights.shape[1]] * 2**-22).all())
 
 

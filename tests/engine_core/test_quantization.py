@@ -9,7 +9,10 @@ import shutil
 import pytest
 import torch
 
+from engine_core.layers.linear import Linear
 from engine_core.llm import LLM
+from engine_core.loader import load_model, weight_bytes
+from engine_core.model_config import ModelConfig
 from engine_core.quantization import resolve_method
 from engine_core.quantization.at_load import quantize_int4_grouped, quantize_int8_per_channel
 from engine_core.quantization.base import QuantizedShard, pack_shards
@@ -69,7 +72,8 @@ def test_merged_act_order_shards_pack_to_the_same_weights():
     shards = []
     for rows in (24, 8, 8):
         q = torch.randint(0, 16, (rows, k))
-        scales, mins = torch.rand(rows, k // group) + 0.1, torch.randn(rows, k // group)
+        # float16 values, as packed: packing changes no weight
+        scales, mins = (torch.rand(rows, k // group) + 0.1).half().float(), torch.randn(rows, k // group).half().float()
         shards.append(QuantizedShard(q, scales, mins, bits=4, group_size=group, g_idx=g_idx))
     packed = pack_shards("qkv", shards)
     expected = torch.cat([s.dequantize() for s in shards])
@@ -84,14 +88,41 @@ def test_merged_shards_quantized_differently_pack_losslessly_or_are_refused():
     """Parts with other group sizes / bits (a Q4_K_M GGUF's Q6_K v_proj) are brought to one layout
     without changing a weight; parts with different act-order cannot share a permutation."""
     torch.manual_seed(2)
-    a = QuantizedShard(torch.randint(0, 16, (4, 64)), torch.rand(4, 2), torch.randn(4, 2), bits=4, group_size=32)
-    b = QuantizedShard(torch.randint(0, 256, (4, 64)), torch.rand(4, 1), None, bits=8, group_size=64)
+
+    def half(t):  # float16 values, as packed
+        return t.half().float()
+
+    a = QuantizedShard(torch.randint(0, 16, (4, 64)), half(torch.rand(4, 2)), half(torch.randn(4, 2)), 4, 32)
+    b = QuantizedShard(torch.randint(0, 256, (4, 64)), half(torch.rand(4, 1)), None, bits=8, group_size=64)
     packed = pack_shards("layers.0.self_attn.qkv_proj", [a, b])
     assert (packed.bits, packed.group_size) == (8, 32)
     assert torch.allclose(dequantize_original_order(packed), torch.cat([a.dequantize(), b.dequantize()]), atol=1e-5)
     c = QuantizedShard(a.q, a.scales, a.mins, bits=4, group_size=32, g_idx=torch.arange(64).flip(0) // 32)
     with pytest.raises(ValueError, match="different act-order"):
         pack_shards("layers.0.mlp.gate_up_proj", [a, c])
+
+
+@pytest.fixture(scope="module")
+def float32_weight_bytes(default_model_dir):
+    model = load_model(default_model_dir, ModelConfig.from_dir(default_model_dir), torch.float32, torch.device("cpu"))
+    return weight_bytes(model)
+
+
+@pytest.mark.parametrize(("method", "max_ratio"), [("int8", 0.3), ("int4", 0.2)])
+def test_quantized_weights_take_the_memory_the_issue_allows(method, max_ratio, default_model_dir, float32_weight_bytes):
+    """A property of the layout, not a timing: with float16 scales and mins (kernels/quantized.py), SmolLM2
+    quantized at load holds at most 0.3x (int8) / 0.2x (int4) of its float32 weights' bytes."""
+    config = ModelConfig.from_dir(default_model_dir)
+    model = load_model(
+        default_model_dir, config, torch.float32, torch.device("cpu"), quantization=resolve_method(method, {})
+    )
+    packed = [m.quantized for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    assert len(packed) == 4 * config.num_layers + 1  # qkv, o, gate_up, down per layer, and the head
+    for weight in packed:
+        assert weight.scales.dtype == torch.float16
+        assert (weight.mins is None) == (weight.bits == 8)  # int8: symmetric; int4: a min per group
+        assert weight.mins is None or weight.mins.dtype == torch.float16
+    assert weight_bytes(model) <= max_ratio * float32_weight_bytes, (weight_bytes(model), float32_weight_bytes)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from kernels.quantized import (
     PackedWeight,
     dequantize,
     dequantize_original_order,
+    offsets,
     pack,
     reference_linear,
     unpack,
@@ -46,18 +47,23 @@ def int8_activations_allowed():
     cpu.int8_activations = False
 
 
-def _weight(n: int, k: int, bits: int, group: int, symmetric: bool, gen: torch.Generator, perm: bool = False):
-    """Random integers, scales and mins packed; also the float64 parts the bound needs."""
+def _weight(
+    n: int, k: int, bits: int, group: int, symmetric: bool, gen: torch.Generator, perm: bool = False, half=False
+):
+    """Random integers, scales and mins packed. Random mins are float32 (they stay so); `half`: float16
+    values, which the layout stores in float16 (the kernels read both)."""
     q = torch.randint(0, 1 << bits, (n, k), generator=gen)
     g = -(-k // (k if group <= 0 or group >= k else group))
     scales = torch.rand(n, g, generator=gen, dtype=torch.float64) * 0.02 + 0.001
     mins = None if symmetric else -torch.rand(n, g, generator=gen, dtype=torch.float64) * 0.1 * (1 << bits) * 0.02
     order = torch.randperm(k, generator=gen) if perm else None
+    if mins is not None and half:
+        mins = mins.half()
     return pack(q, scales.float(), None if mins is None else mins.float(), bits, group, order)
 
 
 def _bound(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """2 * K * u * (|x| @ (|scale*stored| + |min|)^T) in float64, x with columns in the kernel's order."""
+    """2 * K * u * (|x| @ (|scale*stored| + |offset|)^T) in float64, x with columns in the kernel's order."""
     k = packed.in_features
     if packed.bits == 4:
         stored = unpack(packed).double()
@@ -65,18 +71,22 @@ def _bound(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         stored = packed.data[:, :k].double()
     scales = packed.scales.double().repeat_interleave(packed.group_size, dim=1)[:, :k]
     magnitude = (scales * stored).abs()
-    if packed.mins is not None:
-        magnitude += packed.mins.double().abs().repeat_interleave(packed.group_size, dim=1)[:, :k]
+    offset = offsets(packed)
+    if offset is not None:
+        magnitude += offset.double().abs().repeat_interleave(packed.group_size, dim=1)[:, :k]
     return 2 * k * U * (x.double().abs().reshape(-1, k) @ magnitude.t()) + 1e-30
 
 
 def _exact(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W'^T in float64 (x already in perm order), W' = the dequantized weight computed in float64."""
+    """x W'^T in float64 (x already in perm order), W' = the dequantized weight computed in float64
+    (scale * q + min, from the stored float16 scales and mins)."""
     k = packed.in_features
-    stored = unpack(packed).double() if packed.bits == 4 else packed.data[:, :k].double()
-    w = stored * packed.scales.double().repeat_interleave(packed.group_size, dim=1)[:, :k]
-    if packed.mins is not None:
-        w += packed.mins.double().repeat_interleave(packed.group_size, dim=1)[:, :k]
+    q = unpack(packed).double()
+    w = q * packed.scales.double().repeat_interleave(packed.group_size, dim=1)[:, :k]
+    symmetric = -float(1 << (packed.bits - 1)) * packed.scales.double()  # 8 bits without mins
+    mins = packed.mins.double() if packed.mins is not None else symmetric if packed.bits == 8 else None
+    if mins is not None:
+        w += mins.repeat_interleave(packed.group_size, dim=1)[:, :k]
     y = x.double().reshape(-1, k) @ w.t()
     return y if bias is None else y + bias.double()
 
@@ -88,7 +98,8 @@ def _int8_bound(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     w = dequantize(packed).double()
     # The float operations see the unsigned integers (up to 255 for 8 bits) and mins shifted by 128 scales.
     scales = packed.scales.double().abs().repeat_interleave(packed.group_size, dim=1)[:, :k]
-    mins = 0 if packed.mins is None else packed.mins.double().abs().repeat_interleave(packed.group_size, dim=1)[:, :k]
+    offset = offsets(packed)
+    mins = 0 if offset is None else offset.double().abs().repeat_interleave(packed.group_size, dim=1)[:, :k]
     magnitude = scales * (1 << packed.bits) * 2 + mins
     float_part = 2 * k * U * ((rows.abs() + half_step) @ magnitude.t())
     return half_step * w.abs().sum(dim=1) + float_part + 1e-30
@@ -120,10 +131,12 @@ def test_pack_unpack_dequantize_round_trip(bits, k, group, symmetric):
     q = torch.randint(0, 1 << bits, (n, k), generator=gen)
     stored_group = k if group <= 0 else group
     g = -(-k // stored_group)
-    scales = torch.rand(n, g, generator=gen) * 0.02 + 0.001
-    mins = None if symmetric else -torch.rand(n, g, generator=gen)
+    # float16 values (what the layout stores), so that the only rounding left is float32's
+    scales = (torch.rand(n, g, generator=gen) * 0.02 + 0.001).half().float()
+    mins = None if symmetric else -torch.rand(n, g, generator=gen).half().float()
     packed = pack(q, scales, mins, bits, group)
     assert packed.padded_in_features % 32 == 0 and packed.data.shape[0] == n
+    assert torch.equal(packed.scales.float(), scales)
     assert torch.equal(unpack(packed), q)
     assert torch.equal(unpack(packed, slice(5, 9)), q[5:9])
     expected_mins = -float(1 << (bits - 1)) * scales if symmetric else mins
@@ -132,6 +145,52 @@ def test_pack_unpack_dequantize_round_trip(bits, k, group, symmetric):
     torch.testing.assert_close(dequantize(packed).double(), w, rtol=0, atol=4 * U * float(w.abs().max()))
     if bits == 8 and symmetric:
         assert packed.mins is None  # min + 128 * scale is zero: dropped
+    else:
+        assert torch.equal(packed.mins.float(), expected_mins)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_scales_and_mins_are_stored_in_float16(bits):
+    """The memory the layout takes: float16 scales (rounded to nearest), and float16 mins wherever that
+    keeps every min exact (an 8-bit min kept as itself, not min + 128 * scale), counted at 2 bytes in
+    `nbytes`. Mins float16 would round (zero points: -zero * scale) stay float32, exact."""
+    gen = torch.Generator().manual_seed(bits)
+    n, k, group = 40, 576, 32
+    q = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
+    mins = (-torch.rand(n, k // group, generator=gen) * 0.3).half().float()
+    packed = pack(q, scales, mins, bits, group)
+    assert packed.scales.dtype == packed.mins.dtype == torch.float16
+    assert torch.equal(packed.scales, scales.half()) and torch.equal(packed.mins.float(), mins)
+    assert packed.nbytes() == n * k * bits // 8 + 2 * (2 * n * (k // group))
+    # Dequantized: scale * q + min from the float16 scales, off from the float32 ones by their rounding.
+    w = q.double() * scales.double().repeat_interleave(group, 1) + mins.double().repeat_interleave(group, 1)
+    rounding = scales.double() * q.double().reshape(n, -1, group).amax(-1) * 2**-11 + 2**-22
+    assert bool(((dequantize(packed).double() - w).abs() <= rounding.repeat_interleave(group, 1)).all())
+    # Zero points: mins a float16 cannot hold exactly stay float32 (4 bytes each).
+    zeros = torch.randint(0, 1 << bits, (n, k // group), generator=gen).float()
+    exact_scales = scales.half().float()
+    with_zeros = pack(q, exact_scales, -zeros * exact_scales, bits, group)
+    assert with_zeros.mins.dtype == torch.float32 and torch.equal(with_zeros.mins, -zeros * exact_scales)
+    assert with_zeros.nbytes() == n * k * bits // 8 + (2 + 4) * n * (k // group)
+    # Tiny scales become float16 subnormals (or zero), never an error.
+    tiny = pack(q, torch.full_like(scales, 1e-7), mins, bits, group)
+    assert float(tiny.scales[0, 0]) == pytest.approx(1e-7, abs=2**-25)
+
+
+def test_a_scale_beyond_float16_is_refused_naming_the_layer():
+    q = torch.randint(0, 16, (4, 64))
+    scales, mins = torch.full((4, 2), 0.5), torch.full((4, 2), -4.0)
+    scales[2, 1] = 70000.0
+    with pytest.raises(ValueError, match=r"layers\.3\.mlp\.down_proj: a scale of 70000 is outside float16's range"):
+        pack(q, scales, mins, 4, 32, name="layers.3.mlp.down_proj")
+    with pytest.raises(ValueError, match="a scale of 1e\\+06 is outside float16's range"):
+        pack(q, torch.full((4, 2), 1e6), None, 8, 32)  # symmetric 8-bit: no min stored, the scale still checked
+    # A min beyond float16's range is kept exactly, in float32 (as any min float16 would round).
+    big = pack(q, torch.full((4, 2), 0.5), torch.full((4, 2), -70000.0), 4, 32)
+    assert big.mins.dtype == torch.float32 and float(big.mins[0, 0]) == -70000.0
+    with pytest.raises(ValueError, match="w: a min is not finite"):
+        pack(q, torch.full((4, 2), 0.5), torch.full((4, 2), float("nan")), 4, 32, name="w")
 
 
 # ---- the kernels against float64 --------------------------------------------------------------------
@@ -148,11 +207,14 @@ def _implementations():
 @pytest.mark.parametrize("group", [32, 64, 128, -1])
 @pytest.mark.parametrize("k", IN_FEATURES)
 @pytest.mark.parametrize("m", ROWS)
-@pytest.mark.parametrize("symmetric", [False, True])
-def test_quantized_linear_matches_float64(bits, group, k, m, symmetric):
-    gen = torch.Generator().manual_seed(bits * 100_000 + group * 1000 + k * 10 + m + symmetric)
+@pytest.mark.parametrize("mins", ["symmetric", "float16", "float32"])
+def test_quantized_linear_matches_float64(bits, group, k, m, mins):
+    gen = torch.Generator().manual_seed(bits * 100_000 + group * 1000 + k * 10 + m + len(mins))
     n = 33 if (k + m) % 2 else 100
-    packed = _weight(n, k, bits, group, symmetric, gen)
+    packed = _weight(n, k, bits, group, mins == "symmetric", gen, half=mins == "float16")
+    assert packed.mins is None or packed.mins.dtype == {"float16": torch.float16, "float32": torch.float32}.get(
+        mins, torch.float16
+    )
     x = torch.randn(m, k, generator=gen)
     exact = _exact(x, packed)
     for name, fn in _implementations().items():
@@ -316,7 +378,8 @@ def variant_libraries(tmp_path_factory):
 @pytest.mark.parametrize("k,group", [(96, 64), (100, 32), (576, -1), (512, 128)])
 def test_other_instruction_sets_match_float64(variant_libraries, variant, bits, m, k, group):
     gen = torch.Generator().manual_seed(len(variant) * 100_000 + bits * 10_000 + m * 100 + k)
-    packed = _weight(37, k, bits, group, bits == 8, gen)
+    # 8 bits symmetric (no mins); 4 bits with float16 or float32 mins, by shape
+    packed = _weight(37, k, bits, group, bits == 8, gen, half=k % 3 == 0)
     bias = torch.randn(37, generator=gen)
     x = torch.randn(m, k, generator=gen)
     lib = variant_libraries[variant]

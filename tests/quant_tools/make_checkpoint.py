@@ -68,6 +68,14 @@ def write_compressed_tensors(model, scheme: str, out: Path) -> None:
 
     group = dict(targets=["Linear"], **SCHEMES[scheme])
     oneshot(model=model, recipe=QuantizationModifier(config_groups={"group_0": group}, ignore=["lm_head"]))
+    if SCHEMES[scheme]["weights"]["type"] == "int":
+        # Integer weights' scales as float16 values (still float32 tensors): what a checkpoint of a half-
+        # precision model holds, and what Pagoda's packed layout stores (kernels/quantized.py), so that HF
+        # and Pagoda multiply by the same weights. (The model here is float32, so llmcompressor's scales are.)
+        for module in model.modules():
+            scale = getattr(module, "weight_scale", None)
+            if isinstance(scale, torch.Tensor) and scale.dtype == torch.float32:
+                scale.data.copy_(scale.data.half().float())
     model.save_pretrained(out, save_compressed=True)
 
 
