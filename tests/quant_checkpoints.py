@@ -24,21 +24,8 @@ from tests.tool_runs import COMPLETE, TOOLS, cache_dir, cached, fingerprint, run
 TINY_SOURCES = {"tiny-qwen2": "qwen2", "tiny-mistral": "mistral"}  # source -> tests/tiny_models.py's name
 PINS = TOOLS / "llmcompressor.txt"
 
-# Key now -> the key an output cached before was made under. make_checkpoint.py lost its tiny models (to
-# tests/tiny_models.py) and hf_reference.py gained GPTQ/AWQ, which changed their bytes but not what they write
-# for these inputs (checked bit for bit): those outputs keep their names rather than being made again (tens
-# of minutes). The key computation is unchanged (on the old bytes it gives the old keys); an entry stops
-# matching once its script or llmcompressor.txt changes, and can go then.
-_EARLIER_KEYS = {
-    "02be634dbc": "4cf614b613",  # every checkpoint
-    "99d94e3f8a217243": "95b223c87ed835c8",  # HF on SmolLM2's, test_compressed_tensors.py's prompts, 32 tokens
-    "50040ee70721187d": "d95967580d87e05e",  # HF on the tiny models', their prompts, 32 tokens
-}
-
-
 def _key(*inputs: object, length: int = 16) -> str:
-    key = fingerprint(*inputs, PINS)[:length]
-    return _EARLIER_KEYS.get(key, key)
+    return fingerprint(*inputs, PINS)[:length]
 
 
 def checkpoint(source: str, scheme: str) -> Path:
