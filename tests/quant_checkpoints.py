@@ -24,6 +24,7 @@ from tests.tool_runs import COMPLETE, TOOLS, cache_dir, cached, fingerprint, run
 TINY_SOURCES = {"tiny-qwen2": "qwen2", "tiny-mistral": "mistral"}  # source -> tests/tiny_models.py's name
 PINS = TOOLS / "llmcompressor.txt"
 
+
 def _key(*inputs: object, length: int = 16) -> str:
     return fingerprint(*inputs, PINS)[:length]
 
