@@ -1,0 +1,127 @@
+"""This process's tensor-parallel group: its rank, its world size, and the few collectives the layers call.
+
+World size 1 is the plain single-process engine: `SINGLE` does no communication at all, and the layers
+decide once, when they are built, whether they communicate, so a single-rank step runs as before.
+
+For N > 1 every rank builds its own torch.distributed process group object (no default group: nothing
+global, so one process may run several engines in turn, as the tests do): gloo on the CPU, NCCL on CUDA,
+meeting through a file store in the engine's private runtime directory. Every collective has a timeout: a
+dead peer fails the next collective at once (its sockets close), a hung one after `timeout_s`, with a
+RuntimeError either way. After such an error the group is unusable; the engine reports itself dead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a hung peer (a dead one fails at once)
+
+
+class TPGroup:
+    """The tensor-parallel group of this process (world size 1: no communication)."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, process_group=None):
+        self.rank = rank
+        self.world_size = world_size
+        self._pg = process_group
+        # Time spent in all-reduces and their count, when `timing` is on (benchmarks/parallel.py).
+        self.timing = False
+        self.reduce_seconds = 0.0
+        self.reduce_calls = 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place (every rank gets the same bits); returns it."""
+        if self._pg is None:
+            return tensor
+        started = time.perf_counter() if self.timing else 0.0
+        self._pg.allreduce([tensor]).wait()
+        if self.timing:
+            self.reduce_seconds += time.perf_counter() - started
+            self.reduce_calls += 1
+        return tensor
+
+    def gather_last_dim(self, tensor: torch.Tensor, total: int) -> torch.Tensor | None:
+        """Each rank's slice of the last dimension (rank order, equal widths but the last rank's, which
+        may be narrower) joined on rank 0 and cut to `total`; None on the other ranks."""
+        if self._pg is None:
+            return tensor
+        width = -(-total // self.world_size)
+        local = tensor if tensor.shape[-1] == width else F.pad(tensor, (0, width - tensor.shape[-1]))
+        local = local.contiguous()
+        outputs = [torch.empty_like(local) for _ in range(self.world_size)] if self.rank == 0 else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self._pg.gather([outputs] if self.rank == 0 else [], [local], options).wait()
+        if self.rank != 0:
+            return None
+        return torch.cat(outputs, dim=-1)[..., :total]
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (the KV pool size all ranks can hold)."""
+        if self._pg is None:
+            return value
+        values = torch.zeros(self.world_size, dtype=torch.int64, device=self.device_of_collectives)
+        values[self.rank] = value
+        self._pg.allreduce([values]).wait()  # (a sum of one value per slot: every rank's value)
+        return int(values.min())
+
+    @property
+    def device_of_collectives(self) -> torch.device:
+        """Where tensors given to the collectives live: the GPU under NCCL, else the CPU."""
+        if self._pg is not None and self._pg.name() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def close(self) -> None:
+        """Release the group's connections (its peers may already be gone)."""
+        if self._pg is not None:
+            with contextlib.suppress(Exception):
+                self._pg.shutdown()
+            self._pg = None
+
+
+SINGLE = TPGroup()
+
+
+def init_group(
+    rank: int, world_size: int, store_path: str, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> TPGroup:
+    """Join the group of `world_size` ranks meeting at the file `store_path` (blocks until all have)."""
+    store = dist.FileStore(store_path, world_size)
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return TPGroup(rank, world_size, dist.ProcessGroupNCCL(store, rank, world_size, options))
+    return TPGroup(rank, world_size, dist.ProcessGroupGloo(store, rank, world_size, timeout))
+
+
+_building = SINGLE  # the group layers are split over while a model is built (see `building_for`)
+
+
+@contextlib.contextmanager
+def building_for(group: TPGroup) -> Iterator[None]:
+    """Build a model's layers split over `group` (layers read `building_group()` in their constructor,
+    so model files need not pass the group down)."""
+    global _building
+    _building, previous = group, _building
+    try:
+        yield
+    finally:
+        _building = previous
+
+
+def building_group() -> TPGroup:
+    return _building
