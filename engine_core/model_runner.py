@@ -111,7 +111,7 @@ class ModelRunner:
             self,
             min(self.config.max_num_batched_tokens, max_len),
             max_len,
-            capture_graphs=not self.config.enforce_eager,
+            capture_graphs=not self.config.enforce_eager and not self.tp.parallel,  # (no graphs under TP)
         )
         budget = profile.kv_cache_bytes(self.config.gpu_memory_utilization)
         if budget < 2 * per_block:

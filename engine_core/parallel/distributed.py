@@ -31,10 +31,11 @@ class TPGroup:
         self.rank = rank
         self.world_size = world_size
         self._pg = process_group
-        # Time spent in all-reduces and their count, when `timing` is on (benchmarks/parallel.py).
+        # Time spent in collectives (all-reduces and gathers) and their count, while `timing` is on
+        # (benchmarks/parallel.py): communication plus waiting for the slowest rank.
         self.timing = False
-        self.reduce_seconds = 0.0
-        self.reduce_calls = 0
+        self.collective_seconds = 0.0
+        self.collective_calls = 0
 
     @property
     def parallel(self) -> bool:
@@ -47,15 +48,19 @@ class TPGroup:
         started = time.perf_counter() if self.timing else 0.0
         self._pg.allreduce([tensor]).wait()
         if self.timing:
-            self.reduce_seconds += time.perf_counter() - started
-            self.reduce_calls += 1
+            self._timed(started)
         return tensor
+
+    def _timed(self, started: float) -> None:
+        self.collective_seconds += time.perf_counter() - started
+        self.collective_calls += 1
 
     def gather_last_dim(self, tensor: torch.Tensor, total: int) -> torch.Tensor | None:
         """Each rank's slice of the last dimension (rank order, equal widths but the last rank's, which
         may be narrower) joined on rank 0 and cut to `total`; None on the other ranks."""
         if self._pg is None:
             return tensor
+        started = time.perf_counter() if self.timing else 0.0
         width = -(-total // self.world_size)
         local = tensor if tensor.shape[-1] == width else F.pad(tensor, (0, width - tensor.shape[-1]))
         local = local.contiguous()
@@ -63,6 +68,8 @@ class TPGroup:
         options = dist.GatherOptions()
         options.rootRank = 0
         self._pg.gather([outputs] if self.rank == 0 else [], [local], options).wait()
+        if self.timing:
+            self._timed(started)
         if self.rank != 0:
             return None
         return torch.cat(outputs, dim=-1)[..., :total]
