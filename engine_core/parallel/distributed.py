@@ -5,21 +5,26 @@ decide once, when they are built, whether they communicate, so a single-rank ste
 
 For N > 1 every rank builds its own torch.distributed process group object (no default group: nothing
 global, so one process may run several engines in turn, as the tests do): gloo on the CPU, NCCL on CUDA,
-meeting through a file store in the engine's private runtime directory. Every collective has a timeout: a
-dead peer fails the next collective at once (its sockets close), a hung one after `timeout_s`, with a
-RuntimeError either way. After such an error the group is unusable; the engine reports itself dead.
+meeting through a file store in the engine's private runtime directory. On the CPU (x86-64) all-reduces
+go through shared memory instead (engine_core/parallel/shm_allreduce.py: ~20x faster than gloo for a
+decode step), gloo taking the large ones and the gathers. Every collective has a timeout: a dead peer
+fails the next collective at once (its sockets close, or its liveness check fails), a hung one after
+`timeout_s`, with a RuntimeError either way. After such an error the group is unusable; the engine
+reports itself dead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from engine_core.parallel.shm_allreduce import ShmAllReduce
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a hung peer (a dead one fails at once)
 
@@ -27,10 +32,11 @@ DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a hung peer (a dea
 class TPGroup:
     """The tensor-parallel group of this process (world size 1: no communication)."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, process_group=None):
+    def __init__(self, rank: int = 0, world_size: int = 1, process_group=None, shm: ShmAllReduce | None = None):
         self.rank = rank
         self.world_size = world_size
         self._pg = process_group
+        self._shm = shm
         # Time spent in collectives (all-reduces and gathers) and their count, while `timing` is on
         # (benchmarks/parallel.py): communication plus waiting for the slowest rank.
         self.timing = False
@@ -45,8 +51,13 @@ class TPGroup:
         """Sum `tensor` over the ranks, in place (every rank gets the same bits); returns it."""
         if self._pg is None:
             return tensor
+        if not tensor.is_contiguous():
+            return tensor.copy_(self.all_reduce(tensor.contiguous()))
         started = time.perf_counter() if self.timing else 0.0
-        self._pg.allreduce([tensor]).wait()
+        if self._shm is not None and self._shm.fits(tensor):  # (the same choice on every rank: same size)
+            self._shm.all_reduce(tensor)
+        else:
+            self._pg.allreduce([tensor]).wait()
         if self.timing:
             self._timed(started)
         return tensor
@@ -92,6 +103,9 @@ class TPGroup:
 
     def close(self) -> None:
         """Release the group's connections (its peers may already be gone)."""
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
         if self._pg is not None:
             with contextlib.suppress(Exception):
                 self._pg.shutdown()
@@ -102,9 +116,17 @@ SINGLE = TPGroup()
 
 
 def init_group(
-    rank: int, world_size: int, store_path: str, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S
+    rank: int,
+    world_size: int,
+    store_path: str,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    shm_path: str | None = None,
+    peers_alive: Callable[[], bool] | None = None,
 ) -> TPGroup:
-    """Join the group of `world_size` ranks meeting at the file `store_path` (blocks until all have)."""
+    """Join the group of `world_size` ranks meeting at the file `store_path` (blocks until all have).
+    `shm_path`: the file of the shared-memory all-reduce (CPU), whose waits give up once `peers_alive`
+    says a peer is gone."""
     store = dist.FileStore(store_path, world_size)
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
@@ -112,7 +134,11 @@ def init_group(
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return TPGroup(rank, world_size, dist.ProcessGroupNCCL(store, rank, world_size, options))
-    return TPGroup(rank, world_size, dist.ProcessGroupGloo(store, rank, world_size, timeout))
+    gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    shm = None
+    if shm_path is not None:
+        shm = ShmAllReduce(shm_path, rank, world_size, peers_alive or (lambda: True), timeout_s)
+    return TPGroup(rank, world_size, gloo, shm)
 
 
 _building = SINGLE  # the group layers are split over while a model is built (see `building_for`)

@@ -27,7 +27,7 @@ import msgspec
 from engine_core.config import EngineConfig
 from engine_core.lifecycle import Report
 from engine_core.model_runner import LogitsRows, StepInputs
-from engine_core.parallel import step_message
+from engine_core.parallel import shm_allreduce, step_message
 from engine_core.parallel.distributed import DEFAULT_TIMEOUT_S, TPGroup, init_group
 
 # The broadcast ring (one writer, N-1 readers). Until engine_core/parallel/shm_ring.py lands this is the
@@ -91,13 +91,18 @@ class TensorParallelExecutor:
         on_cpu = config.torch_device().type == "cpu"
         cores = cpu_core_layout(self.world_size) if on_cpu else [[] for _ in range(self.world_size)]
         store = os.path.join(self.runtime_dir, "store")
+        shm_path = None
+        if on_cpu and shm_allreduce.supported():
+            shm_path = os.path.join(self.runtime_dir, "allreduce")
+            shm_allreduce.create_file(shm_path, self.world_size)
         self.ring = RingWriter(num_readers=self.world_size - 1, runtime_dir=self.runtime_dir)
         spec = msgspec.msgpack.encode(self.ring.spec)
         for rank in range(1, self.world_size):
             parent_end, child_end = mp.Pipe()
+            args = (rank_config(config, rank), model_dir, rank, self.world_size, store, shm_path, spec, cores[rank])
             process = mp.Process(
                 target=run_tp_worker,
-                args=(rank_config(config, rank), model_dir, rank, self.world_size, store, spec, cores[rank]),
+                args=args,
                 kwargs={"parent_conn": child_end, "runtime_dir": self.runtime_dir},
                 name=f"pagoda-tp{rank}",
                 daemon=True,  # (ended by multiprocessing at exit if the engine is never closed)
@@ -112,10 +117,14 @@ class TensorParallelExecutor:
         logger.info(
             "tensor parallel: %d ranks (%s)%s",
             self.world_size,
-            "gloo" if on_cpu else "nccl",
+            ("gloo, all-reduces through shared memory" if shm_path else "gloo") if on_cpu else "nccl",
             f", CPU cores per rank {cores}" if on_cpu else "",
         )
-        self._group = init_group(0, self.world_size, store, rank_config(config, 0).torch_device(), self.timeout_s)
+        device = rank_config(config, 0).torch_device()
+        self._group = init_group(0, self.world_size, store, device, self.timeout_s, shm_path, self._workers_alive)
+
+    def _workers_alive(self) -> bool:
+        return all(w.process.is_alive() for w in self.workers)
 
     @property
     def group(self) -> TPGroup:

@@ -40,12 +40,14 @@ def run_tp_worker(
     rank: int,
     world_size: int,
     store_path: str,
+    shm_path: str | None,
     ring_spec: bytes,
     cores: list[int],
     parent_conn: Connection,
     runtime_dir: str,
 ) -> None:
-    """Process entry point of rank `rank`; `ring_spec` is the msgpack of the ring's RingSpec."""
+    """Process entry point of rank `rank`: the group meets at `store_path` (and all-reduces through
+    `shm_path`, if given); `ring_spec` is the msgpack of the ring's RingSpec."""
     init_child_process(f"pagoda-tp{rank}")
     link = ParentLink(parent_conn, runtime_dir)
     link.watch(lambda command: None)  # (no commands: rank 0 speaks through the ring)
@@ -55,14 +57,21 @@ def run_tp_worker(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         pin_to_cores(cores, config.num_threads)
-        _serve(config, model_dir, rank, world_size, store_path, ring_spec, link)
+        _serve(config, model_dir, rank, world_size, store_path, shm_path, ring_spec, link)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         raise SystemExit(1) from None
 
 
 def _serve(
-    config: EngineConfig, model_dir: str, rank: int, world_size: int, store_path: str, ring_spec: bytes, link
+    config: EngineConfig,
+    model_dir: str,
+    rank: int,
+    world_size: int,
+    store_path: str,
+    shm_path: str | None,
+    ring_spec: bytes,
+    link,
 ) -> None:
     import msgspec
     import torch
@@ -75,7 +84,15 @@ def _serve(
 
     torch.manual_seed(config.seed)
     link.send(Report.READY, phase="joining")  # rank 0 waits for this (or our death) before it joins
-    group = init_group(rank, world_size, store_path, config.torch_device())
+    parent = os.getppid()  # rank 0: while it lives, the group does
+    group = init_group(
+        rank,
+        world_size,
+        store_path,
+        config.torch_device(),
+        shm_path=shm_path,
+        peers_alive=lambda: os.getppid() == parent,
+    )
     try:
         runner = ModelRunner(config, Path(model_dir), ModelConfig.from_dir(model_dir), group)
         reader = RingReader(msgspec.msgpack.decode(ring_spec, type=RingSpec), rank - 1)

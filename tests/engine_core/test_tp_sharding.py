@@ -1,8 +1,12 @@
 """How tensor parallel splits a model, without processes: which heads each rank holds, and each rank's
 piece of a quantized linear (its columns with their groups' scales, act-order groups regrouped) computing
-exactly its share of the whole layer. The engine under tensor parallel: test_tensor_parallel.py."""
+exactly its share of the whole layer; the shared-memory all-reduce. The engine under tensor parallel:
+test_tensor_parallel.py."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ import torch
 import kernels
 from engine_core.model_config import ModelConfig
 from engine_core.parallel.sharding import AttentionHeads, check_model_splits, split_rows, split_vocab
+from engine_core.parallel.shm_allreduce import ShmAllReduce, create_file
 from engine_core.quantization.at_load import quantize_int4_grouped, quantize_int8_per_channel
 from engine_core.quantization.base import QuantizedShard, pack_shards, shard_columns
 
@@ -131,3 +136,51 @@ def test_act_order_pieces_regroup_their_columns_and_add_up_to_the_whole_layer(bi
         torch.testing.assert_close(piece.dequantize(), whole.dequantize()[:, columns])
         total += _rank_output(piece, x[:, columns])
     torch.testing.assert_close(total, expected, atol=1e-4, rtol=1e-4)
+
+
+def _shm_pair(tmp_path, peers_alive=lambda: True, timeout_s=60.0):
+    path = str(tmp_path / "allreduce")
+    create_file(path, 2, slot_bytes=1 << 16)
+    return [ShmAllReduce(path, rank, 2, peers_alive, timeout_s, slot_bytes=1 << 16) for rank in range(2)]
+
+
+def test_shared_memory_all_reduce_sums_in_rank_order_on_both_ranks(tmp_path):
+    """Two ranks (threads here; processes in the engine) through 300 all-reduces of varying sizes and
+    dtypes: both get rank 0's part + rank 1's, bit for bit, every time (the slots alternate)."""
+    ranks = _shm_pair(tmp_path)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(int(torch.randint(1, 64, (1,), generator=gen)), 96) for _ in range(300)]
+    inputs = [[torch.randn(shape, generator=gen) for shape in shapes] for _ in range(2)]
+    inputs[1][7] = inputs[1][7].bfloat16()
+    inputs[0][7] = inputs[0][7].bfloat16()
+    results: list[list[torch.Tensor]] = [[], []]
+
+    def run(rank: int) -> None:
+        for tensor in inputs[rank]:
+            out = tensor.clone()
+            ranks[rank].all_reduce(out)
+            results[rank].append(out)
+
+    thread = threading.Thread(target=run, args=(1,))
+    thread.start()
+    run(0)
+    thread.join()
+    for i in range(len(shapes)):
+        expected = inputs[0][i].clone()
+        expected += inputs[1][i]
+        assert torch.equal(results[0][i], expected) and torch.equal(results[1][i], expected), i
+    for rank in ranks:
+        rank.close()
+
+
+def test_shared_memory_all_reduce_gives_up_on_a_peer_that_is_gone_or_late(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    alone = _shm_pair(tmp_path / "a", lambda: False)[0]
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="a tensor-parallel rank is gone"):
+        alone.all_reduce(torch.ones(4))
+    late = _shm_pair(tmp_path / "b", timeout_s=0.2)[0]
+    with pytest.raises(RuntimeError, match=r"rank 1 did not join an all-reduce within 0\.2s"):
+        late.all_reduce(torch.ones(4))
+    assert time.monotonic() - started < 10
