@@ -7,7 +7,6 @@ length, the header, zero padding to 8 bytes, then each array's int64 bytes in `_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -100,7 +99,3 @@ def decode(buffer: bytes | memoryview) -> StepMessage | None:
         last_token_index=[],  # (rank 0 samples; the rows to join are in `rows`)
     )
     return StepMessage(step, LogitsRows(arrays["prompt_spans"], arrays["sample_rows"]))
-
-
-def message_size(parts: Sequence[bytes | memoryview]) -> int:
-    return sum(len(part) if isinstance(part, bytes) else part.nbytes for part in parts)
