@@ -3,7 +3,8 @@
 Greedy tokens and first-step logprobs of TP=2 against TP=1 (the partial sums of the row-parallel layers
 add up in another order, so logprobs agree to 1e-4 rather than bit for bit), on SmolLM2 (9 heads over 2
 ranks: an uneven split), tiny random Mistral / Qwen2 / Qwen3 models, one with a single K/V head (held by
-both ranks), and two quantized formats (int4 at load, the default model's Q4_1 GGUF file). Then the
+both ranks), one with attention biases, and quantized weights (int4 at load, the default model's Q4_1
+GGUF file, an act-order GPTQ checkpoint). Then the
 scheduler's paths (preemption, prefix caching, prompt logprobs) under TP, and the lifecycle: a killed
 engine process takes its worker along, a killed worker makes the engine report itself dead.
 """
@@ -241,3 +242,15 @@ def test_a_killed_worker_makes_the_idle_engine_process_report_dead(engine_proces
     engine_process.process.join(10)
     assert engine_process.process.exitcode == 1
     assert _tp_dirs(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_gptq_act_order_checkpoint(tokenizer):
+    """A GPTQ checkpoint of SmolLM2 quantized in activation order (groups of 64 scattered over the input
+    columns): the row-parallel layers regroup each rank's columns (engine_core/quantization/base.py)."""
+    from tests.engine_core.test_gptq_awq import BY_NAME
+    from tests.gptq_awq_checkpoints import checkpoint
+
+    model_dir = checkpoint(BY_NAME["gptq-smollm2-w4-g64-actorder"])
+    prompts = golden_prompts(tokenizer)[:5]
+    _compare(_tp1_and_tp2(model_dir, prompts, num_kv_blocks=256), min_identical=4)
