@@ -63,7 +63,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU; default = torch's choice
+    num_threads: int | None = None  # torch intra-op threads on CPU (per rank); default = torch's choice
+    tensor_parallel_size: int = 1  # ranks the model is split over (docs/parallel.md)
 
     def __post_init__(self):
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -78,6 +79,8 @@ class EngineConfig:
             raise ValueError("fp8_matmul must be auto, on or off")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
 
     def torch_device(self) -> torch.device:
         import torch
@@ -177,7 +180,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="context length limit (default: the model's max_position_embeddings)",
     )
     g.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
-    g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    g.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: all cores; under tensor parallel, per rank: its share of the cores)",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many processes (ranks), each holding a share of every layer's heads "
+        "and rows and of the KV cache: one GPU each on CUDA (NCCL), an equal share of the cores on the CPU "
+        "(gloo); docs/parallel.md",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -200,4 +217,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )

@@ -123,11 +123,16 @@ class EngineCoreProc:
             busy = engine.has_unfinished_requests() or bool(self._pending)
             if was_busy and not busy:
                 engine.check_integrity()  # every block back in the pool; a violation kills loudly
+            if not busy:
+                engine.check_health()  # a dead tensor-parallel worker is fatal even while idle
             was_busy = busy
             self._drain_inputs(0 if busy else _IDLE_POLL_MS)
             self._step()
 
     def close(self) -> None:
+        engine = getattr(self, "engine", None)  # (None if loading failed)
+        if engine is not None:
+            engine.close()  # stops tensor-parallel workers
         self.inputs.close(linger=0)
         self.outputs.close(linger=1000)  # let the last messages (EngineDead) leave
         self.ctx.term()

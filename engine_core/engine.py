@@ -1,13 +1,15 @@
 """`EngineCore`: the plain, in-process engine: add requests, `step()`, read per-step outputs.
 
 No sockets and no threads here; the server wraps this in a process that adds them, and tests and the
-offline `LLM` drive it directly.
+offline `LLM` drive it directly. Under tensor parallel this process is rank 0 and owns the executor that
+starts the other ranks (engine_core/parallel/executor.py); `close()` stops them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 
@@ -16,6 +18,7 @@ from engine_core.kv_cache import KVCacheManager
 from engine_core.loader import resolve_model
 from engine_core.model_config import ModelConfig
 from engine_core.model_runner import ModelRunner
+from engine_core.parallel.sharding import check_model_splits
 from engine_core.protocol import RequestDelta
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
@@ -35,7 +38,22 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.model_dir = resolve_model(config.model)
         self.model_cfg = ModelConfig.from_dir(self.model_dir)
-        self.runner = ModelRunner(config, self.model_dir, self.model_cfg)
+        self.executor = None
+        if config.tensor_parallel_size > 1:
+            from engine_core.parallel.executor import TensorParallelExecutor, rank_config
+
+            check_model_splits(self.model_cfg, config.tensor_parallel_size)
+            self.executor = TensorParallelExecutor(config, str(self.model_dir))
+            # The workers are stopped when this engine is closed or collected, whichever comes first.
+            self._finalizer = weakref.finalize(self, self.executor.close)
+            try:
+                self.runner = ModelRunner(rank_config(config, 0), self.model_dir, self.model_cfg, self.executor.group)
+            except BaseException:
+                self.executor.close()
+                raise
+            self.runner.broadcast = self.executor.broadcast_step
+        else:
+            self.runner = ModelRunner(config, self.model_dir, self.model_cfg)
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
@@ -49,7 +67,10 @@ class EngineCore:
             config.max_joint_prefill_tokens,
         )
         if self.runner.device.type == "cuda" and not config.enforce_eager:
-            self.runner.enable_decode_graphs(self.max_model_len)
+            if self.executor is None:
+                self.runner.enable_decode_graphs(self.max_model_len)
+            else:  # (the workers would have to capture the same graphs, collectives included, in step)
+                logger.info("CUDA graphs are not used under tensor parallel: decode steps run eager")
         # Constrained requests wait here, off the scheduler, while a worker thread compiles their grammar.
         self.structured = StructuredOutputManager(
             self.model_dir, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids
@@ -151,6 +172,17 @@ class EngineCore:
         self.kv_manager.prefix_cache_queries = self.kv_manager.prefix_cache_hits = 0  # users' traffic only
         logger.info("warm-up step run in %.2fs", time.monotonic() - started)
 
+    def check_health(self) -> None:
+        """Raise if a tensor-parallel worker has died (the engine process checks while it is idle; a
+        step notices by itself)."""
+        if self.executor is not None:
+            self.executor.check_alive()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step afterwards)."""
+        if self.executor is not None:
+            self._finalizer()
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (running requests keep their blocks); returns how many blocks."""
         return self.kv_manager.reset_prefix_cache()
@@ -172,7 +204,13 @@ class EngineCore:
             if self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the KV cache cannot hold the next waiting request even alone")
             return []
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as exc:
+            died = self.executor.explain(exc) if self.executor is not None else None
+            if died is not None:
+                raise died from exc
+            raise
         for request in sched.requests:
             chunk = result.prompt_logprobs.get(request.request_id)
             if chunk is not None and request.prompt_logprobs is not None:

@@ -50,6 +50,8 @@ def profile_step(runner, num_tokens: int) -> None:
         hidden = runner.model(*runner.to_device(step))
         rows = min(runner.config.max_num_seqs, num_tokens)
         logits = runner.model.compute_logits(hidden[-rows:])
+        if logits is None:  # a tensor-parallel rank other than 0: its logits went to rank 0, which samples
+            return
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1)
         samplers = [Request(f"__profile_{i}__", [0], params) for i in range(rows)]
         sample(logits, SamplingBatch.from_requests(samplers, runner.model_cfg.vocab_size))

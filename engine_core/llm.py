@@ -27,6 +27,8 @@ class LLM:
     `LLM()` uses the default model (SmolLM2-135M-Instruct, prepared on first use); `model=` takes any
     Hugging Face model directory or hub id. Keyword arguments are `EngineConfig` fields
     (`dtype`, `block_size`, `kv_cache_memory` ("2GiB"), `max_num_batched_tokens`, `max_num_seqs`, ...).
+    `tensor_parallel_size=N` splits the model over N processes (this one and N - 1 workers it starts);
+    `close()`, or leaving a `with LLM(...) as llm:` block, stops them.
     """
 
     def __init__(self, model: str | None = None, **engine_args):
@@ -54,6 +56,17 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
         return self._run(encoded, params_list, use_tqdm, salts)
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (also done when the LLM is collected, or
+        at exit); the LLM cannot generate afterwards."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the number of cached blocks dropped."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,7 +14,11 @@ if TYPE_CHECKING:  # imported lazily: resolving a model directory must not load 
     import torch
 
     from engine_core.models.llama import LlamaForCausalLM
+    from engine_core.parallel.distributed import TPGroup
     from engine_core.quantization.base import QuantizationMethod
+
+# (checkpoint name, shape) -> the slice of it to read; None: all of it (tensor parallel: each rank's shard)
+Selection = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,26 +57,41 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_dir: Path, select: Selection | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every shard, or of the GGUF file the directory stands for;
-    tensors are memory-mapped, one at a time. A file that cannot be read (truncated, corrupt header) is
-    a ValueError naming it."""
+    tensors are memory-mapped, one at a time. With `select`, only the slice it names of each tensor
+    (safetensors reads just those bytes). A file that cannot be read (truncated, corrupt header) is a
+    ValueError naming it."""
     from safetensors import SafetensorError, safe_open
 
     source = gguf_source(model_dir)
     if source is not None:
         from engine_core.gguf_weights import iterate_gguf_weights
 
-        yield from iterate_gguf_weights(*source)
+        weights = iterate_gguf_weights(*source)
+        yield from (weights if select is None else select_slices(weights, select))
         return
 
     for path in safetensors_files(model_dir):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                    yield name, f.get_tensor(name)
+                    if select is None:
+                        yield name, f.get_tensor(name)
+                        continue
+                    lazy = f.get_slice(name)
+                    slices = select(name, tuple(lazy.get_shape()))
+                    yield name, (f.get_tensor(name) if slices is None else lazy[slices])
         except SafetensorError as exc:
             raise ValueError(f"{path} is not a complete safetensors file (truncated or corrupt?): {exc}") from exc
+
+
+def select_slices(weights: Iterator[tuple[str, torch.Tensor]], select: Selection) -> Iterator[tuple[str, torch.Tensor]]:
+    """`select` applied to tensors that arrive whole (GGUF's memory-mapped arrays, dummy weights); the
+    slice is copied, so the rest of the tensor is not kept."""
+    for name, tensor in weights:
+        slices = select(name, tuple(tensor.shape))
+        yield name, (tensor if slices is None else tensor[slices].clone())
 
 
 def load_model(
@@ -83,32 +102,44 @@ def load_model(
     load_format: str = "auto",
     quantization: QuantizationMethod | None = None,
     fp8_matmul: bool | None = None,
+    group: TPGroup | None = None,
 ) -> LlamaForCausalLM:
     """Build the model and fill it from the checkpoint; with a `quantization` method its linears are
     assembled from quantized tensors (or quantized as they stream by) without a full-precision copy.
-    `fp8_matmul`: keep FP8 weights in FP8 (None: where the device multiplies in FP8)."""
+    `fp8_matmul`: keep FP8 weights in FP8 (None: where the device multiplies in FP8). `group`: the
+    tensor-parallel group this rank's shard of the model is for (None: the whole model)."""
     import contextlib
+    from functools import partial
 
     import torch
 
     from engine_core.layers.linear import deferred_weights
     from engine_core.models import model_class
+    from engine_core.parallel.distributed import SINGLE, building_for
     from engine_core.quantization.assembly import LinearAssembler
 
+    group = group or SINGLE
     cls = model_class(model_cfg.architecture)
-    with torch.device(device), deferred_weights() if quantization is not None else contextlib.nullcontext():
+    deferred = deferred_weights() if quantization is not None else contextlib.nullcontext()
+    with torch.device(device), deferred, building_for(group):
         model = cls(model_cfg, dtype)
     assembler = None if quantization is None else LinearAssembler(quantization, device, fp8_matmul)
+    select = partial(_checkpoint_slices, model, assembler is not None) if group.parallel else None
     if load_format == "dummy":
         if assembler is not None:
-            model.load_weights(_dummy_weights(model_cfg, dtype), assembler)
+            dummy = _dummy_weights(model_cfg, dtype)
+            model.load_weights(dummy if select is None else select_slices(dummy, select), assembler)
         else:
             fill_dummy_weights(model)
     else:
-        model.load_weights(iterate_weights(model_dir), assembler)
+        model.load_weights(iterate_weights(model_dir, select), assembler)
     model.eval()
     _pack_linears(model)
     return model
+
+
+def _checkpoint_slices(model, assembled: bool, name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+    return model.checkpoint_slices(name, assembled)
 
 
 def weight_bytes(model) -> int:

@@ -3,11 +3,17 @@
 Owns the model, the KV cache tensors (one key and one value tensor per layer, bound into each attention
 layer) and the sampler. The batch is laid out decodes first, so attention serves all single-token
 queries in one batched call.
+
+Under tensor parallel every rank has a runner holding its shard of the model and of the KV cache (its
+K/V heads). Rank 0's `execute` hands each step's inputs to `broadcast` (the executor sends them to the
+other ranks, whose runners `follow` them) before running the model: every rank then runs the same
+forward pass and calls the LM head on the same rows (`LogitsRows`), because both are collective.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +26,8 @@ from engine_core.gpu_memory import profile_gpu_memory
 from engine_core.layers.attention import AttentionMetadata
 from engine_core.loader import load_model, weight_bytes
 from engine_core.model_config import ModelConfig
-from engine_core.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs
+from engine_core.parallel.distributed import SINGLE, TPGroup
+from engine_core.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs, row_chunks
 from engine_core.protocol import TokenLogprobs
 from engine_core.quantization import resolve_method
 from engine_core.request import Request
@@ -39,13 +46,28 @@ class StepResult:
     prompt_logprobs: dict[str, PromptLogprobsChunk]
 
 
-def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int) -> int:
+    """Bytes one block takes in a rank's KV pool, which holds `num_kv_heads` heads of each layer."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_cfg.num_layers * block_size * model_cfg.num_kv_heads * model_cfg.head_dim * element
+    return 2 * model_cfg.num_layers * block_size * num_kv_heads * model_cfg.head_dim * element
+
+
+@dataclass
+class LogitsRows:
+    """The hidden rows a step computes logits for, in the order the LM head runs on them: each prompt-
+    logprob span in chunks of `max_num_seqs` rows (`row_chunks`), then the sampling rows."""
+
+    prompt_spans: np.ndarray  # [S, 2] int64: (first row, end row) of each request's prompt-logprob rows
+    sample_rows: np.ndarray  # [R] int64: the last row of each request that samples
+
+
+# Rank 0 sends a step's inputs to the other ranks with this (set by the tensor-parallel executor).
+Broadcast = Callable[["StepInputs", LogitsRows], None]
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir, model_cfg: ModelConfig):
+    def __init__(self, config: EngineConfig, model_dir, model_cfg: ModelConfig, group: TPGroup = SINGLE):
+        """`group`: the tensor-parallel group this runner is a rank of (its shard of the model and KV)."""
         configure_kernels(
             config.int8_activations
         )  # which kernels this process may use (PAGODA_DISABLE_*), before any runs
@@ -56,21 +78,26 @@ class ModelRunner:
         self.block_size = config.block_size
         self.quantization = resolve_method(config.quantization, model_cfg.raw)
         fp8_matmul = {"auto": None, "on": True, "off": False}[config.fp8_matmul]
+        self.tp = group
         self.model = load_model(
-            model_dir, model_cfg, self.dtype, self.device, config.load_format, self.quantization, fp8_matmul
+            model_dir, model_cfg, self.dtype, self.device, config.load_format, self.quantization, fp8_matmul, group
         )
+        self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
         self.weight_bytes = weight_bytes(self.model)
         logger.info(
-            "Weights: %s, %.1f MiB in memory",
+            "Weights: %s, %.1f MiB in memory%s",
             "full precision" if self.quantization is None else self.quantization.describe(),
             self.weight_bytes / 2**20,
+            f" (tensor-parallel rank {group.rank} of {group.world_size})" if group.parallel else "",
         )
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
+        self.broadcast: Broadcast | None = None  # set by the tensor-parallel executor on rank 0
         self.kv_cache: torch.Tensor | None = None
-        self.allocate_kv_cache(self._num_blocks())
+        # Every rank sizes its own pool (each profiles its own GPU); all use the smallest.
+        self.allocate_kv_cache(group.min_int(self._num_blocks()))
 
     def _num_blocks(self) -> int:
-        per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype, self.num_kv_heads)
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.config.kv_cache_memory is not None:
@@ -84,7 +111,7 @@ class ModelRunner:
             self,
             min(self.config.max_num_batched_tokens, max_len),
             max_len,
-            capture_graphs=not self.config.enforce_eager,
+            capture_graphs=not self.config.enforce_eager and not self.tp.parallel,  # (no graphs under TP)
         )
         budget = profile.kv_cache_bytes(self.config.gpu_memory_utilization)
         if budget < 2 * per_block:
@@ -104,7 +131,7 @@ class ModelRunner:
         cfg = self.model_cfg
         self.release_kv_cache()
         self.num_blocks = num_blocks
-        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         # torch.empty: pages are touched only as blocks are used, so a large pool costs nothing up front.
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         for layer_index, attn in enumerate(self.model.attention_layers()):
@@ -144,6 +171,13 @@ class ModelRunner:
         requests = [sched.requests[i] for i in order]
         counts = [sched.num_scheduled_tokens[i] for i in order]
         step = _prepare(requests, counts, self.block_size)
+        sampling = [
+            (r, step.last_token_index[i]) for i, r in enumerate(requests) if r.num_computed_tokens == r.num_tokens
+        ]
+        wanted = self._prompt_logprob_rows(requests, counts, step)
+        if self.broadcast is not None:
+            spans = np.array([(start, stop) for _, _, start, stop in wanted], dtype=np.int64).reshape(-1, 2)
+            self.broadcast(step, LogitsRows(spans, np.array([i for _, i in sampling], dtype=np.int64)))
         graphs = self.decode_graphs
         if graphs is not None and step.num_decodes == len(requests) and graphs.padded_size(len(requests)):
             hidden = graphs.run(
@@ -151,27 +185,44 @@ class ModelRunner:
             )
         else:
             hidden = self.model(*self.to_device(step))
-        prompt_logprobs = self._prompt_logprobs(requests, counts, step, hidden)
-        sampling = [
-            (r, step.last_token_index[i]) for i, r in enumerate(requests) if r.num_computed_tokens == r.num_tokens
-        ]
+        prompt_logprobs = {}
+        for request, positions, start, stop in wanted:
+            assert request.prompt_logprobs is not None  # (only such requests are wanted)
+            next_tokens = request.all_token_ids[positions.start + 1 : positions.stop + 1]
+            targets = torch.tensor(next_tokens, dtype=torch.int64, device=hidden.device)
+            num_top = request.prompt_logprobs.num_top
+            arrays = compute_prompt_logprobs(self.model, hidden[start:stop], targets, num_top, self.config.max_num_seqs)
+            prompt_logprobs[request.request_id] = PromptLogprobsChunk(positions.start + 1, *arrays)
         if not sampling:
             return StepResult({}, {}, prompt_logprobs)
         rows = torch.tensor([index for _, index in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
+        assert logits is not None  # (rank 0 gets the gathered logits)
         sampling_requests = [r for r, _ in sampling]
         out = sample(logits, SamplingBatch.from_requests(sampling_requests, self.model_cfg.vocab_size))
         sampled = {r.request_id: t for r, t in zip(sampling_requests, out.token_ids, strict=True)}
         logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, out.logprobs, strict=True) if lp is not None}
         return StepResult(sampled, logprobs, prompt_logprobs)
 
-    def _prompt_logprobs(
-        self, requests: list[Request], counts: list[int], step: StepInputs, hidden: torch.Tensor
-    ) -> dict[str, PromptLogprobsChunk]:
-        """The prompt-logprob rows of this step's positions, for the requests that still owe them. At most
-        max_num_seqs rows of logits exist at once: the step profiled for GPU memory (gpu_memory.py)
-        holds that many for sampling, so prompt logprobs need no memory the KV pool could lack."""
-        out = {}
+    @torch.inference_mode()
+    def follow(self, step: StepInputs, rows: LogitsRows) -> None:
+        """What a tensor-parallel rank other than 0 does for one step rank 0 executes: the same forward
+        pass and the same LM head calls (whose logits go to rank 0)."""
+        hidden = self.model(*self.to_device(step))
+        for start, stop in rows.prompt_spans.tolist():
+            for first, end in row_chunks(stop - start, self.config.max_num_seqs):
+                self.model.compute_logits(hidden[start + first : start + end])
+        if len(rows.sample_rows):
+            self.model.compute_logits(hidden[torch.from_numpy(rows.sample_rows).to(self.device)])
+
+    def _prompt_logprob_rows(
+        self, requests: list[Request], counts: list[int], step: StepInputs
+    ) -> list[tuple[Request, range, int, int]]:
+        """(request, prompt positions, first row, end row) for each request that still owes prompt
+        logprobs of this step's positions. At most max_num_seqs rows of logits exist at once: the step
+        profiled for GPU memory (gpu_memory.py) holds that many for sampling, so prompt logprobs need no
+        memory the KV pool could lack."""
+        out = []
         for i, (request, count) in enumerate(zip(requests, counts, strict=True)):
             collector = request.prompt_logprobs
             if collector is None:
@@ -181,11 +232,7 @@ class ModelRunner:
             if not positions:
                 continue
             row_of_position_0 = step.last_token_index[i] - (end - 1)  # rows are positions, shifted
-            rows = hidden[row_of_position_0 + positions.start : row_of_position_0 + positions.stop]
-            next_tokens = request.all_token_ids[positions.start + 1 : positions.stop + 1]
-            targets = torch.tensor(next_tokens, dtype=torch.int64, device=hidden.device)
-            arrays = compute_prompt_logprobs(self.model, rows, targets, collector.num_top, self.config.max_num_seqs)
-            out[request.request_id] = PromptLogprobsChunk(positions.start + 1, *arrays)
+            out.append((request, positions, row_of_position_0 + positions.start, row_of_position_0 + positions.stop))
         return out
 
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

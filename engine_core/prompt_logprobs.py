@@ -67,6 +67,12 @@ class PromptLogprobsCollector:
         )
 
 
+def row_chunks(num_rows: int, max_rows: int) -> list[tuple[int, int]]:
+    """The (start, end) row slices the LM head runs on, `max_rows` at a time (every tensor-parallel rank
+    makes the same calls: engine_core/model_runner.py `follow`)."""
+    return [(start, min(start + max_rows, num_rows)) for start in range(0, num_rows, max_rows)]
+
+
 def compute_prompt_logprobs(
     model, hidden: torch.Tensor, targets: torch.Tensor, num_top: int, max_rows: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -78,8 +84,7 @@ def compute_prompt_logprobs(
     token_ids = np.empty((num_rows, 1 + num_top), dtype=np.int32)
     logprobs = np.empty((num_rows, 1 + num_top), dtype=np.float32)
     ranks = np.empty(num_rows, dtype=np.int32)
-    for start in range(0, num_rows, max_rows):
-        end = min(start + max_rows, num_rows)
+    for start, end in row_chunks(num_rows, max_rows):
         row_logprobs = torch.log_softmax(model.compute_logits(hidden[start:end]), dim=-1)
         target = targets[start:end, None]
         target_logprobs = row_logprobs.gather(-1, target)

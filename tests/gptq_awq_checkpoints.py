@@ -72,6 +72,34 @@ class Spec:
     args: tuple[str, ...] = ()
 
 
+def smollm2(name: str, tool: str, *args: str) -> Spec:
+    return Spec(name, tool, "smollm2", args)
+
+
+# The checkpoints the tests use (test_gptq_awq.py; the tensor-parallel test reuses the act-order one).
+SPECS = [
+    smollm2("gptq-smollm2-w4-g64", "gptq", "--bits", "4", "--group-size", "64"),
+    smollm2("gptq-smollm2-w4-g64-asym", "gptq", "--bits", "4", "--group-size", "64", "--asym"),
+    smollm2("gptq-smollm2-w4-g64-actorder", "gptq", "--bits", "4", "--group-size", "64", "--desc-act"),
+    smollm2("gptq-smollm2-w8-g64", "gptq", "--bits", "8", "--group-size", "64"),
+    smollm2("gptq-smollm2-w4-perchannel", "gptq", "--bits", "4", "--group-size", "-1"),
+    # AutoAWQ takes over 20 minutes on all of SmolLM2 here: its first 4 layers (576 and 1536 are not
+    # multiples of 128, so groups of 64), and tiny models with AWQ's usual group of 128.
+    Spec("awq-smollm2-4layers-g64", "awq", "smollm2-4layers", ("--group-size", "64")),
+    Spec("gptq-tiny-qwen2-w4-g64", "gptq", "tiny-qwen2", ("--bits", "4", "--group-size", "64")),
+    Spec("gptq-tiny-mistral-w4-g32-asym", "gptq", "tiny-mistral", ("--bits", "4", "--group-size", "32", "--asym")),
+    Spec(
+        "gptq-tiny-mistral-w4-g32-asym-v2",
+        "gptq",
+        "tiny-mistral",
+        ("--bits", "4", "--group-size", "32", "--asym", "--format", "gptq_v2"),
+    ),
+    Spec("awq-tiny-qwen2-g128", "awq", "tiny-qwen2", ("--group-size", "128")),
+    Spec("awq-tiny-mistral-g128", "awq", "tiny-mistral", ("--group-size", "128")),
+]
+BY_NAME = {spec.name: spec for spec in SPECS}
+
+
 def source_model(source: str) -> Path:
     if source == "smollm2":
         return ensure_default_model()

@@ -42,12 +42,15 @@ def greedy_with_first_logprobs(
         engine.add_request(rid, prompt, params)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     first: dict[str, dict[int, float]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id].extend(out.new_token_ids)
-            if out.new_logprobs and out.request_id not in first:
-                sampled = out.new_logprobs[0].sampled_and_top()
-                first[out.request_id] = dict(zip(sampled.top_ids, sampled.top_logprobs, strict=True))
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.new_logprobs and out.request_id not in first:
+                    sampled = out.new_logprobs[0].sampled_and_top()
+                    first[out.request_id] = dict(zip(sampled.top_ids, sampled.top_logprobs, strict=True))
+    finally:
+        engine.close()  # (tensor parallel: its workers)
     return [tokens[rid] for rid in ids], [first[rid] for rid in ids]
 
 

@@ -15,6 +15,18 @@ A quantized linear holds a `kernels.PackedWeight` (integer weights with group sc
 quantized model is built (`deferred_weights()`), weights are not allocated: the loader either fills a
 linear's packed weight or, for a layer the checkpoint keeps in full precision, allocates its weight
 when the first tensor for it arrives (`materialize`).
+
+Tensor parallel: a linear's `parallel` style says how it is split over the group it is built in
+(engine_core/parallel/distributed.py `building_for`); model files name the style, the layer does the rest:
+- "replicated": every rank holds the whole weight (the only style at world size 1);
+- "column": each rank holds a slice of the output rows (of each merged part; `heads` makes the slices
+  whole attention heads, see engine_core/parallel/sharding.py), so its output is a slice of the full
+  output;
+- "row": each rank holds a slice of the input columns and computes a partial sum of the full output;
+  one all-reduce adds the partial sums, then the bias is added (once);
+- "vocab": the LM head's rows split by vocabulary (the model gathers the logits).
+`in_features` / `out_features` / `out_sizes` are this rank's; `in_span` / `out_spans` place them in the
+checkpoint's tensors, which the loader slices accordingly.
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ from torch import nn
 
 import kernels
 from engine_core.environment import onednn_linear_disabled
+from engine_core.parallel.distributed import TPGroup, building_group
+from engine_core.parallel.sharding import AttentionHeads, Span, split_rows, split_vocab
 from kernels.fp8 import Fp8Weight
 from kernels.quantized import PackedWeight
 
@@ -78,9 +92,57 @@ def onednn_rows(count: int) -> int:
     return -(-count // 64) * 64
 
 
+PARALLEL_STYLES = ("replicated", "column", "row", "vocab")
+
+
+def _spans(
+    parallel: str, in_features: int, out_sizes: list[int], heads: AttentionHeads | None, group: TPGroup
+) -> tuple[Span, list[Span]]:
+    """(input span, output span of each part) this rank holds, in checkpoint coordinates."""
+    if parallel not in PARALLEL_STYLES:
+        raise ValueError(f"unknown parallel style {parallel!r}; one of {', '.join(PARALLEL_STYLES)}")
+    whole_in, whole_out = Span(0, in_features), [Span(0, size) for size in out_sizes]
+    if not group.parallel or parallel == "replicated":
+        return whole_in, whole_out
+    rank, world = group.rank, group.world_size
+    if parallel == "vocab":
+        return whole_in, [split_vocab(out_sizes[0], rank, world)]
+    if heads is None:
+        if parallel == "row":
+            return split_rows(in_features, rank, world), whole_out
+        return whole_in, [split_rows(size, rank, world) for size in out_sizes]
+    q_heads, kv_heads = heads.of_rank(rank, world)
+    head_dim = (in_features if parallel == "row" else out_sizes[0]) // heads.num_heads
+    if parallel == "row":  # (the output projection: its inputs are the query heads)
+        return q_heads.scaled(head_dim), whole_out
+    # (column-parallel with heads: the merged Q, K, V projection)
+    return whole_in, [q_heads.scaled(head_dim), kv_heads.scaled(head_dim), kv_heads.scaled(head_dim)]
+
+
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype=None,
+        parallel: str = "replicated",
+        heads: AttentionHeads | None = None,
+    ):
+        """`heads`: a row-parallel linear's inputs are the attention's query heads, split whole with
+        their K/V heads (the output projection)."""
+        self._init(in_features, [out_features], bias, dtype, parallel, heads)
+
+    def _init(
+        self, in_features: int, out_sizes: list[int], bias: bool, dtype, parallel: str, heads: AttentionHeads | None
+    ) -> None:
         super().__init__()
+        self.tp = building_group()
+        self.parallel = parallel
+        self.checkpoint_in_features, self.checkpoint_out_sizes = in_features, out_sizes
+        self.in_span, self.out_spans = _spans(parallel, in_features, out_sizes, heads, self.tp)
+        in_features, out_features = self.in_span.size, sum(span.size for span in self.out_spans)
+        self.reduces = parallel == "row" and self.tp.parallel  # one all-reduce after the matmul
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(_weight(in_features, out_features, dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
@@ -100,7 +162,11 @@ class Linear(nn.Module):
 
     def set_quantized(self, packed: PackedWeight | Fp8Weight) -> None:
         """From now on compute with `packed`; the full-precision weight is released."""
-        if (packed.out_features, packed.in_features) != (self.out_features, self.in_features):
+        # The input columns it reads: with a `perm`, those it selects (an act-order weight split by input
+        # columns stores whole groups, padded: engine_core/quantization/base.py `shard_columns`).
+        perm = getattr(packed, "perm", None)
+        in_features = packed.in_features if perm is None else int(perm.max()) + 1
+        if (packed.out_features, in_features) != (self.out_features, self.in_features):
             raise ValueError(
                 f"quantized weight is {packed.out_features}x{packed.in_features}, "
                 f"the layer is {self.out_features}x{self.in_features}"
@@ -135,27 +201,54 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         return True
 
+    def checkpoint_slices(self, part: int | None, kind: str) -> tuple[slice, ...] | None:
+        """The slice this rank holds of a checkpoint's full-precision `weight` [out, in] or `bias` [out]
+        (of merged part `part`); None: all of it."""
+        if not self.tp.parallel or self.parallel == "replicated":
+            return None
+        if self.parallel == "row":  # the bias is whole: it is added once, after the all-reduce
+            return (slice(None), self.in_span.slice()) if kind == "weight" else None
+        return (self.out_spans[part or 0].slice(),)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.reduces:
+            return self._matmul(x, self.bias)
+        out = self.tp.all_reduce(self._matmul(x, None))
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None:
-            return self._quantized_linear(x, self.quantized, self.bias)
+            return self._quantized_linear(x, self.quantized, bias)
         if self.packed is not None:
             rows = x.reshape(-1, x.shape[-1])
             count = rows.shape[0]
             padded = onednn_rows(count)
             if padded != count:
                 rows = F.pad(rows, (0, 0, 0, padded - count))
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, "none", [], "")
             return out[:count].reshape(*x.shape[:-1], out.shape[-1])
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, bias)
 
 
 class MergedLinear(Linear):
     """Several linears sharing an input, computed as one matmul; outputs are the column slices."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, dtype=None):
-        super().__init__(in_features, sum(out_sizes), bias, dtype)
-        self.out_sizes = out_sizes
-        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+    def __init__(
+        self,
+        in_features: int,
+        out_sizes: list[int],
+        bias: bool = False,
+        dtype=None,
+        parallel: str = "replicated",
+        heads: AttentionHeads | None = None,
+    ):
+        """`out_sizes` are the checkpoint's; under tensor parallel each part is split ("column"). `heads`:
+        the parts are the attention's Q, K and V projections, split by whole heads."""
+        self._init(in_features, out_sizes, bias, dtype, parallel, heads)
+        self.out_sizes = [span.size for span in self.out_spans]  # this rank's
+        self.offsets = [sum(self.out_sizes[:i]) for i in range(len(self.out_sizes))]
 
     def shard(self, index: int, param: torch.Tensor) -> torch.Tensor:
         """The rows of `param` (weight or bias) that belong to the `index`-th merged linear."""

@@ -1,6 +1,11 @@
 """The Llama family: Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k norm).
 
 They differ only in switches read from the config: QKV bias, per-head q/k RMSNorm, sliding window.
+
+Under tensor parallel (engine_core/parallel) each layer names its split and the layers do the rest: QKV
+and gate+up are column-parallel (whole heads per rank), the output and down projections row-parallel
+(one all-reduce each), the embedding and LM head vocab-parallel (a masked lookup summed over the ranks;
+logits gathered on rank 0). Attention then runs on this rank's heads only.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from engine_core.layers.attention import Attention, AttentionMetadata
 from engine_core.layers.linear import Linear, MergedLinear
 from engine_core.layers.rotary import RotaryEmbedding
 from engine_core.model_config import ModelConfig
+from engine_core.parallel.distributed import building_group
+from engine_core.parallel.sharding import AttentionHeads
 from engine_core.quantization.assembly import LinearAssembler
 
 
@@ -34,10 +41,15 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool, rotary: RotaryEmbedding):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_proj_bias, dtype)
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = cfg.num_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
+        heads = AttentionHeads(cfg.num_heads, cfg.num_kv_heads)
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, dtype, parallel="column", heads=heads
+        )
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, parallel="row", heads=heads)
+        # This rank's heads (all of them without tensor parallel).
+        self.num_heads, self.num_kv_heads = (size // self.head_dim for size in self.qkv_proj.out_sizes[:2])
         self.rotary = rotary  # one table shared by every layer
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.sliding_window)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
@@ -59,8 +71,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype):
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, parallel="column")
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
@@ -101,15 +113,17 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
+        self.tp = building_group()
+        # The LM head is a Linear ([hidden, vocab]); tied models share the embedding's storage through
+        # `embed_tokens` = lm_head's transpose (see `load_weights`). Both hold this rank's vocabulary rows.
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, parallel="vocab")
+        self.vocab_span = self.lm_head.out_spans[0]
         self.embed_tokens: nn.Parameter | None = nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False
+            torch.empty(self.vocab_span.size, cfg.hidden_size, dtype=dtype), requires_grad=False
         )
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, self.qk_norm, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        # The LM head is a Linear ([hidden, vocab]); tied models share the embedding's storage through
-        # `embed_tokens` = lm_head's transpose (see `load_weights`).
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         if cfg.tie_word_embeddings:
             del self.embed_tokens
             self.embed_tokens = None
@@ -119,6 +133,16 @@ class LlamaForCausalLM(nn.Module):
         return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.parallel:
+            return self._lookup(input_ids)
+        # Vocab-parallel: each rank looks up the ids in its rows, zeros for the rest, and the sum over
+        # the ranks is the embedding (exactly: one rank contributes each row).
+        local = input_ids - self.vocab_span.start
+        mine = (local >= 0) & (local < self.vocab_span.size)
+        rows = self._lookup(torch.where(mine, local, 0))
+        return self.tp.all_reduce(rows.masked_fill_(~mine[:, None], 0.0))
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             return self.embed_tokens[input_ids]
         if self.lm_head.quantized is not None:  # a tied, quantized LM head: dequantize just these rows
@@ -133,8 +157,32 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits [rows, vocab] on rank 0 (gathered from every rank's vocabulary slice); None on
+        the other ranks, which must still call it with the same rows (the gather is collective)."""
+        logits = self.lm_head(hidden).float()
+        return self.tp.gather_last_dim(logits, self.cfg.vocab_size)
+
+    def checkpoint_slices(self, name: str, assembled: bool) -> tuple[slice, ...] | None:
+        """The slice of checkpoint tensor `name` this rank loads; None: all of it (always, without tensor
+        parallel). `assembled`: a quantization assembler takes the linears' tensors (but biases) whole and
+        slices them after conversion (quantization/assembly.py)."""
+        if not self.tp.parallel:
+            return None
+        target = self._target(name)
+        if target is None:
+            return None
+        param_name, shard = target
+        if param_name == "embed_tokens":
+            return (self.vocab_span.slice(),)
+        module_path, _, kind = param_name.rpartition(".")
+        try:
+            module = self.get_submodule(module_path)
+        except AttributeError:
+            return None
+        if not isinstance(module, Linear) or (assembled and LinearAssembler.accepts(kind)):
+            return None
+        return module.checkpoint_slices(shard, kind)
 
     @torch.no_grad()
     def load_weights(

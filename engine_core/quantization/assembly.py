@@ -8,6 +8,10 @@ device. Nothing of a quantized model is ever held in full precision beyond one l
 
 FP8 linears (`Fp8Weight`) stay in FP8 where the device multiplies in FP8 (kernels/fp8.py `supported`);
 elsewhere they are dequantized here to the compute dtype, and the log says which happened.
+
+Under tensor parallel a linear's checkpoint tensors are still read whole (packed formats cannot be read
+by slices), converted, and then cut to this rank's shard (`shard_for_rank`): output rows for a
+column-parallel linear, input columns with their groups' scales for a row-parallel one.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import logging
 import torch
 
 from engine_core.layers.linear import Linear, MergedLinear
-from engine_core.quantization.base import QuantizationMethod, QuantizedShard, pack_shards
+from engine_core.quantization.base import QuantizationMethod, QuantizedShard, pack_shards, shard_columns
 from kernels import fp8
 from kernels.fp8 import Fp8Weight
 
@@ -83,20 +87,24 @@ class LinearAssembler:
         del self._collecting[key]
         self._done.add(key)
         linear = self._linears[path]
-        out_features = (
-            linear.out_sizes[shard] if isinstance(linear, MergedLinear) and shard is not None else (linear.out_features)
-        )
+        part = 0 if shard is None else shard
         if full_precision:
             weight = tensors["weight"]
             result: QuantizedShard | Fp8Weight | torch.Tensor = (
                 self.method.quantize(path, weight) if self.method.quantizes_full_precision else weight
             )
         else:
-            result = self.method.from_checkpoint(path, tensors, out_features, linear.in_features)
+            result = self.method.from_checkpoint(
+                path, tensors, linear.checkpoint_out_sizes[part], linear.checkpoint_in_features
+            )
+        result = shard_for_rank(path, linear, part, result)
+        out_features = linear.out_sizes[part] if isinstance(linear, MergedLinear) else linear.out_features
         if isinstance(result, Fp8Weight) and not self._keeps_fp8(linear):
             result = result.dequantize(linear.weight.dtype)
         if isinstance(result, QuantizedShard | Fp8Weight):
             shape = tuple(result.q.shape if isinstance(result, QuantizedShard) else result.weight.shape)
+            if isinstance(result, QuantizedShard) and result.input_columns is not None:
+                shape = (shape[0], linear.in_features)  # whole groups, padded (QuantizedShard.columns)
             if shape != (out_features, linear.in_features):
                 raise ValueError(
                     f"{path}: quantized weight is {shape}, model expects {(out_features, linear.in_features)}"
@@ -161,6 +169,27 @@ class LinearAssembler:
         with torch.no_grad():
             target.copy_(weight)
         self._float_shards.setdefault(path, set()).add(0 if shard is None else shard)
+
+
+def shard_for_rank(
+    path: str, linear: Linear, part: int, result: QuantizedShard | Fp8Weight | torch.Tensor
+) -> QuantizedShard | Fp8Weight | torch.Tensor:
+    """This rank's piece of one whole converted linear (part `part` of a merged one)."""
+    if not linear.tp.parallel or linear.parallel == "replicated":
+        return result
+    if linear.parallel == "row":
+        cols = linear.in_span
+        if isinstance(result, QuantizedShard):
+            return shard_columns(path, result, cols.start, cols.stop, linear.tp.world_size)
+        if isinstance(result, Fp8Weight):  # one scale per output row: it stays whole
+            return Fp8Weight(result.weight[:, cols.slice()].contiguous(), result.scale)
+        return result[:, cols.slice()]
+    rows = linear.out_spans[part].slice()
+    if isinstance(result, QuantizedShard):
+        return result.rows(rows)
+    if isinstance(result, Fp8Weight):
+        return Fp8Weight(result.weight[rows].contiguous(), result.scale.reshape(-1)[rows])
+    return result[rows]
 
 
 def _is_full_precision(tensors: dict[str, torch.Tensor]) -> bool:

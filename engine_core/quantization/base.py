@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.fp8 import Fp8Weight
-from kernels.quantized import PackedWeight, group_size_for, pack
+from kernels.quantized import BLOCK, PackedWeight, group_size_for, pack
 
 
 @dataclass
@@ -31,6 +31,9 @@ class QuantizedShard:
     bits: int
     group_size: int  # columns per group; -1 = one group per row
     g_idx: torch.Tensor | None = None  # [K] group of each input column, when not consecutive (act-order)
+    # [K'] the input column each stored column reads, when they are not the input's own (an act-order
+    # weight split by input columns under tensor parallel: see `shard_columns`)
+    input_columns: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [n, K] (tests, and formats compared in float)."""
@@ -39,7 +42,17 @@ class QuantizedShard:
         index = self.g_idx.long() if self.g_idx is not None else torch.arange(k) // group
         scales = self.scales.float()[:, index]
         mins = -float(1 << (self.bits - 1)) * scales if self.mins is None else self.mins.float()[:, index]
-        return self.q.float() * scales + mins
+        stored = self.q.float() * scales + mins
+        if self.input_columns is None:
+            return stored
+        columns = self.input_columns.long()
+        weight = torch.zeros(stored.shape[0], int(columns.max()) + 1)
+        return weight.index_add_(1, columns, stored)
+
+    def rows(self, rows: slice) -> QuantizedShard:
+        """Output rows `rows` (a column-parallel rank's piece), with their scales and mins."""
+        mins = None if self.mins is None else self.mins[rows]
+        return QuantizedShard(self.q[rows], self.scales[rows], mins, self.bits, self.group_size, self.g_idx)
 
 
 class QuantizationMethod:
@@ -70,6 +83,68 @@ class QuantizationMethod:
         return self.name
 
 
+def shard_columns(name: str, shard: QuantizedShard, start: int, stop: int, world_size: int) -> QuantizedShard:
+    """Input columns [start, stop) of `shard` with their groups' scales and mins: a row-parallel rank's
+    piece. Groups must not straddle ranks (else a ValueError naming group and tensor-parallel sizes);
+    one group per row keeps its scale on every rank. Act-order groups are scattered over the columns,
+    so they are regrouped (`_act_order_columns`)."""
+    k = shard.q.shape[1]
+    if shard.g_idx is not None:
+        return _act_order_columns(name, shard, start, stop)
+    q = shard.q[:, start:stop]
+    group = shard.group_size
+    if group <= 0 or group >= k:
+        return QuantizedShard(q, shard.scales, shard.mins, shard.bits, -1)
+    if start % group or (stop % group and stop != k):
+        raise ValueError(
+            f"{name}: tensor-parallel size {world_size} gives each rank {stop - start} of its {k} input columns, "
+            f"which is not a multiple of its quantization group size {group}; choose a tensor-parallel size "
+            "that keeps the groups whole"
+        )
+    groups = slice(start // group, -(-stop // group))
+    mins = None if shard.mins is None else shard.mins[:, groups]
+    return QuantizedShard(q, shard.scales[:, groups], mins, shard.bits, group)
+
+
+def _act_order_columns(name: str, shard: QuantizedShard, start: int, stop: int) -> QuantizedShard:
+    """Columns [start, stop) of an act-order shard. Its groups are scattered over the input columns, so
+    a rank holds part of every group: its columns are ordered by group and each group's are padded to
+    whole 32-column blocks (the kernels' group unit) with columns that weigh exactly zero (q = the value
+    whose scale * q + min is 0: the zero point), each block carrying its group's scale and min.
+    `input_columns` then names the input column each stored column reads (pads read any)."""
+    n = shard.q.shape[0]
+    assert shard.g_idx is not None
+    scales = shard.scales.float()
+    mins = -float(1 << (shard.bits - 1)) * scales if shard.mins is None else shard.mins.float()
+    zero = torch.round(-mins / scales)
+    exact = (zero * scales + mins).abs() <= 1e-6 * scales.abs()
+    if not bool(exact.all()) or int(zero.min()) < 0 or int(zero.max()) >= 1 << shard.bits:
+        raise ValueError(f"{name}: act-order groups without an integer zero point cannot be split by input columns")
+    local_groups = shard.g_idx[start:stop].long()
+    order = torch.argsort(local_groups, stable=True)
+    group_ids, counts = torch.unique_consecutive(local_groups[order], return_counts=True)
+    q_local = shard.q[:, start:stop]
+    columns, q_parts, scale_parts, min_parts = [], [], [], []
+    first = 0
+    for g, count in zip(group_ids.tolist(), counts.tolist(), strict=True):
+        cols = order[first : first + count]
+        first += count
+        blocks = -(-count // BLOCK)
+        pad = blocks * BLOCK - count
+        columns.append(torch.cat([cols, cols[:1].expand(pad)]))
+        q_parts.append(torch.cat([q_local[:, cols], zero[:, g : g + 1].to(q_local.dtype).expand(n, pad)], dim=1))
+        scale_parts.append(scales[:, g : g + 1].expand(n, blocks))
+        min_parts.append(mins[:, g : g + 1].expand(n, blocks))
+    return QuantizedShard(
+        torch.cat(q_parts, dim=1),
+        torch.cat(scale_parts, dim=1).contiguous(),
+        torch.cat(min_parts, dim=1).contiguous(),
+        shard.bits,
+        BLOCK,
+        input_columns=torch.cat(columns),
+    )
+
+
 def pack_shards(name: str, shards: list[QuantizedShard]) -> PackedWeight:
     """Concatenate the rows of a merged linear's shards and pack them for the kernels."""
     shards = _common_layout(shards)
@@ -94,6 +169,8 @@ def pack_shards(name: str, shards: list[QuantizedShard]) -> PackedWeight:
         mins = torch.cat([s.scales.float() * offset if s.mins is None else s.mins.float() for s in shards])
     k = q.shape[1]
     group = k if first.group_size <= 0 else first.group_size
+    if first.input_columns is not None:  # (a row-parallel piece: never merged with another)
+        return pack(q, scales, mins, first.bits, first.group_size, first.input_columns)
     perm = None
     g_idx = first.g_idx
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(k) // group):

@@ -1,0 +1,105 @@
+"""Which slice of a checkpoint dimension each tensor-parallel rank holds, and whether a model splits at all.
+
+- Rows (gate/up outputs, the down projection's inputs): `total / N` each; when N does not divide them,
+  rank r holds [r * total // N, (r + 1) * total // N), so the ranks differ by one row at most.
+- Attention heads (`AttentionHeads`): whole K/V heads per rank, each with its group of query heads, split
+  the same way when N does not divide them (SmolLM2's 3 K/V heads over 2 ranks: 1 and 2). With more
+  ranks than K/V heads (a multiple of them), each K/V head is held by `N / kv_heads` ranks (replicated)
+  and its query heads are split between those ranks. A rank's query heads always find their K/V head.
+- Vocabulary (embedding and LM head rows): `ceil(V / N)` each, the last rank's possibly fewer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Span:
+    """The slice [start, start + size) of one dimension of a checkpoint tensor."""
+
+    start: int
+    size: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.size
+
+    def slice(self) -> slice:
+        return slice(self.start, self.stop)
+
+    def scaled(self, factor: int) -> Span:
+        """The same slice in units `factor` times smaller (heads -> rows of a head_dim each)."""
+        return Span(self.start * factor, self.size * factor)
+
+
+def split_rows(total: int, rank: int, world_size: int) -> Span:
+    start, stop = rank * total // world_size, (rank + 1) * total // world_size
+    return Span(start, stop - start)
+
+
+def split_vocab(vocab_size: int, rank: int, world_size: int) -> Span:
+    per_rank = -(-vocab_size // world_size)
+    start = min(rank * per_rank, vocab_size)
+    return Span(start, min(per_rank, vocab_size - start))
+
+
+@dataclass(frozen=True)
+class AttentionHeads:
+    """A model's attention heads; `of_rank` says which query and K/V heads a rank holds."""
+
+    num_heads: int
+    num_kv_heads: int
+
+    def of_rank(self, rank: int, world_size: int) -> tuple[Span, Span]:
+        """(query heads, K/V heads) of rank `rank`, in heads; a ValueError if the heads do not split."""
+        kv, group = self.num_kv_heads, self.num_heads // self.num_kv_heads
+        if world_size <= kv:
+            kv_heads = split_rows(kv, rank, world_size)
+            return kv_heads.scaled(group), kv_heads
+        sharing = world_size // kv  # ranks per K/V head
+        if world_size % kv or group < sharing:
+            raise ValueError(
+                f"tensor_parallel_size {world_size} cannot split {self.num_heads} attention heads with "
+                f"{kv} key/value heads: above {kv} it must be a multiple of {kv} and at most {self.num_heads}"
+            )
+        head = rank // sharing
+        part = split_rows(group, rank % sharing, sharing)
+        return Span(head * group + part.start, part.size), Span(head, 1)
+
+
+def check_model_splits(model_cfg, world_size: int) -> None:
+    """A clear error, before any process starts, if the model cannot be split over `world_size` ranks."""
+    if world_size < 1:
+        raise ValueError(f"tensor_parallel_size must be at least 1, not {world_size}")
+    if world_size == 1:
+        return
+    heads = AttentionHeads(model_cfg.num_heads, model_cfg.num_kv_heads)
+    for rank in range(world_size):
+        heads.of_rank(rank, world_size)
+    if model_cfg.intermediate_size < world_size:
+        raise ValueError(
+            f"tensor_parallel_size {world_size} exceeds the model's intermediate size {model_cfg.intermediate_size}"
+        )
+    if split_vocab(model_cfg.vocab_size, world_size - 1, world_size).size == 0:
+        raise ValueError(f"tensor_parallel_size {world_size} is too large for a vocabulary of {model_cfg.vocab_size}")
+
+
+def cpu_core_layout(world_size: int) -> list[list[int]]:
+    """The cores each rank is pinned to: this process's cores divided evenly over the ranks, in order
+    (all empty when there are fewer cores than ranks: then no rank is pinned, with a warning). Computed
+    by rank 0 before it pins itself, since the workers it starts inherit its affinity."""
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = len(cores) // world_size
+    if per_rank == 0:
+        logger.warning(
+            "tensor_parallel_size %d exceeds the %d CPU cores available: the ranks share cores (slow)",
+            world_size,
+            len(cores),
+        )
+        return [[] for _ in range(world_size)]
+    return [cores[rank * per_rank : (rank + 1) * per_rank] for rank in range(world_size)]
