@@ -19,7 +19,6 @@ import time
 import psutil
 import pytest
 import torch
-import transformers
 import zmq
 
 from engine_core import protocol
@@ -152,7 +151,7 @@ def _workers() -> list[psutil.Process]:
 def test_a_quantization_group_split_between_ranks_is_named(tmp_path):
     """int4's groups of 32 cannot split 96 MLP columns over 2 ranks (48 each): a clear error at load, and
     the worker that failed the same way is gone."""
-    model_dir = _tiny_model(tmp_path, "llama", transformers.LlamaConfig, dict(intermediate_size=96))
+    model_dir = _tiny_model(tmp_path, "llama", "llama", dict(intermediate_size=96))
     with pytest.raises(ValueError, match=r"tensor-parallel size 2 gives each rank 48 .* group size 32"):
         EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16, quantization="int4", tensor_parallel_size=2))
     assert _workers() == []
