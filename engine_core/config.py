@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine_core.cpu_binding import check_spec as check_cpu_spec
 from engine_core.quantization import CHOICES as QUANTIZATION_CHOICES
 
 if TYPE_CHECKING:  # torch is imported lazily: the server's parent and frontends never load it
@@ -64,6 +65,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU; default = torch's choice
+    # CPU cores per engine process (engine_core/cpu_binding.py): "auto", "none" or "0-3|4-7"; one
+    # process (no data or tensor parallelism) is pinned only by an explicit group.
+    cpu_threads_bind: str = "auto"
 
     def __post_init__(self):
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -78,6 +82,7 @@ class EngineConfig:
             raise ValueError("fp8_matmul must be auto, on or off")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        check_cpu_spec(self.cpu_threads_bind)
 
     def torch_device(self) -> torch.device:
         import torch
@@ -178,6 +183,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--seed", type=int, default=0, help="seed for requests that do not set their own")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
+    g.add_argument(
+        "--cpu-threads-bind",
+        default="auto",
+        metavar="SPEC",
+        help="CPU cores of each engine process: auto = the machine's cores divided evenly among them (no "
+        "pinning with one process); none = no pinning; '0-3|4-7' = one group per process "
+        "(e.g. per --data-parallel-size replica), which then uses one torch thread per core",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -200,4 +213,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         num_threads=args.num_threads,
+        cpu_threads_bind=args.cpu_threads_bind,
     )
