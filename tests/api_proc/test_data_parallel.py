@@ -105,6 +105,20 @@ def test_an_abort_reaches_the_replica_that_runs_all_samples_of_the_request(serve
     assert aborted[int(busy)] == 2 and sum(aborted) == 2
 
 
+def test_a_stop_string_stops_the_replica_that_runs_the_request(servers):
+    _, dp = servers
+    reply = openai_client(dp).completions.create(
+        model=MODEL_NAME, prompt="Write a long essay about rivers.", max_tokens=4000, temperature=0, stop=[" "],
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens < 20
+    # The engine found no stop itself: the tokenizer process must have told the right replica to stop.
+    idle = scrape_until(
+        dp, lambda s: s.value("vllm:num_requests_running") == 0 and s.value("vllm:kv_cache_usage_perc") == 0, 10.0
+    )
+    assert idle.value("vllm:num_requests_running") == 0 and idle.value("vllm:kv_cache_usage_perc") == 0
+
+
 def test_requests_sharing_a_prefix_land_on_one_replica(servers):
     rng = random.Random(0)
     prefix = [rng.randrange(1000, 20000) for _ in range(1024)]
