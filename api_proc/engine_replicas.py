@@ -78,7 +78,7 @@ class EngineReplicas:
             return False
         index = child.index
         self.supervisor.forget(child)
-        why = "its loop stalled; killed" if index in self.stalled else describe_exit(child.process.exitcode)
+        why = "killed after its loop stalled" if index in self.stalled else describe_exit(child.process.exitcode)
         self.stalled.discard(index)
         delay = self.restarts.exited(index, time.monotonic())
         if delay is None:

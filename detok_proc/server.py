@@ -318,8 +318,8 @@ class DetokProc:
         """`replica` stopped serving (EngineDead, its process exited, its loop stalled): every request
         it was running fails now with a 500 (the others' go on), and it gets fresh sockets for the
         process the launcher restarts (if any)."""
-        if replica.failure is not None:  # already down (EngineDead, then the launcher saw it exit)
-            replica.failure = reason
+        if replica.failure is not None:  # already down (EngineDead or a stall, then the launcher saw it exit)
+            replica.failure = f"{replica.failure} ({reason})"
             return
         logger.error("engine replica %d is down: %s", replica.index, reason)
         replica.went_down(reason, self.poller)
