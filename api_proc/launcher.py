@@ -1,12 +1,14 @@
 """`pagoda serve`: the parent process that starts, watches and stops the server's processes.
 
-    parent ── engine_core (model, KV cache, busy loop)
-           ── detok_proc  (tokenizer, frontend socket)
+    parent ── engine_core × D (model, KV cache, busy loop; D = --data-parallel-size replicas)
+           ── detok_proc  (tokenizer, frontend socket, routing over the replicas)
            ── api_proc × N (aiohttp, sharing the port with SO_REUSEPORT)
 
 Start-up waits for each child's "ready" and logs each phase. Afterwards the parent only watches: a
 child that exits on its own makes the server fail fast (in-flight requests get an error, exit 1, so a
-supervisor restarts it); SIGTERM/SIGINT drain (HTTP stops accepting, in-flight requests finish up to
+supervisor restarts it) — except an engine replica when there are several: the tokenizer process
+fails that replica's requests, the others serve on, and the replica is restarted with a backoff
+(api_proc/replica_restarts.py). SIGTERM/SIGINT drain (HTTP stops accepting, in-flight requests finish up to
 --shutdown-timeout), then stop the rest and exit 0. The runtime directory holding the ipc sockets is
 removed on every path, by the parent or, if the parent is SIGKILLed, by the orphaned children.
 Under systemd (Type=notify) the parent also reports READY=1, STOPPING=1 and engine-loop watchdog pings
@@ -41,7 +43,9 @@ class Child:
     name: str  # the role, and the worker's index for API workers ("api_0")
     process: multiprocessing.Process
     link: ChildLink
+    index: int | None = None  # API workers' and engine replicas' index
     ready: bool = False
+    link_open: bool = True  # False once its control pipe reached EOF (the process is exiting)
 
 
 class Supervisor:
@@ -50,6 +54,7 @@ class Supervisor:
         self.mp = multiprocessing.get_context("spawn")
         self.children: list[Child] = []
         self.stop_signal: int | None = None
+        self.on_report = lambda child, kind, info: None  # reports after start-up other than READY
 
     def start(self, role: Role, target, *args, index: int | None = None, **kwargs) -> Child:
         name = role.value if index is None else f"{role.value}_{index}"
@@ -63,7 +68,7 @@ class Supervisor:
         )
         process.start()
         child_end.close()
-        child = Child(role, name, process, ChildLink(name, parent_end))
+        child = Child(role, name, process, ChildLink(name, parent_end), index)
         self.children.append(child)
         return child
 
@@ -125,13 +130,40 @@ class Supervisor:
             )
         return not waiting
 
-    def watch(self) -> Child | None:
-        """Block until a stop signal (None) or until a child exits (that child)."""
-        sentinels = {c.process.sentinel: c for c in self.children}
-        while self.stop_signal is None:
-            for obj in wait(list(sentinels), timeout=0.2):
-                return sentinels[obj]
+    def watch(self, until: float | None = None) -> Child | None:
+        """Block until a stop signal (None), a child exits (that child) or time.monotonic() reaches
+        `until` (None). Meanwhile reports arrive: a restarted replica's READY, and the tokenizer
+        process's (`on_report`)."""
+        while self.stop_signal is None and (until is None or time.monotonic() < until):
+            sentinels = {c.process.sentinel: c for c in self.children}
+            links = {c.link.conn: c for c in self.children if c.link_open and (c.role is Role.DETOK or not c.ready)}
+            timeout = 0.2 if until is None else max(0.0, min(0.2, until - time.monotonic()))
+            for obj in wait(list(sentinels) + list(links), timeout=timeout):
+                if obj in sentinels:
+                    return sentinels[obj]
+                self._report(links[obj])
         return None
+
+    def _report(self, child: Child) -> None:
+        try:
+            kind, info = child.link.recv()
+        except (EOFError, OSError):  # it is exiting: its sentinel tells
+            child.link_open = False
+            return
+        if kind is Report.READY and not child.ready:
+            child.ready = True
+            logger.info("%s ready again (%s)", child.name, ", ".join(f"{k}={v}" for k, v in info.items()))
+        else:
+            self.on_report(child, kind, info)
+
+    def forget(self, child: Child) -> None:
+        """A child that has exited: reaped, its pipe closed, no longer watched."""
+        child.process.join(1.0)
+        child.link.conn.close()
+        self.children.remove(child)
+
+    def find(self, role: Role, index: int | None = None) -> Child | None:
+        return next((c for c in self.children if c.role is role and c.index == index), None)
 
     def tell(self, roles: tuple[Role, ...], command: Command) -> None:
         for child in self.children:
@@ -190,6 +222,7 @@ def make_runtime_dir() -> str:
 
 def serve(args) -> int:
     """Run the server until a signal or a failure; the exit status for the shell or systemd."""
+    from api_proc.engine_replicas import EngineReplicas
     from api_proc.sd_notify import SystemdService
     from api_proc.serve_settings import api_settings, frontend_limits
     from api_proc.worker import run_api_worker
@@ -216,30 +249,41 @@ def serve(args) -> int:
     logger.info("model directory %s (resolved in %.1fs)", model_dir, time.monotonic() - started)
     config = dataclasses.replace(engine_config_from_args(args), model=model_dir)
     runtime_dir = make_runtime_dir()
-    engine_in, engine_out = f"ipc://{runtime_dir}/engine-in.sock", f"ipc://{runtime_dir}/engine-out.sock"
     frontend = f"ipc://{runtime_dir}/frontend.sock"
     frontends = [frontend] + ([args.frontend] if args.frontend and not args.frontend.startswith("tcp://") else [])
     names = args.served_model_name or [args.model or DEFAULT_SERVED_MODEL_NAME]
     settings = api_settings(args, frontend, names)
 
     supervisor = Supervisor(runtime_dir)
-    supervisor.install_signal_handlers()
     status = 1
+    try:
+        engines = EngineReplicas(
+            supervisor, run_engine_core, config, args.data_parallel_size, args.max_replica_restarts
+        )
+    except ValueError as exc:  # e.g. a --cpu-threads-bind that does not fit the replicas
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+        logger.error("%s", exc)
+        return 2
+    supervisor.on_report = lambda child, kind, info: (
+        engines.kill_stalled(info["index"]) if kind is Report.REPLICA_STALLED else None
+    )
+    supervisor.install_signal_handlers()
     systemd.status(f"starting: loading {model_dir}")
     try:
-        supervisor.start(Role.ENGINE, run_engine_core, config, engine_in, engine_out)
+        engines.start_all()
         supervisor.start(
             Role.DETOK,
             run_detok,
             model_dir,
             frontends,
-            engine_in,
-            engine_out,
+            engines.addrs,
             args.engine_stall_timeout,
             curve and args.frontend,
             curve,
             limits=frontend_limits(args),
             model_name=names[0],
+            routing=args.dp_routing,
+            seed=args.seed,
         )
         for i in range(args.api_workers):
             supervisor.start(Role.API, run_api_worker, settings, index=i)
@@ -262,7 +306,14 @@ def serve(args) -> int:
             "s" if args.api_workers > 1 else "",
             ", ".join(frontends + ([args.frontend] if curve else [])),
         )
-        dead = supervisor.watch()
+        while True:
+            dead = supervisor.watch(engines.restarts.next_due())
+            if dead is None and supervisor.stop_signal is None:  # a replica's restart is due
+                engines.restart_due()
+                continue
+            if dead is not None and dead.role is Role.ENGINE and engines.exited(dead):
+                continue  # the other replicas serve on; this one restarts (or stays down)
+            break
         if dead is None:
             systemd.stopping("draining in-flight requests")
             supervisor.drain(args.shutdown_timeout)

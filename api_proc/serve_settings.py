@@ -11,6 +11,7 @@ from api_proc.auth import AuthPolicy, read_keys
 from api_proc.middleware import CorsSettings
 from api_proc.server import ApiSettings
 from detok_proc.limits import FrontendLimits
+from detok_proc.routing import POLICIES as ROUTING_POLICIES
 from engine_core.config import add_engine_args, parse_size
 
 
@@ -69,6 +70,20 @@ def _seconds(value: str) -> float:
     if not math.isfinite(seconds) or seconds < 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds (0 or more), not {value!r}")
     return seconds
+
+
+def _count(value: str) -> int:
+    count = int(value)
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 or more, not {value!r}")
+    return count
+
+
+def _positive(value: str) -> int:
+    count = int(value)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, not {value!r}")
+    return count
 
 
 def _count_or_off(value: str) -> int | None:
@@ -241,7 +256,33 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="CURVE certificates for a tcp:// frontend, as written by `pagoda keys DIR`",
     )
+    add_data_parallel_args(parser)
     add_limit_args(parser)
+
+
+def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data parallel")
+    g.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_positive,
+        default=1,
+        help="engine replicas, each with its own KV cache and scheduler, behind the one endpoint",
+    )
+    g.add_argument(
+        "--dp-routing",
+        choices=ROUTING_POLICIES,
+        default="p2c",
+        help="how a request picks its replica: p2c = the less loaded of two random ones, or where its "
+        "prefix went before; round_robin = in turn",
+    )
+    g.add_argument(
+        "--max-replica-restarts",
+        type=_count,
+        default=3,
+        help="times a replica that died is restarted (backoff 1, 2, 4... s) before it stays down; with one "
+        "engine the server exits instead",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -167,11 +167,19 @@ class ApiServer:
             report = await self.client.health(self.settings.health_timeout)
         except asyncio.TimeoutError:
             return json_response({"status": "unhealthy", "message": "the tokenizer process does not answer"}, 503)
+        # Degraded (a data-parallel replica down or restarting while others serve) is still 200: the
+        # server answers requests, so a readiness probe keeps it in rotation and a liveness probe does
+        # not restart what the launcher is already restarting; monitoring reads "status" or engine_up.
         body = {
-            "status": "ok" if report.healthy else "unhealthy",
+            "status": "unhealthy" if not report.healthy else "degraded" if report.degraded else "ok",
             "message": report.message,
             "seconds_since_engine_progress": round(report.seconds_since_engine_progress, 3),
         }
+        if len(report.engines) > 1:
+            body["engines"] = [
+                {"index": e.index, "state": e.state, "message": e.message, "num_running": e.num_running}
+                for e in report.engines
+            ]
         return json_response(body, 200 if report.healthy else 503)
 
     async def version(self, request: web.Request) -> web.Response:

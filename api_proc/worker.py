@@ -98,7 +98,7 @@ async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
             tasks.add(loop.create_task(fail_then_exit()))
 
     if link is not None:
-        link.watch(lambda command: loop.call_soon_threadsafe(on_command, command))
+        link.watch(lambda command, info: loop.call_soon_threadsafe(on_command, command))
         link.send(Report.READY)
     else:  # run alone (tests, debugging): serve at once; signals drain
         server.serving = True

@@ -8,8 +8,11 @@ worker's /metrics asks for the rendered text (MetricsQuery -> MetricsReport).
   queries and hits, preemptions) are read at scrape time from the latest `StepOutputs.stats`: the
   engine's own numbers, one source of truth (DESIGN §1).
 - Request metrics carry vLLM's names, types, labels (`model_name`, `engine`) and buckets, so dashboards
-  built for vLLM work unchanged. As in vLLM, each of a request's `n` samples is one (engine) request
-  here: it counts once in request_success, prompt_tokens and every per-request histogram.
+  built for vLLM work unchanged. `engine` is the index of the engine replica (`--data-parallel-size`)
+  that ran the request or reports the stats: "0" with one engine; sum over it for the server's total.
+  `pagoda:engine_up` is 1 for each replica that serves, 0 while it is down or restarting. As in vLLM,
+  each of a request's `n` samples is one (engine) request here: it counts once in request_success,
+  prompt_tokens and every per-request histogram.
 - Counters only the HTTP layer knows (rejected with 429/413, aborted by a client disconnect, timed out)
   come from every worker as `ApiWorkerStats` snapshots, cumulative per worker, sent whenever one
   changes. The sum over workers is exported, so any worker's /metrics shows them all, and a snapshot
@@ -24,7 +27,7 @@ Times are this process's time.monotonic(): a sample arrives when its request rea
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -134,78 +137,110 @@ class SampleTiming:
     queue_time: float | None = None  # seconds, measured by the engine
 
 
+EngineStates = Callable[[], Sequence[tuple[bool, protocol.SchedulerStatsMessage]]]
+
+
 class DetokMetrics:
-    def __init__(self, model_name: str, latest_stats: Callable[[], protocol.SchedulerStatsMessage]):
-        self.labels = (model_name, "0")  # one engine: vLLM's engine index 0
+    def __init__(self, model_name: str, engines: EngineStates, num_engines: int = 1):
+        """`engines()`: (serving, latest stats) of each engine replica, read at scrape time."""
+        self.model_name = model_name
+        self.num_engines = num_engines
         self.registry = CollectorRegistry()
         self.processes = ProcessesCollector()
         self.api_workers = ApiWorkerCounters(model_name)
-        for collector in (EngineStatsCollector(self.labels, latest_stats), self.api_workers, self.processes):
+        for collector in (EngineStatsCollector(model_name, engines), self.api_workers, self.processes):
             self.registry.register(collector)
-        r, lab = self.registry, self.labels
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r
-        ).labels(*lab)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
-        ).labels(*lab)
+        r = self.registry
+        self.prompt_tokens = self._per_engine(
+            Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r)
+        )
+        self.generation_tokens = self._per_engine(
+            Counter("vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r)
+        )
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
             LABELS + ["finished_reason"],
             registry=r,
         )
-        self.request_success = {reason: success.labels(*lab, reason.value) for reason in protocol.FinishReason}
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.",
-            LABELS,
-            registry=r,
-            buckets=TTFT_BUCKETS,
-        ).labels(*lab)
-        self.itl = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.",
-            LABELS,
-            registry=r,
-            buckets=ITL_BUCKETS,
-        ).labels(*lab)
-        self.e2e = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.",
-            LABELS,
-            registry=r,
-            buckets=REQUEST_LATENCY_BUCKETS,
-        ).labels(*lab)
-        self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.",
-            LABELS,
-            registry=r,
-            buckets=REQUEST_LATENCY_BUCKETS,
-        ).labels(*lab)
+        self.request_success = [
+            {reason: success.labels(model_name, str(engine), reason.value) for reason in protocol.FinishReason}
+            for engine in range(num_engines)
+        ]
+        self.ttft = self._per_engine(
+            Histogram(
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                LABELS,
+                registry=r,
+                buckets=TTFT_BUCKETS,
+            )
+        )
+        self.itl = self._per_engine(
+            Histogram(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                LABELS,
+                registry=r,
+                buckets=ITL_BUCKETS,
+            )
+        )
+        self.e2e = self._per_engine(
+            Histogram(
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                LABELS,
+                registry=r,
+                buckets=REQUEST_LATENCY_BUCKETS,
+            )
+        )
+        self.queue_time = self._per_engine(
+            Histogram(
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+                LABELS,
+                registry=r,
+                buckets=REQUEST_LATENCY_BUCKETS,
+            )
+        )
         # Token-count histograms need the context length for their buckets: made in engine_ready().
-        self.request_prompt_tokens: Histogram | None = None
-        self.request_generation_tokens: Histogram | None = None
+        self.request_prompt_tokens: list = []
+        self.request_generation_tokens: list = []
+        self._engine_pids: dict[int, int] = {}
 
-    def engine_ready(self, ready: protocol.EngineReady) -> None:
+    def _per_engine(self, metric):
+        """The metric's child for each engine replica, by index."""
+        return [metric.labels(self.model_name, str(engine)) for engine in range(self.num_engines)]
+
+    def engine_ready(self, engine: int, ready: protocol.EngineReady) -> None:
         self.processes.add(ready.pid, "engine")
-        if self.request_prompt_tokens is None:
+        self._engine_pids[engine] = ready.pid
+        if not self.request_prompt_tokens:
             buckets = buckets_1_2_5(ready.max_model_len)
-            self.request_prompt_tokens = Histogram(
-                "vllm:request_prompt_tokens",
-                "Number of prefill tokens processed.",
-                LABELS,
-                registry=self.registry,
-                buckets=buckets,
-            ).labels(*self.labels)
-            self.request_generation_tokens = Histogram(
-                "vllm:request_generation_tokens",
-                "Number of generation tokens processed.",
-                LABELS,
-                registry=self.registry,
-                buckets=buckets,
-            ).labels(*self.labels)
+            self.request_prompt_tokens = self._per_engine(
+                Histogram(
+                    "vllm:request_prompt_tokens",
+                    "Number of prefill tokens processed.",
+                    LABELS,
+                    registry=self.registry,
+                    buckets=buckets,
+                )
+            )
+            self.request_generation_tokens = self._per_engine(
+                Histogram(
+                    "vllm:request_generation_tokens",
+                    "Number of generation tokens processed.",
+                    LABELS,
+                    registry=self.registry,
+                    buckets=buckets,
+                )
+            )
+
+    def engine_down(self, engine: int) -> None:
+        """Its process is gone (or about to be): no more process_* samples for it."""
+        pid = self._engine_pids.pop(engine, None)
+        if pid is not None:
+            self.processes.remove(pid)
 
     def api_worker_stats(self, stats: protocol.ApiWorkerStats) -> None:
         self.api_workers.update(stats)
@@ -216,27 +251,27 @@ class DetokMetrics:
         """A delta of the engine reached `sample` (call once per delta, after sample.delta())."""
         if not delta.new_token_ids:
             return
-        now, timing = time.monotonic(), sample.timing
+        now, timing, engine = time.monotonic(), sample.timing, sample.engine
         if timing.first_token is None:  # prefill done: its prompt tokens count now (vLLM does the same)
             timing.first_token = now
             timing.queue_time = delta.queue_time
-            self.ttft.observe(now - timing.arrival)
-            self.prompt_tokens.inc(sample.num_prompt_tokens)
+            self.ttft[engine].observe(now - timing.arrival)
+            self.prompt_tokens[engine].inc(sample.num_prompt_tokens)
         else:
-            self.itl.observe(now - timing.last_token)
+            self.itl[engine].observe(now - timing.last_token)
         timing.last_token = now
-        self.generation_tokens.inc(len(delta.new_token_ids))
+        self.generation_tokens[engine].inc(len(delta.new_token_ids))
 
     def finished(self, sample: SampleState, finish_reason: protocol.FinishReason) -> None:
         """`sample` ended: STOP or LENGTH, or ABORT when its client aborted it. Samples ended by an
         error are not counted (as in vLLM, request_success counts requests that ran to an end)."""
-        self.request_success[finish_reason].inc()
-        timing = sample.timing
-        self.e2e.observe(time.monotonic() - timing.arrival)
+        timing, engine = sample.timing, sample.engine
+        self.request_success[engine][finish_reason].inc()
+        self.e2e[engine].observe(time.monotonic() - timing.arrival)
         if timing.queue_time is not None:  # known once the sample's first token came
-            self.queue_time.observe(timing.queue_time)
-        self.request_prompt_tokens.observe(sample.num_prompt_tokens)
-        self.request_generation_tokens.observe(sample.num_output_tokens)
+            self.queue_time[engine].observe(timing.queue_time)
+        self.request_prompt_tokens[engine].observe(sample.num_prompt_tokens)
+        self.request_generation_tokens[engine].observe(sample.num_output_tokens)
 
     def render(self) -> bytes:
         """Every metric in Prometheus' text format."""
@@ -244,34 +279,41 @@ class DetokMetrics:
 
 
 class EngineStatsCollector(Collector):
-    """Scheduler gauges and the engine's cumulative counters, straight from its latest step stats."""
+    """Each engine replica's scheduler gauges and cumulative counters, straight from its latest step
+    stats (a replica that is down reports zeros; its restarted process counts from zero again, which
+    Prometheus' rate() reads as a counter reset)."""
 
-    def __init__(self, labels: tuple[str, str], latest_stats: Callable[[], protocol.SchedulerStatsMessage]):
-        self.labels = list(labels)
-        self.latest_stats = latest_stats
+    def __init__(self, model_name: str, engines: EngineStates):
+        self.model_name = model_name
+        self.engines = engines
 
     def collect(self) -> Iterable[Metric]:
-        s = self.latest_stats()
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=LABELS)
-            gauge.add_metric(self.labels, value)
-            yield gauge
-        for name, doc, value in (
+        engines = list(self.engines())
+        gauges = [
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+        ]
+        counters = [
             (
                 "vllm:prefix_cache_queries",
                 "Prefix cache queries, in terms of number of queried tokens.",
-                s.prefix_cache_queries,
+                "prefix_cache_queries",
             ),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_cache_hits),
-            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", s.num_preemptions),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=LABELS)
-            counter.add_metric(self.labels, value)
-            yield counter
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", "num_preemptions"),
+        ]
+        for family, (name, doc, attribute) in [(GaugeMetricFamily, g) for g in gauges] + [
+            (CounterMetricFamily, c) for c in counters
+        ]:
+            metric = family(name, doc, labels=LABELS)
+            for engine, (_, stats) in enumerate(engines):
+                metric.add_metric([self.model_name, str(engine)], getattr(stats, attribute))
+            yield metric
+        up = GaugeMetricFamily("pagoda:engine_up", "1 while the engine replica serves, else 0.", labels=LABELS)
+        for engine, (serving, _) in enumerate(engines):
+            up.add_metric([self.model_name, str(engine)], 1.0 if serving else 0.0)
+        yield up
 
 
 class ApiWorkerCounters(Collector):

@@ -30,6 +30,9 @@ class ProcessesCollector(Collector):
         if pid > 0 and pid not in self._collectors:
             self._collectors[pid] = (role, ProcessCollector(pid=lambda: pid, registry=None))
 
+    def remove(self, pid: int) -> None:
+        self._collectors.pop(pid, None)
+
     def collect(self) -> Iterable[Metric]:
         families: dict[str, Metric] = {}
         for pid, (role, collector) in self._collectors.items():

@@ -130,6 +130,7 @@ class SampleState:
     num_prompt_tokens: int
     stop_token_ids: frozenset[int]
     logprobs: int | None
+    engine: int = 0  # the engine replica running it (data parallel)
     prompt: str | None = None  # echo: sent once, with the first delta
     prompt_tokens: bytes | None = None
     num_output_tokens: int = 0

@@ -6,6 +6,12 @@ for ipc:// clients and, when the server is exposed over tcp://, a second one wit
 authentication; a client key is the socket's index byte followed by the ZeroMQ identity. Prompts are tokenized
 (chat templates rendered) here, fanned out into one engine request per sample, and the engine's token
 deltas come back as text deltas (incremental detokenization, stop strings). One thread, one poll loop.
+
+Under data parallelism (`--data-parallel-size N`) there are N engine cores, each with its own pair of
+sockets (detok_proc/replicas.py); each client request is routed to one of them (detok_proc/routing.py,
+all of its samples together), and everything about it (deltas, aborts, stop strings) follows that
+replica. One engine is the case N = 1 of the same code. A replica that goes down fails its own
+requests at once (500, code `engine_dead`); the others go on serving.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import contextlib
 import itertools
 import logging
 import os
+import queue
 import signal
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -25,12 +33,15 @@ import zmq
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.limits import FrontendLimits
 from detok_proc.metrics import DetokMetrics
+from detok_proc.replicas import EngineReplica
 from detok_proc.requests import RequestInvalid, SampleState, check_context, check_request_options
+from detok_proc.routing import Router
 from detok_proc.tokenizing import PromptTokenizer
 from engine_core import protocol
+from engine_core.block_hash import extend_block_hashes
 from engine_core.gguf_model import model_source
 from engine_core.json_limits import depth_message
-from engine_core.lifecycle import ParentLink, Report, Role, init_child_process
+from engine_core.lifecycle import Command, ParentLink, Report, Role, init_child_process
 from engine_core.tokenizer import load_tokenizer
 from engine_core.validation import ParamError, check_token_ids
 from engine_core.zmq_security import CurveConfig
@@ -39,19 +50,33 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 500
 
 
+@dataclass
+class PendingReset:
+    """A /reset_prefix_cache sent to every serving replica, answered once each has answered."""
+
+    client: bytes
+    request_id: str
+    waiting: set[int]  # replicas yet to answer
+    answered: int = 0
+    num_blocks: int = 0
+    failures: list[str] = field(default_factory=list)
+
+
 class DetokProc:
     def __init__(
         self,
         model_dir: str,
         frontend_addrs: list[str],
-        engine_input_addr: str,
-        engine_output_addr: str,
+        engine_addrs: list[tuple[str, str]],
         stall_timeout: float = 30.0,
         tcp_addr: str | None = None,
         curve: CurveConfig | None = None,
         limits: FrontendLimits | None = None,
         model_name: str | None = None,
+        routing: str = "p2c",
+        seed: int = 0,
     ):
+        """`engine_addrs`: each engine replica's (input, output) addresses, which the engines bind."""
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.prompts = PromptTokenizer(self.tokenizer)  # inline, or on its background thread
@@ -65,29 +90,35 @@ class DetokProc:
                 raise ValueError("a tcp:// frontend needs CURVE keys")
             self.auth = curve.serve(self.ctx, router := self.ctx.socket(zmq.ROUTER))
             self.frontends.append(self._router([tcp_addr], router))
-        self.to_engine = self.ctx.socket(zmq.PUSH)
-        self.to_engine.connect(engine_input_addr)
-        self.from_engine = self.ctx.socket(zmq.PULL)
-        self.from_engine.connect(engine_output_addr)
+        self.replicas = [EngineReplica(self.ctx, i, *addrs) for i, addrs in enumerate(engine_addrs)]
+        self.router = Router(routing, seed)
         self.poller = zmq.Poller()
         for router in self.frontends:
             self.poller.register(router, zmq.POLLIN)
-        self.poller.register(self.from_engine, zmq.POLLIN)
+        for replica in self.replicas:
+            self.poller.register(replica.from_engine, zmq.POLLIN)
         self.poller.register(self.prompts.fileno(), zmq.POLLIN)
+        # Commands of the parent arrive on the parent-link thread: queued, and the loop woken by a byte.
+        self.commands: queue.SimpleQueue[tuple[Command, dict]] = queue.SimpleQueue()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        self.poller.register(self._wake_read, zmq.POLLIN)
 
+        # What every replica serves (vocabulary, context length: the smallest any replica reported).
         self.engine: protocol.EngineReady | None = None
-        self.engine_dead: str | None = None
-        self.last_engine_message = time.monotonic()
-        self.stats = protocol.SchedulerStatsMessage(0, 0, 0.0, 0)
         self.samples: dict[str, SampleState] = {}  # engine request id -> its sample
         self.by_client: dict[tuple[bytes, str], list[str]] = {}  # (identity, client id) -> engine ids
         self._ids = itertools.count()
         self._token_texts: dict[int, str] = {}
-        self._pending_resets: dict[str, tuple[bytes, str]] = {}  # engine id -> (client, client's id)
+        self._pending_resets: dict[str, PendingReset] = {}  # engine request id -> the client's reset
         self.stop_requested = False
-        self.on_ready = lambda: None
+        self.on_ready = lambda: None  # once every replica has been ready
+        self._announced_ready = False
+        self.on_stalled = lambda index: None  # a replica stalled (N > 1): the parent kills and restarts it
         self.limits = limits or FrontendLimits()
-        self.metrics = DetokMetrics(model_name or model_dir, lambda: self.stats)
+        self.metrics = DetokMetrics(
+            model_name or model_dir, lambda: [(r.serving, r.stats) for r in self.replicas], len(self.replicas)
+        )
 
     def _router(self, addrs: list[str], router: zmq.Socket | None = None) -> zmq.Socket:
         router = router or self.ctx.socket(zmq.ROUTER)
@@ -104,8 +135,10 @@ class DetokProc:
         except zmq.ZMQError:  # the client is gone (EHOSTUNREACH): stop working for it
             self._abort_client(client)
 
-    def _to_engine(self, message) -> None:
-        self.to_engine.send(protocol.encoder.encode(message), copy=False)
+    def post_command(self, command: Command, info: dict) -> None:
+        """From the parent-link thread: have the loop handle `command` (`_handle_commands`)."""
+        self.commands.put((command, info))
+        os.write(self._wake_write, b"c")
 
     # ---- requests from clients -------------------------------------------------------------------
     def _handle_frontend(self, identity: bytes, frame: bytes) -> None:
@@ -143,8 +176,10 @@ class DetokProc:
                 self._reply(identity, exc.to_message(message.request_id))
                 return
             engine_id = f"reset-{next(self._ids)}"
-            self._pending_resets[engine_id] = (identity, message.request_id)
-            self._to_engine(protocol.ResetPrefixCache(engine_id))
+            serving = [r for r in self.replicas if r.serving]
+            self._pending_resets[engine_id] = PendingReset(identity, message.request_id, {r.index for r in serving})
+            for replica in serving:
+                replica.send(protocol.ResetPrefixCache(engine_id))
 
     def _handle_frontend_safely(self, client: bytes, frame: bytes) -> None:
         """One client's bad luck (a tokenizer error, a malformed buffer) must not end the process."""
@@ -164,11 +199,19 @@ class DetokProc:
         )
 
     def _require_engine(self) -> protocol.EngineReady:
-        if self.engine_dead is not None:
-            raise RequestInvalid(f"the engine has failed: {self.engine_dead}", status=503, code="engine_dead")
-        if self.engine is None:
+        """What the engines serve, while at least one replica serves; else 503."""
+        if self.engine is not None and any(r.serving for r in self.replicas):
+            return self.engine
+        failed = [r for r in self.replicas if r.failure is not None]
+        if not failed:
             raise RequestInvalid("the server is starting; try again shortly", status=503, code="not_ready")
-        return self.engine
+        if len(self.replicas) == 1:
+            message = f"the engine has failed: {failed[0].failure}"
+        else:
+            message = "no engine replica is serving: " + "; ".join(
+                f"engine {r.index}: {r.status(self.stall_timeout)[1]}" for r in self.replicas
+            )
+        raise RequestInvalid(message, status=503, code="engine_dead")
 
     def _start(self, identity: bytes, request: protocol.GenerateRequest) -> None:
         """Check what needs no tokens, then tokenize (inline, or in the background for a long prompt)
@@ -213,6 +256,8 @@ class DetokProc:
         self.limits.cap_max_tokens(params, len(ids), engine.max_model_len)
         check_context(len(ids), params.max_tokens, engine.max_model_len, prompt_param)
         prompt_tokens = protocol.pack_tokens(ids)
+        replica = self._route(ids, request.cache_salt, engine.block_size)  # every sample goes there
+        replica.sent_since_stats += params.n
         engine_ids = self.by_client[key] = []  # registered first, so a failure below can abort them
         for index in range(params.n):
             engine_id = str(next(self._ids))
@@ -227,6 +272,7 @@ class DetokProc:
                 len(ids),
                 frozenset(params.stop_token_ids),
                 params.logprobs,
+                engine=replica.index,
             )
             if request.return_prompt and index == 0:
                 sample.prompt = request.prompt if request.prompt is not None else self.tokenizer.decode(ids)
@@ -234,22 +280,32 @@ class DetokProc:
             sample.timing.arrival = arrival
             self.samples[engine_id] = sample
             engine_ids.append(engine_id)
-            self._to_engine(protocol.AddRequest(engine_id, prompt_tokens, params.for_sample(index), request.cache_salt))
+            replica.send(protocol.AddRequest(engine_id, prompt_tokens, params.for_sample(index), request.cache_salt))
+
+    def _route(self, ids: list[int], cache_salt: str | None, block_size: int) -> EngineReplica:
+        """The replica for a request (routing.py); with one engine, that engine."""
+        if len(self.replicas) == 1:
+            return self.replicas[0]
+        prefix: list[bytes] = []  # its first full block's hash, as the engine's prefix cache keys it
+        extend_block_hashes(prefix, ids[:block_size], block_size, cache_salt)
+        index = self.router.route([r.load() for r in self.replicas], prefix[0] if prefix else None)
+        return self.replicas[index]
 
     def _abort(self, identity: bytes, request_ids: list[str], by_client: bool = False) -> None:
         """Stop the engine work of these requests; `by_client`: the client asked (or vanished), so
         they count as finished by ABORT in the metrics; errors end requests uncounted."""
-        engine_ids = []
+        by_replica: dict[int, list[str]] = defaultdict(list)
         for request_id in request_ids:
             self.prompts.cancel((identity, request_id))
             for engine_id in self.by_client.pop((identity, request_id), []):
                 sample = self.samples.pop(engine_id, None)
                 if sample is not None:
-                    engine_ids.append(engine_id)
+                    by_replica[sample.engine].append(engine_id)
                     if by_client:
                         self.metrics.finished(sample, protocol.FinishReason.ABORT)
-        if engine_ids:
-            self._to_engine(protocol.AbortRequests(engine_ids))
+        for index, engine_ids in by_replica.items():
+            if self.replicas[index].serving:  # (a replica that is down has forgotten them already)
+                self.replicas[index].send(protocol.AbortRequests(engine_ids))
 
     def _abort_client(self, identity: bytes) -> None:
         self._abort(
@@ -258,52 +314,91 @@ class DetokProc:
             by_client=True,
         )
 
-    def _fail_all(self, message: str) -> None:
-        for identity, request_id in [*self.by_client, *self.prompts.pending_keys()]:
+    def _replica_down(self, replica: EngineReplica, reason: str) -> None:
+        """`replica` stopped serving (EngineDead, its process exited, its loop stalled): every request
+        it was running fails now with a 500 (the others' go on), and it gets fresh sockets for the
+        process the launcher restarts (if any)."""
+        if replica.failure is not None:  # already down (EngineDead or a stall, then the launcher saw it exit)
+            replica.failure = f"{replica.failure} ({reason})"
+            return
+        logger.error("engine replica %d is down: %s", replica.index, reason)
+        replica.went_down(reason, self.poller)
+        self.metrics.engine_down(replica.index)
+        failed = {(s.identity, s.client_request_id) for s in self.samples.values() if s.engine == replica.index}
+        message = f"the engine has failed: {reason}"
+        for identity, request_id in failed:
+            for engine_id in self.by_client.pop((identity, request_id), []):
+                self.samples.pop(engine_id, None)
             self._reply(
                 identity,
                 protocol.RequestError(
-                    request_id=request_id, status=503, message=message, error_type="server_error", code="engine_dead"
+                    request_id=request_id, status=500, message=message, error_type="server_error", code="engine_dead"
                 ),
             )
-        for identity, request_id in self._pending_resets.values():
+        for engine_id, reset in list(self._pending_resets.items()):
+            if replica.index in reset.waiting:
+                reset.waiting.discard(replica.index)
+                reset.failures.append(message)
+                self._reset_answered(engine_id, reset)
+
+    def _reset_answered(self, engine_id: str, reset: PendingReset) -> None:
+        """Answer a reset once no replica is left to answer: the blocks every replica that answered
+        dropped (a replica that went down meanwhile has no cache left), or 503 if none answered."""
+        if reset.waiting:
+            return
+        del self._pending_resets[engine_id]
+        if reset.answered:
+            self._reply(reset.client, protocol.PrefixCacheResetResult(reset.request_id, reset.num_blocks))
+        else:
             self._reply(
-                identity,
+                reset.client,
                 protocol.RequestError(
-                    request_id=request_id, status=503, message=message, error_type="server_error", code="engine_dead"
+                    request_id=reset.request_id,
+                    status=503,
+                    message=reset.failures[0] if reset.failures else "no engine replica is serving",
+                    error_type="server_error",
+                    code="engine_dead",
                 ),
             )
-        self._pending_resets.clear()
-        for key in self.prompts.pending_keys():
-            self.prompts.cancel(key)
-        self.by_client.clear()
-        self.samples.clear()
 
     def _health(self, request_id: str) -> protocol.HealthReport:
-        silence = time.monotonic() - self.last_engine_message
-        ready = self.engine is not None
-        if self.engine_dead is not None:
-            healthy, message = False, f"engine failed: {self.engine_dead}"
-        elif not ready:
-            healthy, message = False, "starting: the engine is loading the model"
-        elif silence > self.stall_timeout:
-            healthy, message = False, f"engine loop stalled: no progress for {silence:.0f}s"
+        """One engine: its state. Several: healthy while any replica serves, degraded while another
+        does not (down, restarting, stalled or still starting)."""
+        now = time.monotonic()
+        engines = [r.health(self.stall_timeout) for r in self.replicas]
+        ok = [e for e in engines if e.state == "ok"]
+        if len(engines) == 1:
+            healthy, degraded, message = bool(ok), False, engines[0].message
+        elif not ok:
+            healthy, degraded = False, False
+            message = "no engine replica is serving: " + "; ".join(f"engine {e.index}: {e.message}" for e in engines)
+        elif len(ok) < len(engines):
+            healthy, degraded = True, True
+            message = f"degraded: {len(ok)} of {len(engines)} engine replicas serving; " + "; ".join(
+                f"engine {e.index}: {e.message}" for e in engines if e.state != "ok"
+            )
         else:
-            healthy, message = True, "ok"
-        s = self.stats
+            healthy, degraded, message = True, False, "ok"
+        # The watchdog's measure (api_proc/sd_notify.py): the longest silence of a serving replica.
+        serving = [r for r in self.replicas if r.serving] or self.replicas
+        silence = max(now - r.last_message for r in serving)
+        ready = self.engine is not None
+        usages = [e.kv_cache_usage for e, r in zip(engines, self.replicas, strict=True) if r.serving]
         return protocol.HealthReport(
             request_id=request_id,
             ready=ready,
             healthy=healthy,
             message=message,
             model=model_source(self.model_dir),  # a GGUF's file, not the directory made from it
-            max_model_len=self.engine.max_model_len if ready else 0,
+            max_model_len=self.engine.max_model_len if self.engine is not None else 0,
             seconds_since_engine_progress=silence,
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            kv_cache_usage=s.kv_cache_usage,
+            num_running=sum(e.num_running for e in engines),
+            num_waiting=sum(e.num_waiting for e in engines),
+            kv_cache_usage=sum(usages) / len(usages) if usages else 0.0,
             quantization=self.engine.quantization if self.engine is not None else None,
             weight_bytes=self.engine.weight_bytes if self.engine is not None else 0,
+            degraded=degraded,
+            engines=engines,
         )
 
     def _tokenize(self, identity: bytes, request: protocol.TokenizeRequest) -> None:
@@ -344,28 +439,68 @@ class DetokProc:
         except RequestInvalid as exc:
             self._reply(identity, exc.to_message(request.request_id))
 
-    # ---- outputs from the engine -----------------------------------------------------------------
-    def _handle_engine(self, frame: bytes) -> None:
+    # ---- outputs from the engines ----------------------------------------------------------------
+    def _handle_engine(self, replica: EngineReplica, frame: bytes) -> None:
         message = protocol.output_decoder.decode(frame)
-        self.last_engine_message = time.monotonic()
+        if isinstance(message, protocol.EngineReady):
+            self._engine_ready(replica, message)
+            return
+        if replica.failure is not None:  # what a process that is down said last (a stalled one waking)
+            return
+        replica.heard()
         if isinstance(message, protocol.StepOutputs):
-            self.stats = message.stats
-            self._route(message.deltas)
+            replica.got_stats(message.stats)
+            self._deliver(replica, message.deltas)
         elif isinstance(message, protocol.RequestRejected):
             self._rejected(message)
-        elif isinstance(message, protocol.EngineReady):
-            self.engine = message
-            self.metrics.engine_ready(message)
-            self.on_ready()
         elif isinstance(message, protocol.PrefixCacheReset):
-            client, request_id = self._pending_resets.pop(message.request_id, (None, ""))
-            if client is not None:
-                self._reply(client, protocol.PrefixCacheResetResult(request_id, message.num_blocks))
+            reset = self._pending_resets.get(message.request_id)
+            if reset is not None and replica.index in reset.waiting:
+                reset.waiting.discard(replica.index)
+                reset.answered += 1
+                reset.num_blocks += message.num_blocks
+                self._reset_answered(message.request_id, reset)
         elif isinstance(message, protocol.EngineDead):
-            self.engine_dead = message.message
-            self._fail_all(f"the engine has failed: {message.message}")
+            self._replica_down(replica, message.message)
 
-    def _route(self, deltas: list[protocol.RequestDelta]) -> None:
+    def _engine_ready(self, replica: EngineReplica, message: protocol.EngineReady) -> None:
+        if replica.ever_ready:
+            logger.info("engine replica %d is serving again (pid %d)", replica.index, message.pid)
+        replica.became_ready(message)
+        replica.heard()
+        if self.engine is None or message.max_model_len < self.engine.max_model_len:
+            self.engine = message
+        self.metrics.engine_ready(replica.index, message)
+        if not self._announced_ready and all(r.ever_ready for r in self.replicas):
+            self._announced_ready = True
+            self.on_ready()
+
+    def _handle_commands(self) -> None:
+        """The parent's news about engine replicas (Command.REPLICA_DOWN), in the loop's thread."""
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_read, 4096)
+        while True:
+            try:
+                command, info = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is Command.REPLICA_DOWN:
+                replica = self.replicas[info["index"]]
+                self._replica_down(replica, info["message"])
+                replica.restarting = bool(info["restarting"])
+
+    def _check_stalls(self) -> None:
+        """With several replicas, one whose loop has been silent for the stall timeout is down: its
+        requests fail, and the parent kills and restarts it. (One engine only turns /health 503, as
+        the server has nothing else to serve with.)"""
+        if len(self.replicas) == 1:
+            return
+        for replica in self.replicas:
+            if replica.serving and replica.status(self.stall_timeout)[0] == "stalled":
+                self._replica_down(replica, replica.status(self.stall_timeout)[1])
+                self.on_stalled(replica.index)
+
+    def _deliver(self, replica: EngineReplica, deltas: list[protocol.RequestDelta]) -> None:
         outgoing: dict[bytes, list[protocol.GenerateDelta]] = defaultdict(list)
         stopped = []
         for delta in deltas:
@@ -396,7 +531,7 @@ class DetokProc:
                 if not delta.finished:  # ended here by a stop string: the engine must stop too
                     stopped.append(delta.request_id)
         if stopped:
-            self._to_engine(protocol.AbortRequests(stopped))
+            replica.send(protocol.AbortRequests(stopped))
         for identity, outs in outgoing.items():
             self._reply(identity, protocol.GenerateOutputs(outs))
 
@@ -429,14 +564,9 @@ class DetokProc:
             for socket, _ in self.poller.poll(_POLL_MS):
                 if socket == self.prompts.fileno():
                     self._background_done()
-                elif socket is self.from_engine:
-                    while True:
-                        try:
-                            frame = self.from_engine.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._handle_engine(frame)
-                else:
+                elif socket == self._wake_read:
+                    self._handle_commands()
+                elif socket in self.frontends:
                     prefix = bytes([self.frontends.index(socket)])
                     while True:
                         try:
@@ -444,13 +574,26 @@ class DetokProc:
                         except zmq.Again:
                             break
                         self._handle_frontend_safely(prefix + identity, frame)
+                else:  # an engine's output (unless that replica went down since the poll)
+                    replica = next((r for r in self.replicas if r.from_engine is socket), None)
+                    while replica is not None and replica.from_engine is socket:  # (replaced when it goes down)
+                        try:
+                            frame = socket.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle_engine(replica, frame)
+            self._check_stalls()
 
     def close(self) -> None:
         self.prompts.close()
         if self.auth is not None:
             self.auth.stop()
-        for socket in (*self.frontends, self.to_engine, self.from_engine):
+        for socket in self.frontends:
             socket.close(linger=0)
+        for replica in self.replicas:
+            replica.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         self.ctx.term()
         for path in self.ipc_files:  # ZeroMQ leaves bound ipc socket files behind
             with contextlib.suppress(OSError):
@@ -469,8 +612,7 @@ def _peek_request_id(frame: bytes) -> str:
 def run_detok(
     model_dir: str,
     frontend_addrs: list[str],
-    engine_input_addr: str,
-    engine_output_addr: str,
+    engine_addrs: list[tuple[str, str]],
     stall_timeout: float = 30.0,
     tcp_addr: str | None = None,
     curve: CurveConfig | None = None,
@@ -478,32 +620,43 @@ def run_detok(
     runtime_dir: str | None = None,
     limits: FrontendLimits | None = None,
     model_name: str | None = None,
+    routing: str = "p2c",
+    seed: int = 0,
 ) -> None:
-    """Process entry point; exits 0 on SIGTERM/SIGINT or the parent's "stop"."""
+    """Process entry point; exits 0 on SIGTERM/SIGINT or the parent's "stop". `engine_addrs`: each
+    engine replica's (input, output) addresses."""
     init_child_process(Role.DETOK.process_name())
     started = time.monotonic()
     proc = DetokProc(
         model_dir,
         frontend_addrs,
-        engine_input_addr,
-        engine_output_addr,
+        engine_addrs,
         stall_timeout,
         tcp_addr,
         curve,
         limits,
         model_name,
+        routing,
+        seed,
     )
     link = ParentLink(parent_conn, runtime_dir, proc.ipc_files) if parent_conn is not None else None
 
     def request_stop(*_):
         proc.stop_requested = True
 
+    def on_command(command: Command, info: dict) -> None:
+        if command is Command.STOP:
+            request_stop()
+        else:
+            proc.post_command(command, info)
+
     handler = request_stop if link is None else signal.SIG_IGN  # under a parent, the parent decides
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     if link is not None:
-        link.watch(lambda command: request_stop())
+        link.watch(on_command)
         proc.on_ready = lambda: link.send(Report.READY, seconds=round(time.monotonic() - started, 2))
+        proc.on_stalled = lambda index: link.send(Report.REPLICA_STALLED, index=index)
     logger.info(
         "tokenizer process %d serving %s", os.getpid(), ", ".join(frontend_addrs + ([tcp_addr] if tcp_addr else []))
     )

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine_core.cpu_binding import check_spec as check_cpu_spec
 from engine_core.quantization import CHOICES as QUANTIZATION_CHOICES
 
 if TYPE_CHECKING:  # torch is imported lazily: the server's parent and frontends never load it
@@ -65,6 +66,10 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (per rank); default = torch's choice
     tensor_parallel_size: int = 1  # ranks the model is split over (docs/parallel.md)
+    data_parallel_rank: int = 0  # which replica this engine is: on CUDA its GPUs start at this x tensor_parallel_size
+    # CPU cores per engine process (engine_core/cpu_binding.py): "auto", "none" or "0-3|4-7"; one
+    # process (no data or tensor parallelism) is pinned only by an explicit group.
+    cpu_threads_bind: str = "auto"
 
     def __post_init__(self):
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -81,13 +86,17 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
+        check_cpu_spec(self.cpu_threads_bind)
 
     def torch_device(self) -> torch.device:
         import torch
 
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
+        device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        )
+        if device.type == "cuda" and self.data_parallel_rank:  # each replica on GPUs of its own
+            device = torch.device("cuda", (device.index or 0) + self.data_parallel_rank * self.tensor_parallel_size)
+        return device
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -195,6 +204,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "and rows and of the KV cache: one GPU each on CUDA (NCCL), an equal share of the cores on the CPU "
         "(gloo); docs/parallel.md",
     )
+    g.add_argument(
+        "--cpu-threads-bind",
+        default="auto",
+        metavar="SPEC",
+        help="CPU cores of each engine process: auto = the machine's cores divided evenly among them (no "
+        "pinning with one process); none = no pinning; '0-3|4-7' = one group per process "
+        "(e.g. per --data-parallel-size replica), which then uses one torch thread per core",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -218,4 +235,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        cpu_threads_bind=args.cpu_threads_bind,
     )

@@ -144,15 +144,17 @@ def run_engine_core(
     output_addr: str,
     parent_conn: Connection | None = None,
     runtime_dir: str | None = None,
+    replica: int | None = None,
 ) -> None:
     """Process entry point. Exits 0 on Shutdown, SIGTERM/SIGINT or the parent's "stop"; 1 after
     reporting EngineDead. With `parent_conn` (under `pagoda serve`) it reports "ready" to the parent
-    after loading and warming up, and exits as soon as the parent is gone."""
-    init_child_process(Role.ENGINE.process_name())
+    after loading and warming up, and exits as soon as the parent is gone. `replica`: its index under
+    data parallelism (named pagoda-engine<index>; its CPU cores are in `config.cpu_threads_bind`)."""
+    init_child_process(Role.ENGINE.process_name(replica))
     proc = EngineCoreProc(input_addr, output_addr)
     link = ParentLink(parent_conn, runtime_dir) if parent_conn is not None else None
     if link is not None:
-        link.watch(lambda command: setattr(proc, "stop_requested", True))
+        link.watch(lambda command, info: setattr(proc, "stop_requested", True))
 
     def request_stop(signum, frame):  # only a flag: the loop notices within one idle poll
         proc.stop_requested = True

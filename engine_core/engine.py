@@ -14,6 +14,8 @@ import weakref
 import torch
 
 from engine_core.config import EngineConfig
+from engine_core.cpu_binding import assign as assign_cores
+from engine_core.cpu_binding import bind as bind_cores
 from engine_core.kv_cache import KVCacheManager
 from engine_core.loader import resolve_model
 from engine_core.model_config import ModelConfig
@@ -33,7 +35,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         started = time.monotonic()
         self.config = config
-        if config.num_threads:
+        cores = assign_cores(config.cpu_threads_bind, 1)  # a replica gets its own group from the launcher
+        if cores is not None:
+            bind_cores(cores[0], config.num_threads)
+        elif config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         self.model_dir = resolve_model(config.model)

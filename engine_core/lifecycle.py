@@ -33,8 +33,9 @@ class Role(str, enum.Enum):
     DETOK = "detok"
     API = "api"
 
-    def process_name(self) -> str:
-        return f"pagoda-{self.value}"
+    def process_name(self, index: int | None = None) -> str:
+        """ "pagoda-engine"; a data-parallel replica's adds its index ("pagoda-engine1", 15 bytes at most)."""
+        return f"pagoda-{self.value}" if index is None else f"pagoda-{self.value}{index}"
 
 
 class Command(str, enum.Enum):
@@ -44,6 +45,9 @@ class Command(str, enum.Enum):
     DRAIN = "drain"  # API workers: accept nothing new, finish in-flight requests, exit 0
     FAIL = "fail"  # API workers: a sibling died; end in-flight requests with an error, exit 1
     STOP = "stop"  # engine and tokenizer process: exit now
+    # Tokenizer process: an engine replica's process has exited (info: index, restarting, message);
+    # its requests fail now, and it is not sent any until its restarted process reports ready.
+    REPLICA_DOWN = "replica_down"
 
 
 class Report(str, enum.Enum):
@@ -51,6 +55,7 @@ class Report(str, enum.Enum):
 
     READY = "ready"  # started (model loaded, sockets bound)
     SERVING = "serving"  # an API worker's /health answers 200 now
+    REPLICA_STALLED = "replica_stalled"  # tokenizer process: kill (and restart) engine replica `index`
 
 
 _PR_SET_PDEATHSIG = 1
@@ -109,19 +114,19 @@ class ParentLink:
             except OSError:  # the parent is gone; the watcher thread handles that
                 pass
 
-    def watch(self, on_command: Callable[[Command], None]) -> None:
-        """Start a daemon thread that passes each command to `on_command` (from that thread) and
-        exits the process when the parent goes away."""
+    def watch(self, on_command: Callable[[Command, dict], None]) -> None:
+        """Start a daemon thread that passes each command and its info to `on_command` (from that
+        thread) and exits the process when the parent goes away."""
         threading.Thread(target=self._watch, args=(on_command,), name="parent-link", daemon=True).start()
 
-    def _watch(self, on_command: Callable[[Command], None]) -> None:
+    def _watch(self, on_command: Callable[[Command, dict], None]) -> None:
         while True:
             try:
-                kind, _ = msgspec.msgpack.decode(self.conn.recv_bytes())
+                kind, info = msgspec.msgpack.decode(self.conn.recv_bytes())
             except (EOFError, OSError):
                 self.orphaned()
                 return
-            on_command(Command(kind))
+            on_command(Command(kind), info)
 
     def orphaned(self) -> None:
         """The parent died without stopping us: remove what it would have removed, and exit now."""
@@ -141,9 +146,9 @@ class ChildLink:
         self.name = name
         self.conn = conn
 
-    def send(self, kind: Command) -> None:
+    def send(self, kind: Command, **info) -> None:
         try:
-            self.conn.send_bytes(msgspec.msgpack.encode([kind, {}]))
+            self.conn.send_bytes(msgspec.msgpack.encode([kind, info]))
         except OSError:
             pass  # the child is gone; the process monitor notices
 

@@ -369,10 +369,21 @@ class DetokenizeResult(msgspec.Struct, tag="detokenized"):
     text: str
 
 
+class EngineHealth(msgspec.Struct, kw_only=True):
+    """One engine replica (`--data-parallel-size`) in a HealthReport."""
+
+    index: int
+    state: str  # "ok", "starting", "stalled", "restarting" (down, being restarted) or "down" (for good)
+    message: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+
 class HealthReport(msgspec.Struct, tag="health", kw_only=True):
     request_id: str
-    ready: bool  # the engine reported ready (model loaded, KV cache allocated, warm-up step run)
-    healthy: bool  # ready, alive and making progress
+    ready: bool  # an engine reported ready (model loaded, KV cache allocated, warm-up step run)
+    healthy: bool  # an engine is ready, alive and making progress: requests are served
     message: str
     model: str  # the served model's directory
     max_model_len: int
@@ -382,6 +393,8 @@ class HealthReport(msgspec.Struct, tag="health", kw_only=True):
     kv_cache_usage: float
     quantization: str | None = None  # the engine's, once ready (EngineReady)
     weight_bytes: int = 0
+    degraded: bool = False  # healthy, but some engine replica is not serving (data parallel)
+    engines: list[EngineHealth] = []  # each replica (data parallel; one entry with a single engine)
 
 
 class PrefixCacheResetResult(msgspec.Struct, tag="prefix_cache_reset"):

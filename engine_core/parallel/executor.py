@@ -46,11 +46,11 @@ class WorkerDied(RuntimeError):
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config rank `rank` runs with: on CUDA each rank has its own GPU (cuda:rank, counted from the
-    one --device names)."""
+    replica's first: the one --device names, offset by the data-parallel rank)."""
     device = config.torch_device()
     if device.type != "cuda":
         return config
-    return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + rank}")
+    return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + rank}", data_parallel_rank=0)
 
 
 @dataclass
