@@ -50,7 +50,7 @@ def run_tp_worker(
     `shm_path`, if given); `ring_spec` is the msgpack of the ring's RingSpec."""
     init_child_process(f"pagoda-tp{rank}")
     link = ParentLink(parent_conn, runtime_dir)
-    link.watch(lambda command: None)  # (no commands: rank 0 speaks through the ring)
+    link.watch(lambda command, info: None)  # (no commands: rank 0 speaks through the ring)
     # A parent-death SIGTERM cleans up like a closed pipe; Ctrl-C goes to the whole process group, and
     # rank 0 decides when its workers stop.
     signal.signal(signal.SIGTERM, lambda signum, frame: link.orphaned())
