@@ -20,7 +20,7 @@ import pytest
 from api_proc.bench.local_server import MODEL_NAME, PagodaServer, alive, http, process_names, wait_until
 from api_proc.client import EngineClient
 from engine_core.sampling_params import SamplingParams
-from tests.api_proc.test_metrics import Scrape, delta, scrape_until
+from tests.metrics_scrape import Scrape, delta, scrape_until
 
 ENGINES = ("0", "1")
 
