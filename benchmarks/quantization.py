@@ -17,7 +17,7 @@ the same Q4_1 file and the fp32 weights with the same prompt (n_threads as --thr
   model runs;
 - C int8 / C int4: `kernels.quantized_linear` on weights quantized the way `--quantization int8|int4`
   does at load (int8 per channel symmetric; int4 groups of 32 with scale and min); the path the
-  kernel takes is printed at the end of the row (fused / strips / int8 activations / tiles, see
+  kernel takes is printed at the end of the row (fused / batch / int8 activations / tiles, see
   kernels/cpu/__init__.py);
 - torch int8 / torch int4: torch's own `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` on the same
   integers, where this torch build runs them.

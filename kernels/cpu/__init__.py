@@ -55,8 +55,9 @@ _SIGNATURES = {
     "quantized_linear_q8_f32": [_POINTER] * 7 + [_I64] * 10,  # only where the CPU has VNNI
     "quantized_q8_unit": [],
     "quantized_q8_workspace": [_I64] * 5,
+    "quantized_batch_workspace": [_I64] * 3,
 }
-_RESULTS = {"quantized_q8_unit": _I64, "quantized_q8_workspace": _I64}  # the functions that return a value
+_RESULTS = {"quantized_q8_unit": _I64, "quantized_q8_workspace": _I64, "quantized_batch_workspace": _I64}
 _lib: dict[str, Callable[..., None]] = {}  # C function name -> the ctypes function
 _failed = False
 build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # kernels.configure sets it
@@ -250,22 +251,27 @@ def reshape_and_cache(
 
 
 # Which way a quantized linear runs (`path`), by its number of input rows M; crossovers measured on
-# SmolLM2's shapes with benchmarks/quantization.py, the C paths described in quantized_matmul.c:
-# - "fused" (few rows): every weight block widened to floats in registers, once per tile of input rows;
-# - "strips": each thread dequantizes a strip of weight rows into a workspace that stays in L2 and
-#   multiplies all input rows against it (4-bit blocks cost more to widen: strips pay off sooner);
+# SmolLM2's shapes (one thread, against each other and fp32 in the same run), the C paths described in
+# quantized_matmul.c:
+# - "fused" (1-2 rows; 8-bit: 1-3): every weight block widened in registers once per tile of input
+#   rows, scales applied per group; 2-2.6x the fp32 matmul at one row (it reads 1/4-1/8 of the bytes);
+# - "batch" (batched decode, from _BATCH_ROWS): register tiles of 6 input rows x 3 weight rows, each
+#   weight vector widened and scaled in registers once for the tile's input rows. At 8-16 rows, 1.0-1.3x
+#   fp32 for 8-bit weights (per channel: scaled once per output) and 0.95-1.15x for 4-bit groups of 32;
+#   up to 64-128 rows it still beats dequantizing for oneDNN;
 # - "int8" (where the CPU has VNNI and `int8_activations` is on), from 2 rows on: input rows quantized
 #   to int8 per row, integer dot products. 8-bit weights: 1.5-2.5x the fp32 matmul's speed here at any
-#   row count. 4-bit weights in groups of 128 columns: ~1.4x the float strips at any row count; in
-#   groups of 64: ~1.1-1.3x below _INT4_G64_ROWS, slower beyond (the per-group float work eats the
-#   gain); other groups: float. One row (single-stream decode) always keeps float activations;
-# - "tiles" (prefill): _TILE_FLOATS of dequantized weight at a time, multiplied by oneDNN (this
-#   machine's fastest float32 matmul, 2x MKL's here) into the output columns of that tile.
-_STRIP_ROWS = {4: 8, 8: 32}
+#   row count. 4-bit weights in groups of 128 columns: ~1.4x the float path at any row count; in groups
+#   of 64: ~1.1-1.3x below _INT4_G64_ROWS, slower beyond (the per-group float work eats the gain); other
+#   groups: float. One row (single-stream decode) always keeps float activations. (These ratios were
+#   measured against the float path before "batch" replaced its dequantized strips, which were
+#   1.1-1.3x slower than "batch" at 8-16 rows.);
+# - "tiles" (prefill, from _ONEDNN_ROWS): _TILE_FLOATS of dequantized weight at a time, multiplied by
+#   oneDNN (this machine's fastest float32 matmul, 2x MKL's here) into the output columns of that tile:
+#   its cache blocking wins once the input rows no longer fit the caches beside the weight tile.
+_BATCH_ROWS = {4: 3, 8: 4}
 _INT4_G64_ROWS = 32  # 4-bit weights in 64-column groups: from here on, the float paths are faster
-_ONEDNN_ROWS = 64
-_STRIP_FLOATS = 1 << 14  # 64 KiB of dequantized weight per thread
-_STRIP_ALIGN = 4  # strips are whole register tiles (NR_MAX in quantized_matmul.c)
+_ONEDNN_ROWS = {4: 128, 8: 256}
 _TILE_FLOATS = 1 << 17  # 512 KiB of dequantized weight per oneDNN tile
 _THREADED_WORK = 1 << 16  # multiply-adds below which one thread is faster than waking the others
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -290,12 +296,12 @@ def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
 
 
 def path(lib, rows: int, packed: PackedWeight) -> str:
-    """How `rows` input rows go through `packed` with `lib`: "fused", "strips", "int8" or "tiles"."""
+    """How `rows` input rows go through `packed` with `lib`: "fused", "batch", "int8" or "tiles"."""
     if rows >= 2 and _int8_activations_pay(lib, rows, packed):
         return "int8"
-    if rows >= _ONEDNN_ROWS:
+    if rows >= _ONEDNN_ROWS[packed.bits]:
         return "tiles"
-    return "fused" if rows < _STRIP_ROWS[packed.bits] else "strips"
+    return "fused" if rows < _BATCH_ROWS[packed.bits] else "batch"
 
 
 def _int8_activations_pay(lib, rows: int, packed: PackedWeight) -> bool:
@@ -368,13 +374,13 @@ def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Te
             rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, threads, mins_f32
         )
     else:
-        if way == "fused":  # workspace: the group sums of x
-            strip_rows, workspace = 0, _scratch(m * packed.num_groups)
-        else:  # workspace: each thread's dequantized strip
-            strip_rows = max(_STRIP_ALIGN, _STRIP_FLOATS // kp // _STRIP_ALIGN * _STRIP_ALIGN)
-            workspace = _scratch(threads * strip_rows * kp)
+        batched = int(way == "batch")
+        if batched:  # workspace: each thread's output buffer and its chunk's scales and offsets
+            workspace = _scratch(lib["quantized_batch_workspace"](m, packed.num_groups, threads))
+        else:  # workspace: the group sums of x
+            workspace = _scratch(m * packed.num_groups)
         lib["quantized_linear_f32"](
-            rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, strip_rows, threads, mins_f32
+            rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, batched, threads, mins_f32
         )
     return out.reshape(*x.shape[:-1], n)
 

@@ -11,10 +11,11 @@
  *   in registers (the stored integers, converted exactly) and multiplied into the input row; a group's
  *   sum is scaled once at the group's end, and the mins enter as min[n, g] * sum(x over group g), so they
  *   cost nothing per element. Bound by the widening work (1 or 0.5 byte of weight per multiply-add).
- * - strips (several input rows). Each thread dequantizes a strip of weight rows (scale and min applied)
- *   into its own workspace, which stays in L2, and runs a plain float32 register tile (MR input rows x NR
- *   weight rows of dot products) over it for every input row: the widening is paid once per strip, not
- *   once per input row, and the group bookkeeping leaves the inner loop.
+ * - batch (several input rows: batched decode). Register tiles of MR input rows x NR weight rows: each
+ *   weight vector is widened and scaled in registers (w = scale * stored + offset, one FMA per vector)
+ *   and multiplied into all MR input rows, so its cost is shared by MR rows, and it never goes through
+ *   memory (a dequantized copy written out and read back cost as much as the multiply-adds at 8-16
+ *   rows). Measured at 65-90 % of the FMA units' peak on SmolLM2's shapes (the rest: widening, scaling).
  * - int8 activations (batches, where the CPU has VNNI): the input rows quantized to int8, integer dot
  *   products (W8A8 / W4A8; see the section further down for its layout and its error).
  * For prefill sizes kernels/cpu/__init__.py also dequantizes tiles with `quantized_dequantize_f32` and
@@ -110,9 +111,8 @@ static inline __m128 load_first(const float *p, int count) {
 #define BLOCK 32
 #define FUSED_MR 4 /* fused tiles: up to 4 input rows x 8 weight rows (fused_nr() below) */
 #define FUSED_NR 8
-#define MR_MAX 4   /* register tile of the strip path: up to 4 input rows x 4 weight rows */
-#define NR_MAX 4
 #define INLINE static inline __attribute__((always_inline))
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 typedef struct {
     const float *x;             /* [M, Kp] row stride ldx, zero in columns K..Kp */
@@ -256,65 +256,165 @@ static void fused(const Problem *p, int64_t m0, int64_t n0, int mr, int nr) {
     (p->bits == 4 ? FUSED4 : FUSED8)[mr - 1][nr - 1](p, m0, n0);
 }
 
-/* Weight rows [n0, n0 + rows) as floats, scale and min applied, into w [rows, Kp] (row stride Kp). */
-static void dequantize_rows(const Problem *p, int64_t n0, int64_t rows, float *w) {
+/* Weight rows [n0, n0 + rows) as floats, scale and min applied, into w [rows, Kp] (row stride Kp).
+ * Everything the loops use is read into locals first: through `p`, the compiler reloads the fields after
+ * every store into w (it cannot rule out that they alias), which doubled the cost of this loop. */
+INLINE void dequantize_rows_bits(const Problem *p, int64_t n0, int64_t rows, float *restrict w, const int BITS) {
+    const int64_t Kp = p->Kp, G = p->G, blocks = Kp / BLOCK, per_group = p->group / BLOCK;
+    const int64_t stride = BITS == 4 ? Kp / 2 : Kp;
+    float scale[G], offset[G]; /* one row's, as floats: converted in one vectorizable pass */
     for (int64_t r = 0; r < rows; r++) {
         const int64_t n = n0 + r;
-        const uint8_t *row = p->data + n * row_bytes(p);
-        float *dst = w + r * p->Kp;
-        for (int64_t g = 0; g < p->G; g++) {
-            const vf s = vset1(scale_of(p, n, g)), mn = vset1(offset_of(p, n, g));
-            for (int64_t b = g * p->group / BLOCK; b < group_end(p, g) / BLOCK; b++) {
+        const uint8_t *restrict row = p->data + n * stride;
+        float *restrict dst = w + r * Kp;
+        for (int64_t g = 0; g < G; g++) scale[g] = scale_of(p, n, g);
+        for (int64_t g = 0; g < G; g++) offset[g] = offset_of(p, n, g);
+        for (int64_t g = 0, b = 0; g < G; g++) {
+            const vf s = vset1(scale[g]), mn = vset1(offset[g]);
+            const int64_t last = b + per_group < blocks ? b + per_group : blocks;
+            for (; b < last; b++) {
                 vf v[BLOCK / QL_VL];
-                if (p->bits == 4)
-                    widen(row, b, 4, v);
-                else
-                    widen(row, b, 8, v);
+                widen(row, b, BITS, v);
                 for (int i = 0; i < BLOCK / QL_VL; i++) vstore(dst + b * BLOCK + QL_VL * i, vfma(v[i], s, mn));
             }
         }
     }
 }
 
-/* out[m0 .. m0+MR, n0 .. n0+NR] from dequantized weight rows w (row n0 first, row stride Kp). */
-INLINE void dense_tile(const Problem *p, const float *w, int64_t m0, int64_t n0, const int MR, const int NR) {
-    vf acc[MR_MAX][NR_MAX];
+static void dequantize_rows(const Problem *p, int64_t n0, int64_t rows, float *w) {
+    if (p->bits == 4)
+        dequantize_rows_bits(p, n0, rows, w, 4);
+    else
+        dequantize_rows_bits(p, n0, rows, w, 8);
+}
+
+/* Batched rows: out[m, n] for weight rows [n0, n0 + NR) and input rows [m0, m0 + MR), into buf (row
+ * stride ldb). Each weight vector is widened and scaled in registers (w = scale * stored + offset: one
+ * FMA per 16 weights, shared by the MR input rows) and multiplied into MR input rows; each input vector
+ * is loaded once for the NR weight rows. scale, offset: [NR][G] floats of these weight rows.
+ * MR x NR = 6 x 3 with AVX-512 (18 sums, 6 weight vectors, 6 scale/offset vectors and one input vector in
+ * the 32 registers), measured the fastest of 4-12 x 2-4 on SmolLM2's shapes; 4 x 1 with AVX2's 16. */
+#define BATCH_MR (QL_VL == 16 ? 6 : 4)
+#define BATCH_NR (QL_VL == 16 ? 3 : 1)
+#define BATCH_MR_MAX 6 /* the tile functions generated below: 1..6 x 1..3 */
+#define BATCH_NR_MAX 3
+#define BATCH_COLS 32 /* weight rows per chunk: one thread's unit of work, its outputs buffered */
+
+INLINE void batch_tile(const Problem *p, const float *restrict scale, const float *restrict offset, int64_t m0,
+                       int64_t n0, float *restrict buf, int64_t ldb, const int MR, const int NR, const int BITS,
+                       const int PER_ROW) {
+    const int64_t Kp = p->Kp, G = p->G, blocks = Kp / BLOCK, per_group = p->group / BLOCK, ldx = p->ldx;
+    const int64_t stride = BITS == 4 ? Kp / 2 : Kp;
+    const uint8_t *rows[BATCH_NR_MAX];
+    for (int n = 0; n < NR; n++) rows[n] = p->data + (n0 + n) * stride;
+    const float *restrict x = p->x + m0 * ldx;
+    vf acc[BATCH_MR_MAX][BATCH_NR_MAX];
     for (int m = 0; m < MR; m++)
         for (int n = 0; n < NR; n++) acc[m][n] = vzero();
-    for (int64_t k = 0; k < p->Kp; k += QL_VL) {
-        vf wv[NR_MAX];
-        for (int n = 0; n < NR; n++) wv[n] = vload(w + n * p->Kp + k);
-        for (int m = 0; m < MR; m++) {
-            const vf xv = vload(p->x + (m0 + m) * p->ldx + k);
-            for (int n = 0; n < NR; n++) acc[m][n] = vfma(wv[n], xv, acc[m][n]);
+    /* 4 bits with AVX-512: the 16 values a nibble can stand for in a group, scale * q + offset, are one
+     * vector (a table, one FMA per group); vpermps looks each nibble up in it (it reads an index's low 4
+     * bits, so the low nibbles need no mask). This replaces a conversion and an FMA per 16 weights
+     * with one permute, which runs beside the FMAs: the same values, rounded once, as fma(q, s, o). */
+    const int TABLE = BITS == 4 && QL_VL == 16 && !PER_ROW;
+    for (int64_t g = 0, b = 0; g < G; g++) {
+        vf s[BATCH_NR_MAX], mn[BATCH_NR_MAX];
+        for (int n = 0; n < NR; n++) s[n] = vset1(scale[n * G + g]), mn[n] = vset1(offset[n * G + g]);
+#if QL_VL == 16
+        if (TABLE) {
+            const vf iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+            for (int n = 0; n < NR; n++) s[n] = vfma(iota, s[n], mn[n]); /* s[n] is now row n's table */
+        }
+#endif
+        const int64_t last = min64(b + per_group, blocks);
+        for (; b < last; b++) {
+            vf w[BATCH_NR_MAX][BLOCK / QL_VL];
+            for (int n = 0; n < NR; n++) {
+#if QL_VL == 16
+                if (TABLE) {
+                    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(rows[n] + b * (BLOCK / 2))));
+                    w[n][0] = _mm512_permutexvar_ps(bytes, s[n]);                        /* columns 0..15 */
+                    w[n][1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), s[n]);  /* 16..31 */
+                    continue;
+                }
+#endif
+                widen(rows[n], b, BITS, w[n]);
+                if (!PER_ROW)
+                    for (int i = 0; i < BLOCK / QL_VL; i++) w[n][i] = vfma(w[n][i], s[n], mn[n]);
+            }
+            for (int m = 0; m < MR; m++)
+                for (int i = 0; i < BLOCK / QL_VL; i++) {
+                    vf xv = vload(x + m * ldx + b * BLOCK + QL_VL * i);
+                    /* Kept in a register: GCC would otherwise fold this load into each of the NR FMAs,
+                     * and the loads, not the FMAs, would bound the loop (1.5x slower, measured). */
+                    __asm__("" : "+v"(xv));
+                    for (int n = 0; n < NR; n++) acc[m][n] = vfma(w[n][i], xv, acc[m][n]);
+                }
         }
     }
-    const __m128 b = load_first(p->bias ? p->bias + n0 : NULL, NR);
+    /* PER_ROW (one group per row): the stored integers' sums, scaled once here, and the offsets' term
+     * offset * sum(x) from the rows' sums of x (p->xsums), as the fused path does. */
+    const __m128 sv = PER_ROW ? load_first(scale, NR) : _mm_setzero_ps();
+    const __m128 ov = PER_ROW && p->mins ? load_first(offset, NR) : _mm_setzero_ps();
     for (int m = 0; m < MR; m++) {
         const vf z = vzero();
-        const __m128 sums = vsum4(acc[m][0], NR > 1 ? acc[m][1] : z, NR > 2 ? acc[m][2] : z, NR > 3 ? acc[m][3] : z);
-        _mm_maskstore_ps(p->out + (m0 + m) * p->ldo + n0, first_lanes(NR), _mm_add_ps(sums, b));
+        __m128 sums = vsum4(acc[m][0], NR > 1 ? acc[m][1] : z, NR > 2 ? acc[m][2] : z, z);
+        if (PER_ROW)
+            sums = _mm_fmadd_ps(sums, sv, p->mins ? _mm_mul_ps(ov, _mm_set1_ps(p->xsums[m0 + m])) : _mm_setzero_ps());
+        _mm_maskstore_ps(buf + m * ldb, first_lanes(NR), sums);
     }
 }
 
-#define DENSE_FN(MR, NR) \
-    static void dense_##MR##_##NR(const Problem *p, const float *w, int64_t m0, int64_t n0) { dense_tile(p, w, m0, n0, MR, NR); }
-#define DENSE_FNS(MR) DENSE_FN(MR, 1) DENSE_FN(MR, 2) DENSE_FN(MR, 3) DENSE_FN(MR, 4)
-DENSE_FNS(1)
-DENSE_FNS(2)
-DENSE_FNS(3)
-DENSE_FNS(4)
-typedef void (*DenseFn)(const Problem *, const float *, int64_t, int64_t);
-static const DenseFn DENSE[MR_MAX][NR_MAX] = {{dense_1_1, dense_1_2, dense_1_3, dense_1_4},
-                                              {dense_2_1, dense_2_2, dense_2_3, dense_2_4},
-                                              {dense_3_1, dense_3_2, dense_3_3, dense_3_4},
-                                              {dense_4_1, dense_4_2, dense_4_3, dense_4_4}};
+#define BATCH_FN(MR, NR, BITS)                                                                           \
+    static void batch_##MR##_##NR##_##BITS(const Problem *p, const float *s, const float *o, int64_t m0,  \
+                                           int64_t n0, float *buf, int64_t ldb) {                       \
+        if (p->G == 1)                                                                                   \
+            batch_tile(p, s, o, m0, n0, buf, ldb, MR, NR, BITS, 1);                                      \
+        else                                                                                             \
+            batch_tile(p, s, o, m0, n0, buf, ldb, MR, NR, BITS, 0);                                      \
+    }
+#define BATCH_FNS(MR, BITS) BATCH_FN(MR, 1, BITS) BATCH_FN(MR, 2, BITS) BATCH_FN(MR, 3, BITS)
+#define BATCH_ALL(BITS) \
+    BATCH_FNS(1, BITS) BATCH_FNS(2, BITS) BATCH_FNS(3, BITS) BATCH_FNS(4, BITS) BATCH_FNS(5, BITS) BATCH_FNS(6, BITS)
+BATCH_ALL(4)
+BATCH_ALL(8)
+typedef void (*BatchFn)(const Problem *, const float *, const float *, int64_t, int64_t, float *, int64_t);
+#define BATCH_ROW(MR, BITS) {batch_##MR##_1_##BITS, batch_##MR##_2_##BITS, batch_##MR##_3_##BITS}
+#define BATCH_TABLE(BITS) \
+    {BATCH_ROW(1, BITS), BATCH_ROW(2, BITS), BATCH_ROW(3, BITS), BATCH_ROW(4, BITS), BATCH_ROW(5, BITS), BATCH_ROW(6, BITS)}
+static const BatchFn BATCH4[BATCH_MR_MAX][BATCH_NR_MAX] = BATCH_TABLE(4); /* [MR - 1][NR - 1] */
+static const BatchFn BATCH8[BATCH_MR_MAX][BATCH_NR_MAX] = BATCH_TABLE(8);
 
-static void dense(const Problem *p, const float *w, int64_t m0, int64_t n0, int mr, int nr) {
-    DENSE[mr - 1][nr - 1](p, w, m0, n0);
+/* Weight rows [c0, c0 + cols) (cols <= BATCH_COLS) for all M input rows, into out (+ bias). The tiles
+ * write into buf [M, BATCH_COLS], copied into out a row at a time: written directly, each tile would
+ * touch M cache lines a few floats at a time, and with N * 4 bytes a multiple of 64 KiB (the
+ * 49152-row LM head) all M rows of out fall into one cache set and evict each other. so: 2 * cols * G
+ * floats for the chunk's scales and offsets as floats. */
+static void batch_chunk(const Problem *p, int64_t c0, int64_t cols, float *restrict buf, float *restrict so) {
+    const int64_t G = p->G, M = p->M;
+    float *scale = so, *offset = so + cols * G;
+    for (int64_t r = 0; r < cols; r++)
+        for (int64_t g = 0; g < G; g++) scale[r * G + g] = scale_of(p, c0 + r, g);
+    for (int64_t r = 0; r < cols; r++)
+        for (int64_t g = 0; g < G; g++) offset[r * G + g] = offset_of(p, c0 + r, g);
+    const BatchFn(*table)[BATCH_NR_MAX] = p->bits == 4 ? BATCH4 : BATCH8;
+    /* The input rows in tiles of near-equal sizes (8 rows: 4 + 4, not 6 + 2: a thin tile does few
+     * multiply-adds per weight widened) */
+    const int64_t tiles = (M + BATCH_MR - 1) / BATCH_MR;
+    for (int64_t t = 0, m0 = 0; t < tiles; t++) {
+        const int mr = (int)(M / tiles + (t < M % tiles));
+        for (int64_t r = 0; r < cols; r += BATCH_NR)
+            table[mr - 1][min64(cols - r, BATCH_NR) - 1](p, scale + r * G, offset + r * G, m0, c0 + r,
+                                                          buf + m0 * BATCH_COLS + r, BATCH_COLS);
+        m0 += mr;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        float *restrict dst = p->out + m * p->ldo + c0;
+        const float *restrict src = buf + m * BATCH_COLS;
+        for (int64_t r = 0; r < cols; r++) dst[r] = p->bias ? src[r] + p->bias[c0 + r] : src[r];
+    }
 }
 #else
-/* Portable code: the same sums in the same grouping, one output at a time. */
+/* Portable code: the same sums, one output at a time. */
 static void fused(const Problem *p, int64_t m0, int64_t n0, int mr, int nr) {
   for (int64_t m = m0; m < m0 + mr; m++) {
     const float *x = p->x + m * p->ldx;
@@ -342,65 +442,73 @@ static void dequantize_rows(const Problem *p, int64_t n0, int64_t rows, float *w
     }
 }
 
-static void dense(const Problem *p, const float *w, int64_t m0, int64_t n0, int mr, int nr) {
-    for (int64_t m = m0; m < m0 + mr; m++)
-        for (int64_t n = n0; n < n0 + nr; n++) {
-            const float *x = p->x + m * p->ldx, *wr = w + (n - n0) * p->Kp;
+#define BATCH_COLS 32
+static void batch_chunk(const Problem *p, int64_t c0, int64_t cols, float *buf, float *so) {
+    (void)buf, (void)so;
+    for (int64_t m = 0; m < p->M; m++) {
+        const float *x = p->x + m * p->ldx;
+        for (int64_t n = c0; n < c0 + cols; n++) {
+            const uint8_t *row = p->data + n * row_bytes(p);
             float y = 0.f;
-            for (int64_t k = 0; k < p->Kp; k++) y += wr[k] * x[k];
+            for (int64_t g = 0; g < p->G; g++) {
+                const float s = scale_of(p, n, g), mn = offset_of(p, n, g);
+                for (int64_t k = g * p->group; k < group_end(p, g); k++) y += (s * stored(row, k, p->bits) + mn) * x[k];
+            }
             p->out[m * p->ldo + n] = p->bias ? y + p->bias[n] : y;
         }
+    }
 }
 #endif
 
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+/* Floats of workspace the batch path needs (see quantized_linear_f32). */
+int64_t quantized_batch_workspace(int64_t M, int64_t G, int64_t num_threads) {
+    return M + num_threads * (M * BATCH_COLS + 2 * BATCH_COLS * G);
+}
 
 /* y = x W^T (+ bias). x: [M, Kp] (row stride ldx, zeros past K); out: [M, N] (row stride ldo).
- * strip_rows = 0: the fused path, workspace holds M * G floats (the group sums of x).
- * strip_rows > 0 (a multiple of NR_MAX): the strip path, workspace holds num_threads * strip_rows * Kp
- * floats (each thread's dequantized strip). */
+ * batched = 0: the fused path, workspace holds M * G floats (the group sums of x).
+ * batched = 1: the batch path, workspace holds quantized_batch_workspace(M, G, num_threads) floats. */
 void quantized_linear_f32(const float *x, const uint8_t *data, const uint16_t *scales, const void *mins,
                           const float *bias, float *out, float *workspace, int64_t M, int64_t N, int64_t Kp,
-                          int64_t G, int64_t group, int64_t bits, int64_t ldx, int64_t ldo, int64_t strip_rows,
+                          int64_t G, int64_t group, int64_t bits, int64_t ldx, int64_t ldo, int64_t batched,
                           int64_t num_threads, int64_t mins_f32) {
     Problem p = {x, workspace, data, scales, mins, bias, out, M, N, Kp, G, group, bits, ldx, ldo, mins_f32};
-    if (strip_rows == 0) {
-        if (mins) {
-            for (int64_t m = 0; m < M; m++)
-                for (int64_t g = 0; g < G; g++) {
-                    float s = 0.f;
-                    for (int64_t k = g * group; k < group_end(&p, g); k++) s += x[m * ldx + k];
-                    workspace[m * G + g] = s;
-                }
-        }
-        /* Weight rows per tile: 8 for one input row (enough independent sums to hide the FMA latency
-         * and 8 rows streaming at once), fewer as more input rows share each widened block. */
-        const int64_t mr = M < FUSED_MR ? M : FUSED_MR, nr = mr == 1 ? 8 : mr == 2 ? 4 : 3;
-        const int64_t tiles = (N + nr - 1) / nr;
-        if (num_threads > tiles) num_threads = tiles;
+    if (batched) {
+        /* workspace: the rows' sums of x (for one group per row with mins), then each thread's own */
+        const int64_t chunks = (N + BATCH_COLS - 1) / BATCH_COLS, mine = quantized_batch_workspace(M, G, 1) - M;
+        if (G == 1 && mins)
+            for (int64_t m = 0; m < M; m++) {
+                float sum = 0.f;
+                for (int64_t k = 0; k < Kp; k++) sum += x[m * ldx + k];
+                workspace[m] = sum;
+            }
+        if (num_threads > chunks) num_threads = chunks;
         if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t t = 0; t < tiles; t++)
-            for (int64_t m0 = 0; m0 < M; m0 += mr)
-                fused(&p, m0, t * nr, (int)min64(M - m0, mr), (int)min64(N - t * nr, nr));
+        for (int64_t c = 0; c < chunks; c++) {
+            float *own = workspace + M + (int64_t)omp_get_thread_num() * mine;
+            batch_chunk(&p, c * BATCH_COLS, min64(N - c * BATCH_COLS, BATCH_COLS), own, own + M * BATCH_COLS);
+        }
         return;
     }
-    /* Each strip is dequantized once; then one register tile of input rows at a time crosses all of it,
-     * so each output row is written in one burst: walking down the columns instead, the M rows of `out`
-     * would be M cache lines written a few floats at a time, and with N * 4 bytes a multiple of 64 KiB
-     * (a 49152-row LM head) they all fall into one cache set and evict each other. */
-    const int64_t strips = (N + strip_rows - 1) / strip_rows;
-    if (num_threads > strips) num_threads = strips;
+    if (mins) {
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < G; g++) {
+                float s = 0.f;
+                for (int64_t k = g * group; k < group_end(&p, g); k++) s += x[m * ldx + k];
+                workspace[m * G + g] = s;
+            }
+    }
+    /* Weight rows per tile: 8 for one input row (enough independent sums to hide the FMA latency and 8
+     * rows streaming at once), fewer as more input rows share each widened block. */
+    const int64_t mr = M < FUSED_MR ? M : FUSED_MR, nr = mr == 1 ? 8 : mr == 2 ? 4 : 3;
+    const int64_t tiles = (N + nr - 1) / nr;
+    if (num_threads > tiles) num_threads = tiles;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t s = 0; s < strips; s++) {
-        float *w = workspace + (int64_t)omp_get_thread_num() * strip_rows * Kp;
-        const int64_t first = s * strip_rows, rows = min64(N - first, strip_rows);
-        dequantize_rows(&p, first, rows, w);
-        for (int64_t m0 = 0; m0 < M; m0 += MR_MAX)
-            for (int64_t r = 0; r < rows; r += NR_MAX)
-                dense(&p, w + r * Kp, m0, first + r, (int)min64(M - m0, MR_MAX), (int)min64(rows - r, NR_MAX));
-    }
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t m0 = 0; m0 < M; m0 += mr)
+            fused(&p, m0, t * nr, (int)min64(M - m0, mr), (int)min64(N - t * nr, nr));
 }
 
 /* ---- int8 activations (W8A8 / W4A8): integer dot products --------------------------------------------

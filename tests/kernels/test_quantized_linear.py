@@ -1,5 +1,5 @@
 """Quantized linears on the CPU: the packed layout round trip, and the C kernel (every path it takes:
-fused for few rows, dequantized strips for a small batch, int8 activations where the CPU has VNNI,
+fused for few rows, register tiles of dequantized weights for a batch, int8 activations where the CPU has VNNI,
 oneDNN tiles for prefill) and the torch reference against dequantize + float64 matmul, on odd shapes.
 
 Tolerances, both worst cases (the errors seen are 10-100x smaller, while a wrong nibble, group, min or
@@ -195,7 +195,7 @@ def test_a_scale_beyond_float16_is_refused_naming_the_layer():
 
 # ---- the kernels against float64 --------------------------------------------------------------------
 
-ROWS = [1, 3, 17, 40, 128]  # fused, strips, int8 and tiles, by bits and group size: see test_every_path_is_tested
+ROWS = [1, 3, 17, 40, 128]  # fused, batch, int8 and tiles, by bits and group size: see test_every_path_is_tested
 IN_FEATURES = [32, 96, 100, 576, 1536]  # 100: padded to 128 in the packed blocks
 
 
@@ -250,7 +250,7 @@ def test_every_path_is_tested():
         for k in IN_FEATURES
         for m in ROWS
     }
-    expected = {"fused", "strips", "tiles"} | ({"int8"} if "quantized_linear_q8_f32" in lib else set())
+    expected = {"fused", "batch", "tiles"} | ({"int8"} if "quantized_linear_q8_f32" in lib else set())
     assert taken == expected
 
 
