@@ -2,72 +2,22 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 from pathlib import Path
 
 import msgspec
 import pytest
-import zmq
 
 from engine_core import protocol
 from engine_core.config import EngineConfig
-from engine_core.core_proc import run_engine_core
 from engine_core.sampling_params import SamplingParams
-
-
-class CoreClient:
-    def __init__(self, tmp_path, config: EngineConfig):
-        in_addr, out_addr = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, in_addr, out_addr), daemon=True
-        )
-        self.process.start()
-        self.ctx = zmq.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(in_addr)
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.connect(out_addr)
-
-    def send(self, message) -> None:
-        self.push.send(protocol.encoder.encode(message))
-
-    def recv(self, timeout_s: float = 120.0):
-        """The next message other than an idle heartbeat (a StepOutputs without deltas)."""
-        while True:
-            if not self.pull.poll(int(timeout_s * 1000)):
-                raise TimeoutError("no message from the engine core")
-            message = protocol.output_decoder.decode(self.pull.recv())
-            if not (isinstance(message, protocol.StepOutputs) and not message.deltas):
-                return message
-
-    def collect(self, request_ids: set[str]) -> tuple[dict, dict]:
-        """Tokens and finish reasons of `request_ids` until all finished; rejections count as finished."""
-        tokens = {rid: [] for rid in request_ids}
-        reasons = {}
-        while set(reasons) != request_ids:
-            message = self.recv()
-            if isinstance(message, protocol.RequestRejected):
-                reasons[message.request_id] = "rejected: " + message.message
-            elif isinstance(message, protocol.StepOutputs):
-                for delta in message.deltas:
-                    tokens[delta.request_id].extend(delta.new_token_ids)
-                    if delta.finish_reason:
-                        reasons[delta.request_id] = delta.finish_reason
-        return tokens, reasons
-
-    def close(self) -> None:
-        self.push.close(linger=0)
-        self.pull.close(linger=0)
-        self.ctx.term()
-        if self.process.is_alive():
-            self.process.kill()
+from tests.engine_process import EngineProcess
 
 
 @pytest.fixture(scope="module")
 def core(tmp_path_factory, default_model_dir):
-    client = CoreClient(
+    client = EngineProcess(
         tmp_path_factory.mktemp("core"), EngineConfig(model=str(default_model_dir), kv_cache_memory=256 * 1024**2)
     )
     ready = client.recv()
@@ -117,7 +67,7 @@ def test_idle_engine_sends_heartbeats(core):
     assert beats == 2
 
 
-def _wait_for_heartbeat(core: CoreClient) -> None:
+def _wait_for_heartbeat(core: EngineProcess) -> None:
     """Until the core sends an idle heartbeat: from then on it has nothing to do."""
     while core.pull.poll(5000):
         message = protocol.output_decoder.decode(core.pull.recv())
@@ -144,7 +94,7 @@ def test_idle_engine_uses_no_cpu(core):
 @pytest.fixture
 def own_core(tmp_path, default_model_dir):
     """A core of its own, for a test that ends it (the module's shared one must outlive every test)."""
-    client = CoreClient(tmp_path, EngineConfig(model=str(default_model_dir), kv_cache_memory=64 * 1024**2))
+    client = EngineProcess(tmp_path, EngineConfig(model=str(default_model_dir), kv_cache_memory=64 * 1024**2))
     assert isinstance(client.recv(), protocol.EngineReady)
     yield client
     client.close()

@@ -11,7 +11,6 @@ engine process takes its worker along, a killed worker makes the engine report i
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
 import time
@@ -19,16 +18,15 @@ import time
 import psutil
 import pytest
 import torch
-import zmq
 
 from engine_core import protocol
 from engine_core.config import EngineConfig
-from engine_core.core_proc import run_engine_core
 from engine_core.default_model import ensure_default_gguf
 from engine_core.engine import EngineCore
 from engine_core.parallel.executor import WorkerDied
 from engine_core.sampling_params import SamplingParams
 from tests import tiny_models
+from tests.engine_process import EngineProcess
 from tests.helpers import golden_prompts, greedy_with_first_logprobs, run_engine
 
 TOLERANCE = 1e-4
@@ -175,39 +173,12 @@ def test_a_killed_worker_fails_the_next_step(tiny_llama):
     assert not os.path.exists(engine.executor.runtime_dir)
 
 
-class EngineProcess:
-    """The engine core in its own (non-daemonic: it starts workers) process, over real ZeroMQ sockets."""
-
-    def __init__(self, tmp_path, config: EngineConfig):
-        in_addr, out_addr = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, in_addr, out_addr), daemon=False
-        )
-        self.process.start()
-        self.ctx = zmq.Context()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.connect(out_addr)
-
-    def recv(self, timeout_s: float = 120.0):
-        """The next message other than an idle heartbeat."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self.pull.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
-                raise TimeoutError("no message from the engine core")
-            message = protocol.output_decoder.decode(self.pull.recv())
-            if not (isinstance(message, protocol.StepOutputs) and not message.deltas):
-                return message
+class TPEngineProcess(EngineProcess):
+    """The engine core in its own process, under tensor parallel (its worker is its only child)."""
 
     def worker(self) -> psutil.Process:
         (worker,) = psutil.Process(self.process.pid).children()
         return worker
-
-    def close(self) -> None:
-        self.pull.close(linger=0)
-        self.ctx.term()
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(5)
 
 
 def _tp_dirs(tmp_path) -> list[str]:
@@ -217,7 +188,7 @@ def _tp_dirs(tmp_path) -> list[str]:
 @pytest.fixture
 def engine_process(tmp_path, tiny_llama, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))  # the group's runtime directory goes here, to be checked
-    engine = EngineProcess(tmp_path, EngineConfig(model=str(tiny_llama), num_kv_blocks=32, tensor_parallel_size=2))
+    engine = TPEngineProcess(tmp_path, EngineConfig(model=str(tiny_llama), num_kv_blocks=32, tensor_parallel_size=2))
     assert isinstance(engine.recv(), protocol.EngineReady)
     assert len(_tp_dirs(tmp_path)) == 1
     yield engine
