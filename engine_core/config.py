@@ -65,8 +65,10 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (per rank); default = torch's choice
-    tensor_parallel_size: int = 1  # ranks the model is split over (docs/parallel.md)
-    data_parallel_rank: int = 0  # which replica this engine is: on CUDA its GPUs start at this x tensor_parallel_size
+    tensor_parallel_size: int = 1  # ranks each layer is split over (docs/parallel.md)
+    pipeline_parallel_size: int = 1  # stages the layers are split into, each with its tensor-parallel ranks
+    # Which replica this engine is: on CUDA its GPUs start at this x its ranks (tensor x pipeline parallel).
+    data_parallel_rank: int = 0
     # CPU cores per engine process (engine_core/cpu_binding.py): "auto", "none" or "0-3|4-7"; one
     # process (no data or tensor parallelism) is pinned only by an explicit group.
     cpu_threads_bind: str = "auto"
@@ -84,9 +86,14 @@ class EngineConfig:
             raise ValueError("fp8_matmul must be auto, on or off")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size must be at least 1")
         check_cpu_spec(self.cpu_threads_bind)
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes one engine runs on: tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def torch_device(self) -> torch.device:
         import torch
@@ -95,7 +102,7 @@ class EngineConfig:
             ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
         )
         if device.type == "cuda" and self.data_parallel_rank:  # each replica on GPUs of its own
-            device = torch.device("cuda", (device.index or 0) + self.data_parallel_rank * self.tensor_parallel_size)
+            device = torch.device("cuda", (device.index or 0) + self.data_parallel_rank * self.num_ranks)
         return device
 
 
@@ -193,7 +200,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--num-threads",
         type=int,
         default=None,
-        help="CPU threads for torch (default: all cores; under tensor parallel, per rank: its share of the cores)",
+        help="CPU threads for torch (default: all cores; under tensor or pipeline parallel, per rank: its share of "
+        "the cores)",
     )
     g.add_argument(
         "--tensor-parallel-size",
@@ -203,6 +211,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="split the model over this many processes (ranks), each holding a share of every layer's heads "
         "and rows and of the KV cache: one GPU each on CUDA (NCCL), an equal share of the cores on the CPU "
         "(gloo); docs/parallel.md",
+    )
+    g.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="split the model's layers into this many contiguous stages, each run by its own "
+        "--tensor-parallel-size ranks, with up to this many steps in flight (one per stage); docs/parallel.md",
     )
     g.add_argument(
         "--cpu-threads-bind",
@@ -235,5 +251,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         cpu_threads_bind=args.cpu_threads_bind,
     )

@@ -12,16 +12,20 @@ A spec is one of:
   "0-3|4-7"       one group per process, '|' between groups; a group lists CPUs and ranges ("0,2,4-6").
                   There must be exactly one group per process, the groups disjoint, every CPU usable.
 
-`assign(spec, world)` gives the groups; the process that owns group i calls `bind(group)` before its
-first parallel region. Like vLLM's VLLM_CPU_OMP_THREADS_BIND, with the same spelling.
+`assign(spec, world)` gives the groups of the engine processes; `divide_own(spec, world)` divides one
+engine's cores between its tensor/pipeline-parallel ranks. The process that owns a group calls
+`apply(group)` before its first parallel region. Like vLLM's VLLM_CPU_OMP_THREADS_BIND, with the same
+spelling.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
 CoreSet = tuple[int, ...]
 
 
@@ -106,6 +110,30 @@ def _one_per_physical_core(cpus: list[int]) -> list[int]:
             seen.add(core)
             first.append(cpu)
     return first
+
+
+def divide_own(spec: str, world: int) -> list[CoreSet] | None:
+    """The cores of each of `world` ranks sharing this process's cores (one engine's parallel ranks):
+    its affinity mask (the engine's own group) divided evenly, one logical CPU per physical core where
+    there are enough. None (no pinning) for spec "none", and, with a warning, when there are fewer CPUs
+    than ranks. Called before this process pins itself: the ranks it starts inherit its mask."""
+    if spec == "none":
+        return None
+    usable = sorted(os.sched_getaffinity(0))
+    if len(usable) < world:
+        logger.warning("%d parallel ranks share %d CPU(s): they will be slow", world, len(usable))
+        return None
+    return _divide(_one_per_physical_core(usable), usable, world)
+
+
+def apply(cores: CoreSet | None, num_threads: int | None = None) -> None:
+    """`bind` to `cores`, or without cores just set torch's thread count to `num_threads` if given."""
+    if cores:
+        bind(cores, num_threads)
+    elif num_threads:
+        import torch
+
+        torch.set_num_threads(num_threads)
 
 
 def bind(cores: CoreSet, num_threads: int | None = None) -> None:

@@ -1,8 +1,9 @@
 """`EngineCore`: the plain, in-process engine: add requests, `step()`, read per-step outputs.
 
 No sockets and no threads here; the server wraps this in a process that adds them, and tests and the
-offline `LLM` drive it directly. Under tensor parallel this process is rank 0 and owns the executor that
-starts the other ranks (engine_core/parallel/executor.py); `close()` stops them.
+offline `LLM` drive it directly. Under tensor or pipeline parallel this process is rank 0 and owns the
+executor that starts the other ranks (engine_core/parallel/executor.py); `close()` stops them. Under
+pipeline parallel a step returns the outputs of the oldest step in flight, having started the next ones.
 """
 
 from __future__ import annotations
@@ -10,21 +11,22 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import deque
 
 import torch
 
 from engine_core.config import EngineConfig
+from engine_core.cpu_binding import apply as apply_cores
 from engine_core.cpu_binding import assign as assign_cores
-from engine_core.cpu_binding import bind as bind_cores
 from engine_core.kv_cache import KVCacheManager
 from engine_core.loader import resolve_model
 from engine_core.model_config import ModelConfig
-from engine_core.model_runner import ModelRunner
+from engine_core.model_runner import ModelRunner, PendingStep, StepResult
 from engine_core.parallel.sharding import check_model_splits
 from engine_core.protocol import RequestDelta
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import Scheduler
+from engine_core.scheduler import Scheduler, SchedulerOutput
 from engine_core.structured_output import StructuredOutputManager
 from engine_core.validation import ParamError, check_token_ids
 
@@ -36,29 +38,31 @@ class EngineCore:
         started = time.monotonic()
         self.config = config
         cores = assign_cores(config.cpu_threads_bind, 1)  # a replica gets its own group from the launcher
-        if cores is not None:
-            bind_cores(cores[0], config.num_threads)
-        elif config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        apply_cores(cores[0] if cores is not None else None, config.num_threads)
         torch.manual_seed(config.seed)
         self.model_dir = resolve_model(config.model)
         self.model_cfg = ModelConfig.from_dir(self.model_dir)
         self.executor = None
-        if config.tensor_parallel_size > 1:
-            from engine_core.parallel.executor import TensorParallelExecutor, rank_config
+        if config.num_ranks > 1:
+            from engine_core.parallel.executor import ParallelExecutor, rank_config
 
-            check_model_splits(self.model_cfg, config.tensor_parallel_size)
-            self.executor = TensorParallelExecutor(config, str(self.model_dir))
+            check_model_splits(self.model_cfg, config.tensor_parallel_size, config.pipeline_parallel_size)
+            self.executor = ParallelExecutor(config, str(self.model_dir))
             # The workers are stopped when this engine is closed or collected, whichever comes first.
             self._finalizer = weakref.finalize(self, self.executor.close)
             try:
-                self.runner = ModelRunner(rank_config(config, 0), self.model_dir, self.model_cfg, self.executor.group)
+                self.runner = ModelRunner(
+                    rank_config(config, 0), self.model_dir, self.model_cfg, self.executor.group, self.executor.pipe
+                )
             except BaseException:
                 self.executor.close()
                 raise
-            self.runner.broadcast = self.executor.broadcast_step
+            self.runner.followers = self.executor
         else:
             self.runner = ModelRunner(config, self.model_dir, self.model_cfg)
+        # Steps started and not yet finished, oldest first: one per pipeline stage at most (one without
+        # pipeline parallel, finished in the step that starts it).
+        self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
@@ -75,7 +79,7 @@ class EngineCore:
             if self.executor is None:
                 self.runner.enable_decode_graphs(self.max_model_len)
             else:  # (the workers would have to capture the same graphs, collectives included, in step)
-                logger.info("CUDA graphs are not used under tensor parallel: decode steps run eager")
+                logger.info("CUDA graphs are not used under tensor or pipeline parallel: decode steps run eager")
         # Constrained requests wait here, off the scheduler, while a worker thread compiles their grammar.
         self.structured = StructuredOutputManager(
             self.model_dir, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids
@@ -154,7 +158,8 @@ class EngineCore:
         return self.structured.abort(request_id) or self.scheduler.abort(request_id) is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.structured.num_pending > 0
+        """Requests to serve, or steps still in flight (whose requests may all have been aborted)."""
+        return self.scheduler.has_unfinished() or self.structured.num_pending > 0 or bool(self.in_flight)
 
     def check_integrity(self) -> None:
         """Assert the block pool's invariants, and that an idle engine holds no blocks (run by the
@@ -178,13 +183,13 @@ class EngineCore:
         logger.info("warm-up step run in %.2fs", time.monotonic() - started)
 
     def check_health(self) -> None:
-        """Raise if a tensor-parallel worker has died (the engine process checks while it is idle; a
+        """Raise if a worker rank has died (the engine process checks while it is idle; a
         step notices by itself)."""
         if self.executor is not None:
             self.executor.check_alive()
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step afterwards)."""
+        """Stop the worker ranks, if any (idempotent; the engine cannot step afterwards)."""
         if self.executor is not None:
             self._finalizer()
 
@@ -204,25 +209,49 @@ class EngineCore:
         request at the head of the queue cannot fit in the KV cache even alone.
         """
         self._admit_compiled()
-        sched = self.scheduler.schedule()
-        if not sched:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("the KV cache cannot hold the next waiting request even alone")
-            return []
         try:
-            result = self.runner.execute(sched)
+            self._start_steps()
+            oldest = self.in_flight.popleft() if self.in_flight else None
+            result = self.runner.finish(oldest[1]) if oldest is not None else None
         except Exception as exc:
             died = self.executor.explain(exc) if self.executor is not None else None
             if died is not None:
                 raise died from exc
             raise
-        for request in sched.requests:
+        if oldest is None or result is None:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("the KV cache cannot hold the next waiting request even alone")
+            return []
+        return self._apply(oldest[0], result)
+
+    def _start_steps(self) -> None:
+        """Schedule and start steps until one per pipeline stage is in flight (one step without
+        pipelining). A request in flight is not scheduled again until its step finishes (its next token
+        is not known before), and a pipelined step takes its share of the requests, so that the stages
+        have work at once."""
+        stages = self.config.pipeline_parallel_size
+        while len(self.in_flight) < stages:
+            if stages == 1:
+                sched = self.scheduler.schedule()
+            else:
+                busy = {r.request_id for step, _ in self.in_flight for r in step.requests}
+                share = -(-len(self.scheduler.requests) // stages)
+                sched = self.scheduler.schedule(exclude=busy, max_requests=max(1, share))
+            if not sched:
+                return
+            self.in_flight.append((sched, self.runner.submit(sched)))
+
+    def _apply(self, sched: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
+        """Add a finished step's tokens and prompt logprobs to its requests, finish those that stop;
+        the deltas to send. Requests aborted while the step was in flight get nothing."""
+        live = [r for r in sched.requests if not r.status.finished]
+        for request in live:
             chunk = result.prompt_logprobs.get(request.request_id)
             if chunk is not None and request.prompt_logprobs is not None:
                 request.prompt_logprobs.add(chunk)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled)}
         outputs = []
-        for request in sched.requests:
+        for request in live:
             token = result.sampled.get(request.request_id)
             if token is None:
                 continue

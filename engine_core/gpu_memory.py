@@ -37,7 +37,8 @@ class MemoryProfile:
 def profile_step(runner, num_tokens: int) -> None:
     """Run the most memory-hungry step the scheduler can produce: one prefill of `num_tokens` tokens
     (over a temporary cache just big enough), then logits and full sampling for `max_num_seqs` rows.
-    Device-agnostic: on the CPU it only proves such a step runs."""
+    Device-agnostic: on the CPU it only proves such a step runs. A pipeline stage runs its own layers
+    (the LM head on the first stage)."""
     from engine_core.model_runner import StepInputs, _prepare  # circular at import time
 
     block_size = runner.block_size
@@ -47,7 +48,16 @@ def profile_step(runner, num_tokens: int) -> None:
     request.num_computed_tokens = num_tokens
     step: StepInputs = _prepare([request], [num_tokens], block_size)
     with torch.inference_mode():
-        hidden = runner.model(*runner.to_device(step))
+        activations = None
+        if not runner.stage.is_first:  # (a later pipeline stage: what the stage before would hand it)
+            activations = torch.zeros(
+                2, num_tokens, runner.model_cfg.hidden_size, dtype=runner.dtype, device=runner.device
+            )
+        hidden = runner.model(*runner.to_device(step), activations)
+        if not runner.stage.is_first:  # no LM head on this stage
+            return
+        if not runner.stage.is_last:
+            hidden = hidden[0]
         rows = min(runner.config.max_num_seqs, num_tokens)
         logits = runner.model.compute_logits(hidden[-rows:])
         if logits is None:  # a tensor-parallel rank other than 0: its logits went to rank 0, which samples

@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # imported lazily: resolving a model directory must not load 
     import torch
 
     from engine_core.models.llama import LlamaForCausalLM
-    from engine_core.parallel.distributed import TPGroup
+    from engine_core.parallel.distributed import Stage, TPGroup
     from engine_core.quantization.base import QuantizationMethod
 
 # (checkpoint name, shape) -> the slice of it to read; None: all of it (tensor parallel: each rank's shard)
@@ -57,11 +57,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: Path, select: Selection | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(
+    model_dir: Path, select: Selection | None = None, keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every tensor of every shard, or of the GGUF file the directory stands for;
     tensors are memory-mapped, one at a time. With `select`, only the slice it names of each tensor
-    (safetensors reads just those bytes). A file that cannot be read (truncated, corrupt header) is a
-    ValueError naming it."""
+    (safetensors reads just those bytes); with `keep`, only the tensors it keeps (a pipeline stage's:
+    the others are not read). A file that cannot be read (truncated, corrupt header) is a ValueError
+    naming it."""
     from safetensors import SafetensorError, safe_open
 
     source = gguf_source(model_dir)
@@ -69,6 +72,8 @@ def iterate_weights(model_dir: Path, select: Selection | None = None) -> Iterato
         from engine_core.gguf_weights import iterate_gguf_weights
 
         weights = iterate_gguf_weights(*source)
+        if keep is not None:
+            weights = ((name, tensor) for name, tensor in weights if keep(name))
         yield from (weights if select is None else select_slices(weights, select))
         return
 
@@ -76,6 +81,8 @@ def iterate_weights(model_dir: Path, select: Selection | None = None) -> Iterato
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                    if keep is not None and not keep(name):
+                        continue
                     if select is None:
                         yield name, f.get_tensor(name)
                         continue
@@ -103,11 +110,13 @@ def load_model(
     quantization: QuantizationMethod | None = None,
     fp8_matmul: bool | None = None,
     group: TPGroup | None = None,
+    stage: Stage | None = None,
 ) -> LlamaForCausalLM:
     """Build the model and fill it from the checkpoint; with a `quantization` method its linears are
     assembled from quantized tensors (or quantized as they stream by) without a full-precision copy.
     `fp8_matmul`: keep FP8 weights in FP8 (None: where the device multiplies in FP8). `group`: the
-    tensor-parallel group this rank's shard of the model is for (None: the whole model)."""
+    tensor-parallel group this rank's shard of the model is for, `stage` the pipeline stage whose layers
+    it holds (None: the whole model)."""
     import contextlib
     from functools import partial
 
@@ -115,13 +124,13 @@ def load_model(
 
     from engine_core.layers.linear import deferred_weights
     from engine_core.models import model_class
-    from engine_core.parallel.distributed import SINGLE, building_for
+    from engine_core.parallel.distributed import SINGLE, WHOLE, building_for
     from engine_core.quantization.assembly import LinearAssembler
 
-    group = group or SINGLE
+    group, stage = group or SINGLE, stage or WHOLE
     cls = model_class(model_cfg.architecture)
     deferred = deferred_weights() if quantization is not None else contextlib.nullcontext()
-    with torch.device(device), deferred, building_for(group):
+    with torch.device(device), deferred, building_for(group, stage):
         model = cls(model_cfg, dtype)
     assembler = None if quantization is None else LinearAssembler(quantization, device, fp8_matmul)
     select = partial(_checkpoint_slices, model, assembler is not None) if group.parallel else None
@@ -132,7 +141,8 @@ def load_model(
         else:
             fill_dummy_weights(model)
     else:
-        model.load_weights(iterate_weights(model_dir, select), assembler)
+        keep = model.holds if stage.count > 1 else None
+        model.load_weights(iterate_weights(model_dir, select, keep), assembler)
     model.eval()
     _pack_linears(model)
     return model

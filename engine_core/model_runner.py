@@ -5,16 +5,22 @@ layer) and the sampler. The batch is laid out decodes first, so attention serves
 queries in one batched call.
 
 Under tensor parallel every rank has a runner holding its shard of the model and of the KV cache (its
-K/V heads). Rank 0's `execute` hands each step's inputs to `broadcast` (the executor sends them to the
-other ranks, whose runners `follow` them) before running the model: every rank then runs the same
-forward pass and calls the LM head on the same rows (`LogitsRows`), because both are collective.
+K/V heads). Rank 0 hands each step's inputs to its `followers` (the executor sends them to the other
+ranks, whose runners `follow` them) before running the model: every rank then runs the same forward
+pass and calls the LM head on the same rows (`LogitsRows`), because both are collective.
+
+Under pipeline parallel a runner holds one stage's layers and their KV cache. A step is `submit`ted
+(rank 0 runs the first stage and passes the activations on) and later `finish`ed (the last stage's
+final hidden rows come back, rank 0 samples), so that up to one step per stage is in flight. Without
+pipelining `execute` does both at once.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,7 +32,8 @@ from engine_core.gpu_memory import profile_gpu_memory
 from engine_core.layers.attention import AttentionMetadata
 from engine_core.loader import load_model, weight_bytes
 from engine_core.model_config import ModelConfig
-from engine_core.parallel.distributed import SINGLE, TPGroup
+from engine_core.parallel.distributed import SINGLE, WHOLE, TPGroup
+from engine_core.parallel.pipeline import PipeLink
 from engine_core.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs, row_chunks
 from engine_core.protocol import TokenLogprobs
 from engine_core.quantization import resolve_method
@@ -46,10 +53,13 @@ class StepResult:
     prompt_logprobs: dict[str, PromptLogprobsChunk]
 
 
-def kv_bytes_per_block(model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int) -> int:
-    """Bytes one block takes in a rank's KV pool, which holds `num_kv_heads` heads of each layer."""
+def kv_bytes_per_block(
+    model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int, num_layers: int
+) -> int:
+    """Bytes one block takes in a rank's KV pool, which holds `num_kv_heads` heads of `num_layers`
+    layers (its pipeline stage's)."""
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model_cfg.num_layers * block_size * num_kv_heads * model_cfg.head_dim * element
+    return 2 * num_layers * block_size * num_kv_heads * model_cfg.head_dim * element
 
 
 @dataclass
@@ -60,14 +70,45 @@ class LogitsRows:
     prompt_spans: np.ndarray  # [S, 2] int64: (first row, end row) of each request's prompt-logprob rows
     sample_rows: np.ndarray  # [R] int64: the last row of each request that samples
 
+    def indices(self) -> np.ndarray:
+        """Every row the LM head runs on, prompt spans first: those a last pipeline stage sends back."""
+        spans = [np.arange(start, stop) for start, stop in self.prompt_spans.tolist()]
+        return np.concatenate([*spans, self.sample_rows]).astype(np.int64)
 
-# Rank 0 sends a step's inputs to the other ranks with this (set by the tensor-parallel executor).
-Broadcast = Callable[["StepInputs", LogitsRows], None]
+
+class Followers(Protocol):
+    """Rank 0's way to the other ranks (the executor): each step's inputs before rank 0 runs it, and
+    under pipeline parallel word that rank 0 runs a step's LM head."""
+
+    def broadcast_step(self, step: StepInputs, rows: LogitsRows) -> None: ...
+
+    def broadcast_head(self) -> None: ...
+
+
+@dataclass
+class PendingStep:
+    """A step `submit` started: what `finish` needs to complete it."""
+
+    requests: list[Request]  # in batch order
+    counts: list[int]
+    sampling: list[tuple[Request, int]]  # (request, its sampling row)
+    wanted: list[tuple[Request, range, int, int]]  # see _prompt_logprob_rows
+    rows: LogitsRows
+    num_tokens: int
+    hidden: torch.Tensor | None  # the final hidden states, unless a later pipeline stage has them
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir, model_cfg: ModelConfig, group: TPGroup = SINGLE):
-        """`group`: the tensor-parallel group this runner is a rank of (its shard of the model and KV)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_dir,
+        model_cfg: ModelConfig,
+        group: TPGroup = SINGLE,
+        pipe: PipeLink | None = None,
+    ):
+        """`group`: the tensor-parallel group this runner is a rank of (its shard of the model and KV);
+        `pipe`: its link to the other pipeline stages (None: it runs every layer)."""
         configure_kernels(
             config.int8_activations
         )  # which kernels this process may use (PAGODA_DISABLE_*), before any runs
@@ -79,25 +120,38 @@ class ModelRunner:
         self.quantization = resolve_method(config.quantization, model_cfg.raw)
         fp8_matmul = {"auto": None, "on": True, "off": False}[config.fp8_matmul]
         self.tp = group
+        self.pipe = pipe
+        self.stage = pipe.stage if pipe is not None else WHOLE
         self.model = load_model(
-            model_dir, model_cfg, self.dtype, self.device, config.load_format, self.quantization, fp8_matmul, group
+            model_dir,
+            model_cfg,
+            self.dtype,
+            self.device,
+            config.load_format,
+            self.quantization,
+            fp8_matmul,
+            group,
+            self.stage,
         )
+        self.num_layers = len(self.model.attention_layers())  # this stage's
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
         self.weight_bytes = weight_bytes(self.model)
         logger.info(
             "Weights: %s, %.1f MiB in memory%s",
             "full precision" if self.quantization is None else self.quantization.describe(),
             self.weight_bytes / 2**20,
-            f" (tensor-parallel rank {group.rank} of {group.world_size})" if group.parallel else "",
+            _rank_description(group, self.stage),
         )
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
-        self.broadcast: Broadcast | None = None  # set by the tensor-parallel executor on rank 0
+        self.followers: Followers | None = None  # set by the parallel executor on rank 0
         self.kv_cache: torch.Tensor | None = None
         # Every rank sizes its own pool (each profiles its own GPU); all use the smallest.
-        self.allocate_kv_cache(group.min_int(self._num_blocks()))
+        num_blocks = group.min_int(self._num_blocks())
+        self.allocate_kv_cache(pipe.min_int(num_blocks) if pipe is not None else num_blocks)
+        self._heads_owed: deque[tuple[LogitsRows, int]] = deque()  # a first-stage follower's steps (rows, tokens)
 
     def _num_blocks(self) -> int:
-        per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype, self.num_kv_heads)
+        per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype, self.num_kv_heads, self.num_layers)
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.config.kv_cache_memory is not None:
@@ -111,7 +165,7 @@ class ModelRunner:
             self,
             min(self.config.max_num_batched_tokens, max_len),
             max_len,
-            capture_graphs=not self.config.enforce_eager and not self.tp.parallel,  # (no graphs under TP)
+            capture_graphs=not self.config.enforce_eager and not self.tp.parallel and self.pipe is None,  # (no graphs)
         )
         budget = profile.kv_cache_bytes(self.config.gpu_memory_utilization)
         if budget < 2 * per_block:
@@ -131,7 +185,7 @@ class ModelRunner:
         cfg = self.model_cfg
         self.release_kv_cache()
         self.num_blocks = num_blocks
-        shape = (cfg.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
+        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         # torch.empty: pages are touched only as blocks are used, so a large pool costs nothing up front.
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         for layer_index, attn in enumerate(self.model.attention_layers()):
@@ -154,7 +208,6 @@ class ModelRunner:
             self.decode_graphs.capture_all()
 
     # ---- one step -----------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         """Run the model on one scheduled batch and sample.
 
@@ -167,6 +220,12 @@ class ModelRunner:
         logprobs are not added to the requests here (that is `EngineCore.step`); the requests change
         only in their random generators, which sampling advances.
         """
+        return self.finish(self.submit(sched))
+
+    @torch.inference_mode()
+    def submit(self, sched: SchedulerOutput) -> PendingStep:
+        """Start a step (the first half of `execute`): send its inputs to the other ranks and run the
+        model, or under pipeline parallel the first stage, whose activations go on to the next."""
         order = sorted(range(len(sched.requests)), key=lambda i: sched.num_scheduled_tokens[i] != 1)
         requests = [sched.requests[i] for i in order]
         counts = [sched.num_scheduled_tokens[i] for i in order]
@@ -175,9 +234,10 @@ class ModelRunner:
             (r, step.last_token_index[i]) for i, r in enumerate(requests) if r.num_computed_tokens == r.num_tokens
         ]
         wanted = self._prompt_logprob_rows(requests, counts, step)
-        if self.broadcast is not None:
-            spans = np.array([(start, stop) for _, _, start, stop in wanted], dtype=np.int64).reshape(-1, 2)
-            self.broadcast(step, LogitsRows(spans, np.array([i for _, i in sampling], dtype=np.int64)))
+        spans = np.array([(start, stop) for _, _, start, stop in wanted], dtype=np.int64).reshape(-1, 2)
+        rows = LogitsRows(spans, np.array([i for _, i in sampling], dtype=np.int64))
+        if self.followers is not None:
+            self.followers.broadcast_step(step, rows)
         graphs = self.decode_graphs
         if graphs is not None and step.num_decodes == len(requests) and graphs.padded_size(len(requests)):
             hidden = graphs.run(
@@ -185,30 +245,87 @@ class ModelRunner:
             )
         else:
             hidden = self.model(*self.to_device(step))
+        pending = PendingStep(requests, counts, sampling, wanted, rows, len(step.token_ids), hidden)
+        if self.pipe is not None:
+            self.pipe.send_activations(hidden)
+            pending.hidden = None
+        return pending
+
+    @torch.inference_mode()
+    def finish(self, pending: PendingStep) -> StepResult:
+        """Complete a step `submit` started: under pipeline parallel, receive the last stage's final
+        hidden rows; then the LM head, prompt logprobs and sampling (see `execute`)."""
+        hidden = pending.hidden
+        if self.pipe is not None:
+            if self.followers is not None and self.tp.parallel:
+                self.followers.broadcast_head()
+            hidden = self._receive_final_rows(pending.rows, pending.num_tokens)
         prompt_logprobs = {}
-        for request, positions, start, stop in wanted:
-            assert request.prompt_logprobs is not None  # (only such requests are wanted)
+        for request, positions, start, stop in pending.wanted:
+            assert hidden is not None and request.prompt_logprobs is not None  # (only such requests are wanted)
             next_tokens = request.all_token_ids[positions.start + 1 : positions.stop + 1]
             targets = torch.tensor(next_tokens, dtype=torch.int64, device=hidden.device)
             num_top = request.prompt_logprobs.num_top
             arrays = compute_prompt_logprobs(self.model, hidden[start:stop], targets, num_top, self.config.max_num_seqs)
             prompt_logprobs[request.request_id] = PromptLogprobsChunk(positions.start + 1, *arrays)
-        if not sampling:
+        if not pending.sampling:
             return StepResult({}, {}, prompt_logprobs)
-        rows = torch.tensor([index for _, index in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        assert hidden is not None
+        logits = self.model.compute_logits(hidden[torch.from_numpy(pending.rows.sample_rows).to(self.device)])
         assert logits is not None  # (rank 0 gets the gathered logits)
-        sampling_requests = [r for r, _ in sampling]
+        sampling_requests = [r for r, _ in pending.sampling]
         out = sample(logits, SamplingBatch.from_requests(sampling_requests, self.model_cfg.vocab_size))
         sampled = {r.request_id: t for r, t in zip(sampling_requests, out.token_ids, strict=True)}
         logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, out.logprobs, strict=True) if lp is not None}
         return StepResult(sampled, logprobs, prompt_logprobs)
 
+    def _receive_final_rows(self, rows: LogitsRows, num_tokens: int) -> torch.Tensor | None:
+        """The final hidden states of a step's LM-head rows, from the last pipeline stage, in place in a
+        [tokens, hidden] tensor (its other rows unset); None when the step has no such rows."""
+        assert self.pipe is not None
+        indices = rows.indices()
+        if not len(indices):
+            return None
+        received = self.pipe.recv_rows(len(indices), self.model_cfg.hidden_size, self.dtype).to(self.device)
+        hidden = torch.empty(num_tokens, self.model_cfg.hidden_size, dtype=self.dtype, device=self.device)
+        hidden[torch.from_numpy(indices).to(self.device)] = received
+        return hidden
+
     @torch.inference_mode()
     def follow(self, step: StepInputs, rows: LogitsRows) -> None:
-        """What a tensor-parallel rank other than 0 does for one step rank 0 executes: the same forward
-        pass and the same LM head calls (whose logits go to rank 0)."""
-        hidden = self.model(*self.to_device(step))
+        """What a rank other than 0 does for a step rank 0 runs: the same forward pass (its stage's, from
+        the previous stage's activations) and, on the first stage, the same LM head calls (whose logits
+        go to rank 0), at once without pipelining, else when rank 0 says (`follow_head`). A middle stage
+        passes its activations on; the last sends the LM head's rows back to the first."""
+        activations = None
+        if not self.stage.is_first:
+            assert self.pipe is not None
+            activations = self.pipe.recv_activations(len(step.token_ids), self.model_cfg.hidden_size, self.dtype)
+            activations = activations.to(self.device)
+        out = self.model(*self.to_device(step), activations)
+        if self.pipe is None:
+            self._run_heads(out, rows)
+            return
+        if not self.stage.is_last:
+            self.pipe.send_activations(out)
+        else:
+            indices = rows.indices()
+            if len(indices):
+                self.pipe.send_rows(out[torch.from_numpy(indices).to(self.device)])
+        if self.stage.is_first:
+            self._heads_owed.append((rows, len(step.token_ids)))
+
+    @torch.inference_mode()
+    def follow_head(self) -> None:
+        """Join rank 0's LM head for the oldest step this first-stage rank ran (pipeline parallel)."""
+        if not self.stage.is_first:
+            return
+        rows, num_tokens = self._heads_owed.popleft()
+        hidden = self._receive_final_rows(rows, num_tokens)
+        if hidden is not None:
+            self._run_heads(hidden, rows)
+
+    def _run_heads(self, hidden: torch.Tensor, rows: LogitsRows) -> None:
         for start, stop in rows.prompt_spans.tolist():
             for first, end in row_chunks(stop - start, self.config.max_num_seqs):
                 self.model.compute_logits(hidden[start + first : start + end])
@@ -292,3 +409,12 @@ def _prepare(requests: list[Request], counts: list[int], block_size: int) -> Ste
         query_start_loc=np.concatenate(([0], np.cumsum(prefill_counts))),
         last_token_index=(np.cumsum(counts) - 1).tolist(),
     )
+
+
+def _rank_description(group: TPGroup, stage) -> str:
+    parts = []
+    if group.parallel:
+        parts.append(f"tensor-parallel rank {group.rank} of {group.world_size}")
+    if stage.count > 1:
+        parts.append(f"pipeline stage {stage.index + 1} of {stage.count}")
+    return f" ({', '.join(parts)})" if parts else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine_core.kv_cache import KVCacheManager
@@ -98,7 +99,7 @@ class Scheduler:
         )
 
     # ---- one step -----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, exclude: Collection[str] = (), max_requests: int | None = None) -> SchedulerOutput:
         """Plan the next step: which requests compute how many of their tokens.
 
         Running requests are served first (oldest first), then waiting ones in order (preempted ones
@@ -112,26 +113,32 @@ class Scheduler:
         newly full blocks published to the prefix cache. The caller must run exactly this batch
         (`ModelRunner.execute`), then pass the sampled tokens to `update_from_output`. An empty (falsy)
         output means nothing can run now.
+
+        Pipeline parallel: `exclude` names the requests of steps still in flight, which are neither
+        scheduled nor preempted (their K/V is still being written); at most `max_requests` requests are
+        scheduled.
         """
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        limit = max_requests if max_requests is not None else self.max_num_seqs
+        budget = self._schedule_running(out, self.max_num_batched_tokens, exclude, limit)
         if not out.preempted:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, limit)
         for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
             request.num_computed_tokens += n  # advanced now, so the next schedule plans the next chunk
             self.kv.cache_full_blocks(request)  # their K/V are written in this step, before any reader
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, exclude: Collection[str], limit: int) -> int:
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(out.requests) < limit:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:  # only possible while its sampled token is still in flight
+            if num_new <= 0 or request.request_id in exclude:  # its step (or sampled token) is in flight
                 index += 1
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running[-1]
+                # The newest running request not in flight (at worst this one).
+                victim = next(r for r in reversed(self.running) if r.request_id not in exclude)
                 self._preempt(victim, out)
                 if victim is request:
                     return budget
@@ -141,10 +148,10 @@ class Scheduler:
             index += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, limit: int) -> None:
         prefill_tokens = sum(n for n in out.num_scheduled_tokens if n > 1)  # partial prefills running
         prefilling = self._prefilling_heads() if self.waiting else set()
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and len(out.requests) < limit:
             request = self.waiting[0]
             head = self.kv.head_hash(request) if request.num_computed_tokens == 0 else None
             if head is not None and head in prefilling and request.reads_prefix_cache:

@@ -6,6 +6,10 @@ Under tensor parallel (engine_core/parallel) each layer names its split and the 
 and gate+up are column-parallel (whole heads per rank), the output and down projections row-parallel
 (one all-reduce each), the embedding and LM head vocab-parallel (a masked lookup summed over the ranks;
 logits gathered on rank 0). Attention then runs on this rank's heads only.
+
+Under pipeline parallel a model holds one stage's layers (the others are `MissingLayer`s, so checkpoint
+names keep their indices); the first stage also holds the embedding and the LM head, the last the final
+norm (engine_core/parallel/pipeline.py).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from engine_core.layers.attention import Attention, AttentionMetadata
 from engine_core.layers.linear import Linear, MergedLinear
 from engine_core.layers.rotary import RotaryEmbedding
 from engine_core.model_config import ModelConfig
-from engine_core.parallel.distributed import building_group
+from engine_core.parallel.distributed import building_group, building_stage
 from engine_core.parallel.sharding import AttentionHeads
 from engine_core.quantization.assembly import LinearAssembler
 
@@ -97,6 +101,10 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """The place of a layer another pipeline stage holds."""
+
+
 # Checkpoint names of the projections we merge -> (our merged module, shard index).
 _MERGED = {
     "q_proj": ("qkv_proj", 0),
@@ -114,23 +122,30 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = building_group()
+        self.stage = building_stage()
+        self.layer_range = self.stage.layers(cfg.num_layers)
         # The LM head is a Linear ([hidden, vocab]); tied models share the embedding's storage through
-        # `embed_tokens` = lm_head's transpose (see `load_weights`). Both hold this rank's vocabulary rows.
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, parallel="vocab")
-        self.vocab_span = self.lm_head.out_spans[0]
-        self.embed_tokens: nn.Parameter | None = nn.Parameter(
-            torch.empty(self.vocab_span.size, cfg.hidden_size, dtype=dtype), requires_grad=False
-        )
+        # `embed_tokens` = lm_head's transpose (see `load_weights`). Both hold this rank's vocabulary rows,
+        # and only the first pipeline stage has them.
+        self.lm_head: Linear | None = None
+        self.embed_tokens: nn.Parameter | None = None
+        if self.stage.is_first:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, parallel="vocab")
+            self.vocab_span = self.lm_head.out_spans[0]
+            if not cfg.tie_word_embeddings:
+                self.embed_tokens = nn.Parameter(
+                    torch.empty(self.vocab_span.size, cfg.hidden_size, dtype=dtype), requires_grad=False
+                )
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, dtype, self.qk_norm, rotary) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        if cfg.tie_word_embeddings:
-            del self.embed_tokens
-            self.embed_tokens = None
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, dtype, self.qk_norm, rotary) if i in self.layer_range else MissingLayer()
+            for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if self.stage.is_last else None
 
     def attention_layers(self) -> list[Attention]:
         # (cast: nn.ModuleList is not generic, its items are typed as any Module)
-        return [cast(LlamaDecoderLayer, layer).self_attn.attn for layer in self.layers]
+        return [cast(LlamaDecoderLayer, self.layers[i]).self_attn.attn for i in self.layer_range]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.parallel:
@@ -143,25 +158,46 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(rows.masked_fill_(~mine[:, None], 0.0))
 
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None  # (the first stage embeds)
         if self.embed_tokens is not None:
             return self.embed_tokens[input_ids]
         if self.lm_head.quantized is not None:  # a tied, quantized LM head: dequantize just these rows
             return kernels.embedding_rows(self.lm_head.quantized, input_ids, self.lm_head.weight.dtype)
         return self.lm_head.weight[input_ids]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        activations: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The final (normed) hidden states [tokens, hidden]. On a pipeline stage: the first embeds
+        `input_ids`, the others continue from `activations` (the previous stage's output), and every
+        stage but the last returns its activations [2, tokens, hidden] (hidden states, residual)."""
+        if activations is None:
+            hidden, residual = self.embed(input_ids), None
+        else:
+            hidden, residual = activations[0], activations[1]
+        for i in self.layer_range:
+            hidden, residual = self.layers[i](positions, hidden, residual, meta)
+        assert residual is not None  # (every stage holds a layer)
+        if self.norm is None:
+            return torch.stack((hidden, residual))
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [rows, vocab] on rank 0 (gathered from every rank's vocabulary slice); None on
-        the other ranks, which must still call it with the same rows (the gather is collective)."""
+        the other ranks, which must still call it with the same rows (the gather is collective). The
+        first pipeline stage's ranks only."""
+        assert self.lm_head is not None
         logits = self.lm_head(hidden).float()
         return self.tp.gather_last_dim(logits, self.cfg.vocab_size)
+
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` has a place in this stage's part of the model."""
+        return self._target(name) is not None
 
     def checkpoint_slices(self, name: str, assembled: bool) -> tuple[slice, ...] | None:
         """The slice of checkpoint tensor `name` this rank loads; None: all of it (always, without tensor
@@ -233,6 +269,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         name = name.removeprefix("model.")
         module_path, _, kind = name.rpartition(".")  # kind: weight | bias | a quantized format's tensor
+        if not self._on_this_stage(module_path):
+            return None
         if module_path == "embed_tokens":  # tied: the LM head's weight is the table
             if self.embed_tokens is None:
                 return f"lm_head.{kind}", None
@@ -244,6 +282,16 @@ class LlamaForCausalLM(nn.Module):
             merged_name, shard = _MERGED[leaf]
             return f"{parent_path}.{merged_name}.{kind}", shard
         return name, None
+
+    def _on_this_stage(self, module_path: str) -> bool:
+        first = module_path.split(".", 2)
+        if first[0] == "layers" and len(first) > 1 and first[1].isdigit():
+            return int(first[1]) in self.layer_range
+        if module_path in ("embed_tokens", "lm_head"):
+            return self.stage.is_first
+        if module_path == "norm":
+            return self.stage.is_last
+        return True
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -1,11 +1,14 @@
-"""This process's tensor-parallel group: its rank, its world size, and the few collectives the layers call.
+"""This process's tensor-parallel group (its rank, its world size, the few collectives the layers call), and
+its pipeline stage.
 
 World size 1 is the plain single-process engine: `SINGLE` does no communication at all, and the layers
 decide once, when they are built, whether they communicate, so a single-rank step runs as before.
 
 For N > 1 every rank builds its own torch.distributed process group object (no default group: nothing
 global, so one process may run several engines in turn, as the tests do): gloo on the CPU, NCCL on CUDA,
-meeting through a file store in the engine's private runtime directory. On the CPU (x86-64) all-reduces
+meeting through a file store in the engine's private runtime directory. Under pipeline parallel each
+stage has its own tensor-parallel group, and a `PipeLink` (engine_core/parallel/pipeline.py) over every
+rank carries activations between the stages. On the CPU (x86-64) all-reduces
 go through shared memory instead (engine_core/parallel/shm_allreduce.py: ~20x faster than gloo for a
 decode step), gloo taking the large ones and the gathers. Every collective has a timeout: a dead peer
 fails the next collective at once (its sockets close, or its liveness check fails), a hung one after
@@ -18,13 +21,19 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from engine_core.parallel.sharding import split_rows
 from engine_core.parallel.shm_allreduce import ShmAllReduce
+
+if TYPE_CHECKING:
+    from engine_core.parallel.pipeline import PipeLink
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a hung peer (a dead one fails at once)
 
@@ -115,41 +124,89 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def init_group(
+@dataclass(frozen=True)
+class Stage:
+    """Which pipeline stage a process runs: its contiguous share of the model's layers. The first stage
+    also holds the embedding and the LM head (so rank 0 samples without receiving logits); the last the
+    final norm. `WHOLE` is the whole model."""
+
+    index: int = 0
+    count: int = 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    def layers(self, num_layers: int) -> range:
+        """This stage's layers: `num_layers / count` each, the ranks differing by one layer at most."""
+        span = split_rows(num_layers, self.index, self.count)
+        return range(span.start, span.stop)
+
+
+WHOLE = Stage()
+
+
+def init_groups(
     rank: int,
-    world_size: int,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
     store_path: str,
     device: torch.device,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    shm_path: str | None = None,
+    shm_paths: list[str] | None = None,
     peers_alive: Callable[[], bool] | None = None,
-) -> TPGroup:
-    """Join the group of `world_size` ranks meeting at the file `store_path` (blocks until all have).
-    `shm_path`: the file of the shared-memory all-reduce (CPU), whose waits give up once `peers_alive`
-    says a peer is gone."""
-    store = dist.FileStore(store_path, world_size)
+) -> tuple[TPGroup, PipeLink | None]:
+    """Join the groups of global rank `rank` among `tensor_parallel_size x pipeline_parallel_size`
+    ranks meeting at the file `store_path` (blocks until all have): rank r is tensor-parallel rank
+    r % T of stage r // T. Returns its stage's tensor-parallel group and, with more than one stage, the
+    link to the other stages. `shm_paths`: each stage's shared-memory all-reduce file (CPU), whose
+    waits give up once `peers_alive` says a peer is gone."""
+    from engine_core.parallel.pipeline import PipeLink
+
+    world = tensor_parallel_size * pipeline_parallel_size
+    store = dist.FileStore(store_path, world)
     timeout = timedelta(seconds=timeout_s)
+    stage, tp_rank = divmod(rank, tensor_parallel_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    pipe = None
+    if pipeline_parallel_size > 1:
+        pg = _process_group(dist.PrefixStore("pipe/", store), rank, world, device, timeout)
+        pipe = PipeLink(Stage(stage, pipeline_parallel_size), tensor_parallel_size, rank, pg)
+    if tensor_parallel_size == 1:
+        return TPGroup(), pipe
+    tp_store = dist.PrefixStore(f"stage{stage}/", store)
+    pg = _process_group(tp_store, tp_rank, tensor_parallel_size, device, timeout)
+    shm = None
+    if shm_paths is not None and device.type == "cpu":
+        shm = ShmAllReduce(shm_paths[stage], tp_rank, tensor_parallel_size, peers_alive or (lambda: True), timeout_s)
+    return TPGroup(tp_rank, tensor_parallel_size, pg, shm), pipe
+
+
+def _process_group(store, rank: int, size: int, device: torch.device, timeout: timedelta):
+    """NCCL on CUDA, gloo on the CPU: a group object of its own (no default group: nothing global)."""
+    if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return TPGroup(rank, world_size, dist.ProcessGroupNCCL(store, rank, world_size, options))
-    gloo = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    shm = None
-    if shm_path is not None:
-        shm = ShmAllReduce(shm_path, rank, world_size, peers_alive or (lambda: True), timeout_s)
-    return TPGroup(rank, world_size, gloo, shm)
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
-_building = SINGLE  # the group layers are split over while a model is built (see `building_for`)
+# What a model being built is split over (see `building_for`).
+_building: tuple[TPGroup, Stage] = (SINGLE, WHOLE)
 
 
 @contextlib.contextmanager
-def building_for(group: TPGroup) -> Iterator[None]:
-    """Build a model's layers split over `group` (layers read `building_group()` in their constructor,
-    so model files need not pass the group down)."""
+def building_for(group: TPGroup, stage: Stage = WHOLE) -> Iterator[None]:
+    """Build a model's layers split over `group`, holding `stage`'s layers only (layers and models read
+    `building_group()` and `building_stage()` in their constructor, so model files need not pass them
+    down)."""
     global _building
-    _building, previous = group, _building
+    _building, previous = (group, stage), _building
     try:
         yield
     finally:
@@ -157,4 +214,8 @@ def building_for(group: TPGroup) -> Iterator[None]:
 
 
 def building_group() -> TPGroup:
-    return _building
+    return _building[0]
+
+
+def building_stage() -> Stage:
+    return _building[1]

@@ -1,12 +1,14 @@
-"""Rank 0's side of tensor parallel: it starts ranks 1..N-1, sends them every step, and stops them.
+"""Rank 0's side of tensor and pipeline parallel: it starts ranks 1..N-1, sends them every step, and stops them.
 
-Rank 0 is the engine-core process itself (scheduler, sampler, everything as without tensor parallel);
-`TensorParallelExecutor` starts one worker process per other rank (engine_core/parallel/worker.py,
-multiprocessing "spawn", dying with this process), joins the group with them, and from then on sends each
-step's inputs through the broadcast ring before running the step itself (`broadcast_step`, which the
-model runner calls). A worker that dies or hangs is noticed (a collective fails or times out, a ring
-write times out, or its process is gone: `check_alive`) and raised as `WorkerDied`, which makes the
-engine report itself dead. `close` stops the workers and removes the group's runtime directory.
+Rank 0 is the engine-core process itself (scheduler, sampler, everything as without parallelism);
+`ParallelExecutor` starts one worker process per other rank (engine_core/parallel/worker.py,
+multiprocessing "spawn", dying with this process), joins the groups with them, and from then on sends
+each step's inputs through the broadcast ring before running the step itself (`broadcast_step`, which
+the model runner calls; `broadcast_head` under pipeline parallel). With T tensor-parallel ranks per
+stage and P stages there are T x P ranks: rank r is tensor-parallel rank r % T of stage r // T. A worker
+that dies or hangs is noticed (a collective or transfer fails or times out, a ring write times out, or
+its process is gone: `check_alive`) and raised as `WorkerDied`, which makes the engine report itself
+dead. `close` stops the workers and removes the group's runtime directory.
 """
 
 from __future__ import annotations
@@ -24,29 +26,31 @@ from multiprocessing.connection import Connection, wait
 
 import msgspec
 
+from engine_core import cpu_binding
 from engine_core.config import EngineConfig
 from engine_core.lifecycle import Report
 from engine_core.model_runner import LogitsRows, StepInputs
 from engine_core.parallel import shm_allreduce, step_message
-from engine_core.parallel.distributed import DEFAULT_TIMEOUT_S, TPGroup, init_group
-from engine_core.parallel.sharding import cpu_core_layout
+from engine_core.parallel.distributed import DEFAULT_TIMEOUT_S, TPGroup, init_groups
+from engine_core.parallel.pipeline import PipeLink
 from engine_core.parallel.shm_ring import RingPeerGone, RingReader, RingSpec, RingWriter
-from engine_core.parallel.worker import pin_to_cores, run_tp_worker
+from engine_core.parallel.worker import WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
-__all__ = ["RingReader", "RingSpec", "TensorParallelExecutor", "WorkerDied", "rank_config"]
+__all__ = ["ParallelExecutor", "RingReader", "RingSpec", "WorkerDied", "rank_config"]
 
 _START_TIMEOUT_S = 120.0  # for a worker to start (spawn, imports) and report that it is joining
 _STOP_GRACE_S = 2.0
 
 
 class WorkerDied(RuntimeError):
-    """A tensor-parallel worker exited or stopped answering; the engine cannot go on."""
+    """A worker rank exited or stopped answering; the engine cannot go on."""
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """The config rank `rank` runs with: on CUDA each rank has its own GPU (cuda:rank, counted from the
-    replica's first: the one --device names, offset by the data-parallel rank)."""
+    replica's first: the one --device names, offset by the data-parallel rank), counting every rank of
+    every stage."""
     device = config.torch_device()
     if device.type != "cuda":
         return config
@@ -60,21 +64,24 @@ class _Worker:
     conn: Connection
 
 
-class TensorParallelExecutor:
+class ParallelExecutor:
     def __init__(self, config: EngineConfig, model_dir: str, timeout_s: float = DEFAULT_TIMEOUT_S):
-        """Start the workers and join the group (this process is rank 0); `timeout_s` bounds every
-        collective and ring write."""
+        """Start the workers and join the groups (this process is rank 0); `timeout_s` bounds every
+        collective, transfer and ring write."""
         mp = multiprocessing.get_context("spawn")
         if multiprocessing.current_process().daemon:
             raise RuntimeError(
-                "tensor_parallel_size > 1 needs an engine process that may start children (not a daemonic one)"
+                "tensor or pipeline parallel needs an engine process that may start children (not a daemonic one)"
             )
-        self.world_size = config.tensor_parallel_size
+        self.tensor_parallel_size = config.tensor_parallel_size
+        self.pipeline_parallel_size = config.pipeline_parallel_size
+        self.world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         self.timeout_s = timeout_s
         self.runtime_dir = tempfile.mkdtemp(prefix="pagoda-tp-")  # (mode 0700) the group's store and sockets
         self.workers: list[_Worker] = []
         self.ring: RingWriter | None = None
         self._group: TPGroup | None = None
+        self.pipe: PipeLink | None = None
         self._restore: tuple[set[int], int] | None = None
         try:
             self._start(mp, config, model_dir)
@@ -86,21 +93,31 @@ class TensorParallelExecutor:
         import torch
 
         on_cpu = config.torch_device().type == "cpu"
-        cores = cpu_core_layout(self.world_size) if on_cpu else [[] for _ in range(self.world_size)]
+        cores = cpu_binding.divide_own(config.cpu_threads_bind, self.world_size) if on_cpu else None
         store = os.path.join(self.runtime_dir, "store")
-        shm_path = None
-        if on_cpu and shm_allreduce.supported():
-            shm_path = os.path.join(self.runtime_dir, "allreduce")
-            shm_allreduce.create_file(shm_path, self.world_size)
+        shm_paths = None
+        if on_cpu and self.tensor_parallel_size > 1 and shm_allreduce.supported():
+            shm_paths = [os.path.join(self.runtime_dir, f"allreduce{s}") for s in range(self.pipeline_parallel_size)]
+            for path in shm_paths:
+                shm_allreduce.create_file(path, self.tensor_parallel_size)
         self.ring = RingWriter(num_readers=self.world_size - 1, runtime_dir=self.runtime_dir)
-        spec = msgspec.msgpack.encode(self.ring.spec)
         for rank in range(1, self.world_size):
             parent_end, child_end = mp.Pipe()
-            args = (rank_config(config, rank), model_dir, rank, self.world_size, store, shm_path, spec, cores[rank])
+            spec = WorkerSpec(
+                rank_config(config, rank),
+                model_dir,
+                rank,
+                self.tensor_parallel_size,
+                self.pipeline_parallel_size,
+                store,
+                shm_paths,
+                msgspec.msgpack.encode(self.ring.spec),
+                cores[rank] if cores is not None else None,
+                self.runtime_dir,
+            )
             process = mp.Process(
-                target=run_tp_worker,
-                args=args,
-                kwargs={"parent_conn": child_end, "runtime_dir": self.runtime_dir},
+                target=run_worker,
+                args=(spec, child_end),
                 name=f"pagoda-tp{rank}",
                 daemon=True,  # (ended by multiprocessing at exit if the engine is never closed)
             )
@@ -110,23 +127,34 @@ class TensorParallelExecutor:
         self._wait_joining()
         if on_cpu:
             self._restore = (os.sched_getaffinity(0), torch.get_num_threads())
-            pin_to_cores(cores[0], config.num_threads)
+            cpu_binding.apply(cores[0] if cores is not None else None, config.num_threads)
         logger.info(
-            "tensor parallel: %d ranks (%s)%s",
+            "%d ranks (tensor parallel %d x pipeline parallel %d; %s)%s",
             self.world_size,
-            ("gloo, all-reduces through shared memory" if shm_path else "gloo") if on_cpu else "nccl",
-            f", CPU cores per rank {cores}" if on_cpu else "",
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            ("gloo, all-reduces through shared memory" if shm_paths else "gloo") if on_cpu else "nccl",
+            f", CPU cores per rank {cores}" if cores is not None else "",
         )
         device = rank_config(config, 0).torch_device()
-        self._group = init_group(0, self.world_size, store, device, self.timeout_s, shm_path, self._workers_alive)
+        self._group, self.pipe = init_groups(
+            0,
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            store,
+            device,
+            self.timeout_s,
+            shm_paths,
+            self._workers_alive,
+        )
 
     def _workers_alive(self) -> bool:
         return all(w.process.is_alive() for w in self.workers)
 
     @property
     def group(self) -> TPGroup:
-        """Rank 0's group (the model runner's), while the executor is open."""
-        assert self._group is not None, "the tensor-parallel executor is closed"
+        """Rank 0's tensor-parallel group (the model runner's), while the executor is open."""
+        assert self._group is not None, "the parallel executor is closed"
         return self._group
 
     def _wait_joining(self) -> None:
@@ -137,7 +165,7 @@ class TensorParallelExecutor:
         while waiting:
             events = [w.conn for w in waiting] + [w.process.sentinel for w in waiting]
             if not wait(events, timeout=max(0.0, deadline - time.monotonic())):
-                raise WorkerDied(f"tensor-parallel ranks {[w.rank for w in waiting]} did not start")
+                raise WorkerDied(f"parallel ranks {[w.rank for w in waiting]} did not start")
             for worker in list(waiting):
                 if worker.conn.poll():
                     try:
@@ -154,14 +182,22 @@ class TensorParallelExecutor:
 
     def broadcast_step(self, step: StepInputs, rows: LogitsRows) -> None:
         """Send one step to every worker (the model runner calls this before it runs the step)."""
+        self._broadcast(step_message.encode_step(step, rows))
+
+    def broadcast_head(self) -> None:
+        """Tell the workers that rank 0 now runs the LM head of its oldest step in flight (pipeline
+        parallel: the first stage's other tensor-parallel ranks join it)."""
+        self._broadcast(step_message.encode_head())
+
+    def _broadcast(self, message: list[bytes | memoryview]) -> None:
         assert self.ring is not None
         # A worker that died since the last step fails this one now (a waitpid per worker), rather
         # than after a write to a reader that will never read it times out.
         self.check_alive()
         try:
-            self.ring.write(step_message.encode_step(step, rows), timeout_s=self.timeout_s)
+            self.ring.write(message, timeout_s=self.timeout_s)
         except (TimeoutError, RingPeerGone) as exc:
-            raise WorkerDied(f"a tensor-parallel worker stopped reading steps: {exc}") from exc
+            raise WorkerDied(f"a worker rank stopped reading steps: {exc}") from exc
 
     def check_alive(self) -> None:
         """Raise WorkerDied if a worker process is gone (the engine checks while it is idle)."""
@@ -182,7 +218,12 @@ class TensorParallelExecutor:
     def _describe(self, worker: _Worker) -> str:
         code = worker.process.exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        return f"tensor-parallel rank {worker.rank} (pid {worker.process.pid}) {how}"
+        if self.pipeline_parallel_size == 1:
+            name = f"tensor-parallel rank {worker.rank}"
+        else:
+            stage, tp_rank = divmod(worker.rank, self.tensor_parallel_size)
+            name = f"rank {worker.rank} (pipeline stage {stage + 1}, tensor-parallel rank {tp_rank})"
+        return f"{name} (pid {worker.process.pid}) {how}"
 
     def close(self) -> None:
         """Stop the workers (a stop message, then SIGKILL after a grace period), release the group and
@@ -201,6 +242,9 @@ class TensorParallelExecutor:
         if self._group is not None:
             self._group.close()
             self._group = None
+        if self.pipe is not None:
+            self.pipe.close()
+            self.pipe = None
         if self.ring is not None:
             self.ring.close()
             self.ring = None

@@ -11,11 +11,7 @@
 
 from __future__ import annotations
 
-import logging
-import os
 from dataclasses import dataclass
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,8 +68,16 @@ class AttentionHeads:
         return Span(head * group + part.start, part.size), Span(head, 1)
 
 
-def check_model_splits(model_cfg, world_size: int) -> None:
-    """A clear error, before any process starts, if the model cannot be split over `world_size` ranks."""
+def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1) -> None:
+    """A clear error, before any process starts, if the model cannot be split over `world_size`
+    tensor-parallel ranks and `pipeline_stages` stages (each at least one layer)."""
+    if pipeline_stages < 1:
+        raise ValueError(f"pipeline_parallel_size must be at least 1, not {pipeline_stages}")
+    if pipeline_stages > model_cfg.num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size {pipeline_stages} exceeds the model's {model_cfg.num_layers} layers "
+            "(each stage holds at least one)"
+        )
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, not {world_size}")
     if world_size == 1:
@@ -87,19 +91,3 @@ def check_model_splits(model_cfg, world_size: int) -> None:
         )
     if split_vocab(model_cfg.vocab_size, world_size - 1, world_size).size == 0:
         raise ValueError(f"tensor_parallel_size {world_size} is too large for a vocabulary of {model_cfg.vocab_size}")
-
-
-def cpu_core_layout(world_size: int) -> list[list[int]]:
-    """The cores each rank is pinned to: this process's cores divided evenly over the ranks, in order
-    (all empty when there are fewer cores than ranks: then no rank is pinned, with a warning). Computed
-    by rank 0 before it pins itself, since the workers it starts inherit its affinity."""
-    cores = sorted(os.sched_getaffinity(0))
-    per_rank = len(cores) // world_size
-    if per_rank == 0:
-        logger.warning(
-            "tensor_parallel_size %d exceeds the %d CPU cores available: the ranks share cores (slow)",
-            world_size,
-            len(cores),
-        )
-        return [[] for _ in range(world_size)]
-    return [cores[rank * per_rank : (rank + 1) * per_rank] for rank in range(world_size)]

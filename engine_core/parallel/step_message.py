@@ -1,4 +1,5 @@
-"""Rank 0's messages to the other tensor-parallel ranks: one per step, and one to stop.
+"""Rank 0's messages to the other ranks: one per step, one to stop, and under pipeline parallel one when
+rank 0 runs a step's LM head (the first stage's other tensor-parallel ranks join it then).
 
 A step message is the step's integer arrays (StepInputs, and the rows the LM head runs on) as raw bytes
 behind a small msgpack header giving their shapes; no pickle. Layout: a 4-byte little-endian header
@@ -24,7 +25,7 @@ _ARRAYS = (
     "prompt_spans",
     "sample_rows",
 )
-STEP, STOP = 0, 1
+STEP, STOP, HEAD = 0, 1, 2
 
 
 class _Header(msgspec.Struct, array_like=True):
@@ -71,15 +72,19 @@ def encode_stop() -> list[bytes | memoryview]:
     return [_framed(_Header(STOP))]
 
 
-def decode(buffer: bytes | memoryview) -> StepMessage | None:
-    """A step message (its arrays copied out of `buffer`, which the ring reuses), or None for stop."""
+def encode_head() -> list[bytes | memoryview]:
+    return [_framed(_Header(HEAD))]
+
+
+def decode(buffer: bytes | memoryview) -> StepMessage | int:
+    """A step message (its arrays copied out of `buffer`, which the ring reuses), or STOP or HEAD."""
     view = memoryview(buffer).cast("B")
     length = int.from_bytes(view[:4], "little")
     header = _decoder.decode(view[4 : 4 + length])
-    if header.kind == STOP:
-        return None
+    if header.kind in (STOP, HEAD):
+        return header.kind
     if header.kind != STEP or len(header.shapes) != len(_ARRAYS):
-        raise ValueError(f"malformed tensor-parallel step message (kind {header.kind})")
+        raise ValueError(f"malformed step message (kind {header.kind})")
     offset = 4 + length + (-(4 + length) % 8)
     arrays = {}
     for name, shape in zip(_ARRAYS, header.shapes, strict=True):
@@ -87,7 +92,7 @@ def decode(buffer: bytes | memoryview) -> StepMessage | None:
         arrays[name] = np.frombuffer(view, dtype=np.int64, count=count, offset=offset).reshape(shape).copy()
         offset += count * 8
     if offset != len(view):
-        raise ValueError(f"tensor-parallel step message has {len(view)} bytes, its header describes {offset}")
+        raise ValueError(f"step message has {len(view)} bytes, its header describes {offset}")
     step = StepInputs(
         arrays["token_ids"],
         arrays["positions"],
