@@ -133,3 +133,30 @@ def test_joint_prefill_limit_groups_a_burst_in_arrival_order_but_not_a_lone_prom
     steps = [[r.request_id for r in run_step(s)[0].requests] for _ in range(3)]
     # "long" decodes every step; the burst joins two prompts (16 prefill tokens) at a time, in order
     assert steps == [["long", "r0", "r1"], ["long", "r0", "r1", "r2", "r3"], ["long", "r0", "r1", "r2", "r3", "r4"]]
+
+
+def test_pipelined_steps_skip_and_never_preempt_requests_in_flight():
+    """Pipeline parallel: requests whose step is in flight (`exclude`) are neither scheduled (not even a
+    prefill's next chunk) nor preempted, and a step takes at most `max_requests`."""
+    s = make(budget=6)
+    s.add_request(request("long", 20))
+    s.add_request(request("a", 2))
+    s.add_request(request("b", 2))
+    first = s.schedule(max_requests=1)
+    assert [r.request_id for r in first.requests] == ["long"] and first.num_scheduled_tokens == [6]
+    second = s.schedule(exclude={"long"}, max_requests=2)
+    assert [r.request_id for r in second.requests] == ["a", "b"]  # not long's next chunk
+    assert s.schedule(exclude={"long", "a", "b"}).requests == []
+
+    s = make(num_blocks=7, block_size=4, budget=64, max_model_len=24)  # 6 usable blocks = 24 tokens
+    s.add_request(request("old", 8, max_tokens=12))
+    s.add_request(request("new", 8, max_tokens=12))
+    run_step(s)  # both prefilled: 2 blocks each, 2 free
+    preempted = []
+    for _ in range(10):  # "new" (the one preempted without pipelining) is always in flight
+        out = s.schedule(exclude={"new"})
+        preempted += [r.request_id for r in out.preempted]
+        s.update_from_output(out, {r.request_id: 7 for r in out.requests})
+        if preempted:
+            break
+    assert preempted == ["old"]  # the newest running request not in flight: "old" itself

@@ -25,23 +25,9 @@ from engine_core.default_model import ensure_default_gguf
 from engine_core.engine import EngineCore
 from engine_core.parallel.executor import WorkerDied
 from engine_core.sampling_params import SamplingParams
-from tests import tiny_models
 from tests.engine_process import EngineProcess
 from tests.helpers import golden_prompts, greedy_with_first_logprobs, run_engine
-
-TOLERANCE = 1e-4
-
-
-def _compare(runs: list[tuple[list[list[int]], list[dict[int, float]]]], min_identical: int) -> None:
-    """TP=1 vs TP=2: at least `min_identical` prompts with identical tokens, and every prompt's first-step
-    top logprobs (the tokens both have) within TOLERANCE."""
-    (tokens_1, first_1), (tokens_2, first_2) = runs
-    identical = sum(a == b for a, b in zip(tokens_1, tokens_2, strict=True))
-    assert identical >= min_identical, (identical, tokens_1, tokens_2)
-    for one, two in zip(first_1, first_2, strict=True):
-        common = one.keys() & two.keys()
-        assert len(common) >= len(one) - 2  # (the last places may swap between near-equal logprobs)
-        assert max(abs(one[t] - two[t]) for t in common) < TOLERANCE
+from tests.parallel_checks import compare_runs, random_prompts, tiny_model, worker_processes
 
 
 def _tp1_and_tp2(model_dir, prompts, **engine_args):
@@ -51,7 +37,7 @@ def _tp1_and_tp2(model_dir, prompts, **engine_args):
 @pytest.mark.slow
 def test_smollm2_golden_prompts(default_model_dir, tokenizer):
     prompts = golden_prompts(tokenizer)
-    _compare(_tp1_and_tp2(default_model_dir, prompts, num_kv_blocks=512), min_identical=9)
+    compare_runs(_tp1_and_tp2(default_model_dir, prompts, num_kv_blocks=512), min_identical=9)
 
 
 @pytest.mark.slow
@@ -59,7 +45,7 @@ def test_gguf_q4_1_file(tokenizer):
     """The default model's own GGUF file (Q4_1 linears, loaded losslessly as INT4 groups of 32): each rank
     cuts its rows and columns, with their groups, from the converted weights."""
     prompts = golden_prompts(tokenizer)[:5]
-    _compare(_tp1_and_tp2(ensure_default_gguf(), prompts, num_kv_blocks=256), min_identical=4)
+    compare_runs(_tp1_and_tp2(ensure_default_gguf(), prompts, num_kv_blocks=256), min_identical=4)
 
 
 # name -> (tests/tiny_models.py architecture, what differs)
@@ -73,40 +59,25 @@ TINY = {
 }
 
 
-def _tiny_model(tmp_path, name: str, arch: str, extra: dict):
-    model = tiny_models.build(arch, **extra)
-    for layer in model.model.layers:  # make sure the biases matter (they start at zero)
-        attn = layer.self_attn
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-            if proj.bias is not None:
-                torch.nn.init.normal_(proj.bias, std=0.5)
-    model.save_pretrained(tmp_path / name, safe_serialization=True)
-    return tmp_path / name
-
-
-def _prompts():
-    gen = torch.Generator().manual_seed(1)
-    # Lengths around block boundaries, past the sliding window, and one long enough to need chunks.
-    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 7, 16, 33, 70)]
-
-
 @pytest.mark.parametrize("name", list(TINY))
 def test_tiny_architectures(tmp_path, name):
-    model_dir = _tiny_model(tmp_path, name, *TINY[name])
-    _compare(_tp1_and_tp2(model_dir, _prompts(), max_num_batched_tokens=48, num_kv_blocks=64), min_identical=4)
+    model_dir = tiny_model(tmp_path, name, *TINY[name])
+    compare_runs(
+        _tp1_and_tp2(model_dir, random_prompts(), max_num_batched_tokens=48, num_kv_blocks=64), min_identical=4
+    )
 
 
 def test_int4_at_load(tmp_path):
     """Quantization at load: each linear quantized whole (groups of 32, the LM head int8 per channel), then
     cut; the down projection's 256 input columns give each rank 4 whole groups."""
-    model_dir = _tiny_model(tmp_path, "llama", "llama3", {})
-    runs = _tp1_and_tp2(model_dir, _prompts(), quantization="int4", max_num_batched_tokens=48, num_kv_blocks=64)
-    _compare(runs, min_identical=4)
+    model_dir = tiny_model(tmp_path, "llama", "llama3", {})
+    runs = _tp1_and_tp2(model_dir, random_prompts(), quantization="int4", max_num_batched_tokens=48, num_kv_blocks=64)
+    compare_runs(runs, min_identical=4)
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    return _tiny_model(tmp_path_factory.mktemp("tp"), "llama", "llama3", {})
+    return tiny_model(tmp_path_factory.mktemp("tp"), "llama", "llama3", {})
 
 
 def test_preemption_prefix_caching_and_prompt_logprobs(tiny_llama):
@@ -138,21 +109,16 @@ def test_preemption_prefix_caching_and_prompt_logprobs(tiny_llama):
 def test_models_that_do_not_split_fail_before_any_worker_starts(tiny_llama):
     with pytest.raises(ValueError, match="cannot split 8 attention heads with 2 key/value heads"):
         EngineCore(EngineConfig(model=str(tiny_llama), num_kv_blocks=16, tensor_parallel_size=3))
-    assert _workers() == []
-
-
-def _workers() -> list[psutil.Process]:
-    """This process's tensor-parallel workers (named pagoda-tpN), left running."""
-    return [p for p in psutil.Process().children() if p.name().startswith("pagoda-tp")]
+    assert worker_processes() == []
 
 
 def test_a_quantization_group_split_between_ranks_is_named(tmp_path):
     """int4's groups of 32 cannot split 96 MLP columns over 2 ranks (48 each): a clear error at load, and
     the worker that failed the same way is gone."""
-    model_dir = _tiny_model(tmp_path, "llama", "llama", dict(intermediate_size=96))
+    model_dir = tiny_model(tmp_path, "llama", "llama", dict(intermediate_size=96))
     with pytest.raises(ValueError, match=r"tensor-parallel size 2 gives each rank 48 .* group size 32"):
         EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16, quantization="int4", tensor_parallel_size=2))
-    assert _workers() == []
+    assert worker_processes() == []
 
 
 def test_a_killed_worker_fails_the_next_step(tiny_llama):
@@ -221,4 +187,4 @@ def test_gptq_act_order_checkpoint(tokenizer):
 
     model_dir = checkpoint(BY_NAME["gptq-smollm2-w4-g64-actorder"])
     prompts = golden_prompts(tokenizer)[:5]
-    _compare(_tp1_and_tp2(model_dir, prompts, num_kv_blocks=256), min_identical=4)
+    compare_runs(_tp1_and_tp2(model_dir, prompts, num_kv_blocks=256), min_identical=4)
