@@ -21,6 +21,7 @@ from api_proc.bench.local_server import MODEL_NAME, PagodaServer, alive, http, p
 from api_proc.client import EngineClient
 from engine_core.sampling_params import SamplingParams
 from tests.metrics_scrape import Scrape, delta, scrape_until
+from tests.process_checks import descendants, kill_9_leaves_nothing
 
 ENGINES = ("0", "1")
 
@@ -191,34 +192,28 @@ def test_a_stalled_replica_is_restarted_and_kill_9_of_the_parent_leaves_nothing(
     assert status == 200 and body["status"] == "degraded" and "stalled" in body["message"], body
     assert wait_until(lambda: "pagoda-engine1" in process_names(server).values(), 10.0, 0.1)  # restarting
 
-    children = server.children()
     assert {"pagoda-engine0", "pagoda-engine1", "pagoda-detok", "pagoda-api"} <= set(process_names(server).values())
-    shm = shared_memory_of([server.process.pid, *children])
-    server.process.kill()
-    server.process.wait()
-    assert wait_until(lambda: not any(alive(pid) for pid in children), 2.0), [
-        Path(f"/proc/{p}/comm").read_text() for p in children if alive(p)
-    ]
-    assert wait_until(lambda: server.runtime_dirs() == [], 1.0)
-    assert not (tmp_path / "frontend.sock").exists()
-    assert [path for path in shm if os.path.exists(path)] == []
+    kill_9_leaves_nothing(server)
     server.stop()
 
 
-def shared_memory_of(pids: list[int]) -> set[str]:
-    """The /dev/shm entries these processes have open or mapped (other programs' are not our business)."""
-    found = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-            found |= {line.split()[-1] for line in maps if "/dev/shm/" in line}
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("/dev/shm/"):
-                    found.add(target)
-        except OSError:  # exited meanwhile
-            continue
-    return found
+@pytest.mark.slow
+def test_kill_9_of_the_parent_under_tensor_parallel_2_x_data_parallel_2(tmp_path, monkeypatch):
+    """Two replicas of two tensor-parallel ranks each (the workers are the engines' children), serving:
+    kill -9 of the parent takes all of them along, with their shared-memory rings and groups' files."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the groups' directories go here, to be checked
+    server = PagodaServer(
+        tmp_path, "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--cpu-threads-bind", "none"
+    )
+    reply = openai_client(server).completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=4, temperature=0)
+    assert reply.usage.completion_tokens == 4
+    workers = [
+        p for p in descendants(server.process.pid) if Path(f"/proc/{p}/comm").read_text().startswith("pagoda-tp")
+    ]
+    assert len(workers) == 2
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("pagoda-tp-")]) == 2
+    kill_9_leaves_nothing(server, group_dirs=tmp_path)
+    server.stop()
 
 
 def test_replicas_that_cannot_be_pinned_are_refused_at_start(tmp_path):

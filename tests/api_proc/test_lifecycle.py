@@ -26,6 +26,7 @@ from api_proc.bench.local_server import (
 from api_proc.client import EngineClient
 from engine_core import protocol
 from engine_core.sampling_params import SamplingParams
+from tests.process_checks import kill_9_leaves_nothing
 
 
 def test_health_is_503_until_the_engine_is_ready(tmp_path):
@@ -110,16 +111,9 @@ def test_sigterm_drains_in_flight_request_then_exits_0(tmp_path):
 
 def test_kill_9_of_the_parent_leaves_nothing_behind(tmp_path):
     server = PagodaServer(tmp_path)
-    children = server.children()
     # engine, detok, api (and multiprocessing's resource tracker)
     assert {"pagoda-engine", "pagoda-detok", "pagoda-api"} <= set(process_names(server).values())
-    server.process.kill()
-    server.process.wait()
-    assert wait_until(lambda: not any(alive(pid) for pid in children), 2.0), [
-        Path(f"/proc/{p}/comm").read_text() for p in children if alive(p)
-    ]
-    assert wait_until(lambda: server.runtime_dirs() == [], 1.0)
-    assert not (tmp_path / "frontend.sock").exists()
+    kill_9_leaves_nothing(server)
     server.stop()
 
 
