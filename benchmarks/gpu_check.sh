@@ -3,14 +3,16 @@
 # compiled for the GPU, kernel timings against torch and the copy-bandwidth roofline, the quantized
 # and FP8 GEMMs' tests and timings (Llama-3-8B linears against bf16 F.linear and the weight-read bound), greedy
 # tokens (CUDA graphs = eager = torch-reference kernels), offline throughput of a random-weight
-# Llama-3-8B-shaped model in bf16 with graphs on and off, batch-1 decode against the weight-bytes bound.
+# Llama-3-8B-shaped model in bf16 with graphs on and off, batch-1 decode against the weight-bytes bound, and
+# what broadcasting each step's inputs to tensor/pipeline-parallel workers adds per step (one GPU: TP=1 with a
+# reader that only decodes the steps).
 # Ends with a short table. Results (JSON) go to $OUT (default /tmp/pagoda-gpu-check).
 #
-#   bash benchmarks/gpu_check.sh                        # every step (timeouts add up to 14 min)
-#   bash benchmarks/gpu_check.sh tests kernels tokens   # some steps: tests kernels quantized tokens throughput
+#   bash benchmarks/gpu_check.sh                        # every step (timeouts add up to 16 min)
+#   bash benchmarks/gpu_check.sh tests kernels tokens   # some steps: tests kernels quantized tokens throughput broadcast
 #
 # Not yet run on a GPU. The device tool allows 10 minutes per command: run it as two commands with the
-# same OUT, `tests kernels quantized` (timeouts 8 min) then `tokens throughput` (6 min); the summary
+# same OUT, `tests kernels quantized` (timeouts 8 min) then `tokens throughput broadcast` (8 min); the summary
 # reads whatever is there. Without a GPU, `tests kernels quantized` run on the CPU (Triton through its
 # interpreter, SmolLM2's shapes in the timings): that is how those steps are checked off the GPU.
 #
@@ -27,7 +29,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-STEPS=${*:-tests kernels quantized tokens throughput}
+STEPS=${*:-tests kernels quantized tokens throughput broadcast}
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo; echo "== $1"; }
 if wanted tests; then
@@ -50,17 +52,22 @@ if wanted quantized; then
 fi
 if wanted tokens; then
     step "greedy tokens: graphs, eager, torch reference (SmolLM2-135M shape, random weights, fp32)"
-    timeout 60 python3 benchmarks/gpu_engine.py tokens --path graphs --json "$OUT/tokens_graphs.json"
-    timeout 60 python3 benchmarks/gpu_engine.py tokens --path eager --json "$OUT/tokens_eager.json"
-    timeout 60 python3 benchmarks/gpu_engine.py tokens --path reference \
+    timeout 60 python3 -m benchmarks.gpu_engine tokens --path graphs --json "$OUT/tokens_graphs.json"
+    timeout 60 python3 -m benchmarks.gpu_engine tokens --path eager --json "$OUT/tokens_eager.json"
+    timeout 60 python3 -m benchmarks.gpu_engine tokens --path reference \
         --json "$OUT/tokens_reference.json"
 fi
 if wanted throughput; then
     step "offline throughput, Llama-3-8B shape, bf16: 64 x 256 -> 128, max 64 running"
     args=(--num-prompts 64 --input-len 256 --output-len 128 --max-num-seqs 64)
-    timeout 90 python3 benchmarks/gpu_engine.py throughput "${args[@]}" --json "$OUT/throughput_graphs.json"
-    timeout 90 python3 benchmarks/gpu_engine.py throughput "${args[@]}" --enforce-eager \
+    timeout 90 python3 -m benchmarks.gpu_engine throughput "${args[@]}" --json "$OUT/throughput_graphs.json"
+    timeout 90 python3 -m benchmarks.gpu_engine throughput "${args[@]}" --enforce-eager \
         --json "$OUT/throughput_eager.json"
+fi
+if wanted broadcast; then
+    step "step broadcast: decode steps (Llama-3-8B shape, bf16, batch 64, graphs) with and without the TP/PP ring"
+    timeout 120 python3 -m benchmarks.gpu_engine broadcast --num-prompts 64 --input-len 128 --output-len 64 \
+        --json "$OUT/broadcast.json"
 fi
 
 step "summary"
@@ -102,4 +109,8 @@ for mode in ("graphs", "eager"):
         print(f"{mode:<7} batch {b['requests']}x{b['input_len']}->{b['output_len']}: {b['output_tok_s']:8.0f} out tok/s, "
               f"{b['total_tok_s']:8.0f} total tok/s; batch-1 decode {tpot:.2f} ms/token = "
               f"{tpot / bound_ms:.2f}x the weight-bytes bound ({bound_ms:.2f} ms)")
+cast = load("broadcast.json")
+if cast:
+    print(f"step broadcast, batch {cast['batch']} decode: {cast['plain_ms_per_step']:.2f} ms/step plain, "
+          f"{cast['ring_ms_per_step']:.2f} ms/step with the ring: {cast['overhead_us_per_step']:.0f} us per step")
 PY

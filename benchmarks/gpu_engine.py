@@ -2,10 +2,11 @@
 and without CUDA graphs, batch-1 decode against the weight-bandwidth bound. Random-weight models are
 built from a config alone (`load_format="dummy"`), so nothing is downloaded.
 
-    python benchmarks/gpu_engine.py tokens --path graphs     # prints the greedy tokens as JSON
-    python benchmarks/gpu_engine.py tokens --path eager      #   (--path reference: torch kernels)
-    python benchmarks/gpu_engine.py throughput [--enforce-eager]
-    python benchmarks/gpu_engine.py --model-shape tiny ...   # a small model: runs on the CPU too
+    python -m benchmarks.gpu_engine tokens --path graphs     # prints the greedy tokens as JSON
+    python -m benchmarks.gpu_engine tokens --path eager      #   (--path reference: torch kernels)
+    python -m benchmarks.gpu_engine throughput [--enforce-eager]
+    python -m benchmarks.gpu_engine broadcast                # what the TP/PP step broadcast adds per step
+    python -m benchmarks.gpu_engine --model-shape tiny ...   # a small model: runs on the CPU too
 
 `benchmarks/gpu_check.sh` runs them all and compares. The `reference` path runs the engine with
 PAGODA_DISABLE_TRITON=1 (set here for the engine this process builds).
@@ -149,9 +150,100 @@ def cmd_throughput(args) -> dict:
     }
 
 
+def _read_steps(spec_bytes: bytes) -> None:
+    """A reader of the broadcast ring that decodes every step message, as a worker rank does, and runs
+    no model: what rank 0 pays for its workers' inputs, without their compute."""
+    import msgspec
+
+    from engine_core.parallel import step_message
+    from engine_core.parallel.shm_ring import RingClosed, RingPeerGone, RingReader, RingSpec
+
+    reader = RingReader(msgspec.msgpack.decode(spec_bytes, type=RingSpec), 0)
+    try:
+        while step_message.decode(reader.read(timeout_s=600)) != step_message.STOP:
+            pass
+    except (RingClosed, RingPeerGone):
+        pass
+    reader.close()
+
+
+class RingFollowers:
+    """The executor's step broadcast (engine_core/parallel/executor.py), to one reader that only decodes."""
+
+    def __init__(self):
+        import multiprocessing
+
+        import msgspec
+
+        from engine_core.parallel.shm_ring import RingWriter
+
+        self.dir = tempfile.mkdtemp(prefix="pagoda-ring-bench-")
+        self.ring = RingWriter(num_readers=1, runtime_dir=self.dir)
+        self.reader = multiprocessing.get_context("spawn").Process(
+            target=_read_steps, args=(msgspec.msgpack.encode(self.ring.spec),), daemon=True
+        )
+        self.reader.start()
+
+    def broadcast_step(self, step, rows) -> None:
+        from engine_core.parallel import step_message
+
+        self.ring.write(step_message.encode_step(step, rows), timeout_s=60)
+
+    def broadcast_head(self) -> None:
+        raise AssertionError("no pipeline here")
+
+    def close(self) -> None:
+        import shutil
+
+        from engine_core.parallel import step_message
+
+        self.ring.write(step_message.encode_stop(), timeout_s=10)
+        self.reader.join(10)
+        self.ring.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def cmd_broadcast(args) -> dict:
+    """Decode steps of a batch with and without the ring broadcast of each step's inputs (alternating
+    rounds, the same engine): the overhead the tensor/pipeline-parallel path adds to rank 0 per step."""
+    core = engine(args, enforce_eager=args.enforce_eager)
+    vocab = SHAPES[args.model_shape]["vocab_size"]
+    run(core, random_prompts(2, 16, vocab, seed=1), 4)  # warm-up
+    followers = RingFollowers()
+    per_step: dict[str, list[float]] = {"plain": [], "ring": []}
+    try:
+        for round_ in range(args.rounds + 1):  # round 0 warms up (the reader process starting)
+            for case in ("plain", "ring"):
+                core.runner.followers = followers if case == "ring" else None
+                params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+                for index, prompt in enumerate(random_prompts(args.num_prompts, args.input_len, vocab)):
+                    core.add_request(f"r{index}", prompt, params)
+                while any(r.num_output_tokens == 0 for r in core.scheduler.requests.values()):
+                    core.step()  # the prefills: not measured
+                steps, started = 0, time.perf_counter()
+                while core.has_unfinished_requests():
+                    core.step()
+                    steps += 1
+                if round_:
+                    per_step[case].append((time.perf_counter() - started) / steps)
+    finally:
+        core.runner.followers = None
+        followers.close()
+    plain, ring = (sorted(per_step[c])[len(per_step[c]) // 2] for c in ("plain", "ring"))
+    return {
+        "batch": args.num_prompts,
+        "graphs": core.runner.decode_graphs is not None,
+        "plain_ms_per_step": 1000 * plain,
+        "ring_ms_per_step": 1000 * ring,
+        "overhead_us_per_step": 1e6 * (ring - plain),
+        "rounds": per_step,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["tokens", "throughput"])
+    parser.add_argument("command", choices=["tokens", "throughput", "broadcast"])
+    parser.add_argument("--rounds", type=int, default=3, help="broadcast: rounds of each case, alternating")
     parser.add_argument("--model-shape", choices=list(SHAPES), default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--path", choices=["graphs", "eager", "reference"], default="graphs")
@@ -173,11 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.model_shape = args.model_shape or "llama3-8b"
         args.dtype = args.dtype or "auto"
-        result = cmd_throughput(args)
+        result = cmd_throughput(args) if args.command == "throughput" else cmd_broadcast(args)
     text = json.dumps(result)
     if args.json:
         args.json.write_text(text)
-    print(text if args.command == "throughput" else f"{len(result['tokens'])} sequences")
+    print(text if args.command != "tokens" else f"{len(result['tokens'])} sequences")
     return 0
 
 

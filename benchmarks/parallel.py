@@ -6,6 +6,9 @@
            `EngineCore`, after a warm-up), and the time rank 0 spends in collectives per decode step (per
            layer one all-reduce after attention and one after the MLP, one for the embedding, one gather of
            the logits), which includes waiting for the other rank.
+  pp       pipeline parallel on the CPU: PP=2 (two stages of 15 layers, one core each, up to two steps in
+           flight) vs PP=1 x 2 threads (and x 1 thread, for reference), the default model: output tok/s
+           of 16 requests (128-token prompts, 64 greedy tokens each) in an in-process `EngineCore`.
   dp       data parallel (real `pagoda serve` processes, driven over HTTP by the `pagoda bench serve`
            harness; random token-id prompts, ignore_eos, greedy): 2 replicas x 1 thread (one core each) vs
            1 engine x 2 threads, the same 64 requests (128 -> 128 tokens) at concurrency 64: output tok/s
@@ -18,6 +21,7 @@ The cases alternate (A B A B ...) over --repeats rounds so that load from other 
 machine hits both alike; every round's ratio is printed, then the medians.
 
     python -m benchmarks.parallel tp --repeats 3
+    python -m benchmarks.parallel pp --repeats 3
     python -m benchmarks.parallel dp
     python -m benchmarks.parallel routing --repeats 3
 """
@@ -96,6 +100,49 @@ def bench_tp(args) -> None:
     print(
         f"  TP=2, rank 0: {median(parallel, 'collectives'):.0f} collectives per step, {collective_ms:.2f} ms "
         f"({collective_ms / median(parallel, 'step_ms'):.0%} of the step)"
+    )
+
+
+# pp case -> (pipeline_parallel_size, torch threads per rank; None: the rank's share of the cores, here one)
+PP_CASES = {"PP=1 x 2 threads": (1, 2), "PP=2 x 1 core": (2, None), "PP=1 x 1 thread": (1, 1)}
+
+
+def batch_run(pp: int, threads: int | None, num_requests: int, prompt_tokens: int, new_tokens: int) -> float:
+    """One fresh engine: output tok/s over `num_requests` requests added at once."""
+    config = EngineConfig(pipeline_parallel_size=pp, num_threads=threads, kv_cache_memory=256 * 2**20)
+    engine = EngineCore(config)
+    try:
+        engine.warm_up()
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        for r in range(num_requests):
+            engine.add_request(f"r{r}", [(17 * i + 31 * r) % 4000 + 100 for i in range(prompt_tokens)], params)
+        tokens = 0
+        started = time.perf_counter()
+        while engine.has_unfinished_requests():
+            tokens += len(engine.step())
+        return tokens / (time.perf_counter() - started)
+    finally:
+        engine.close()
+
+
+def bench_pp(args) -> None:
+    runs: dict[str, list[float]] = {name: [] for name in PP_CASES}
+    baseline, parallel, single = PP_CASES
+    for round_ in range(args.repeats):
+        for name, (pp, threads) in PP_CASES.items():
+            runs[name].append(batch_run(pp, threads, args.requests, args.prompt_tokens, args.new_tokens))
+        speeds = ", ".join(f"{name} {runs[name][-1]:.1f}" for name in PP_CASES)
+        print(
+            f"  round {round_ + 1}: output tok/s {speeds}; PP=2 / PP=1 x 2 threads "
+            f"{runs[parallel][-1] / runs[baseline][-1]:.2f}",
+            flush=True,
+        )
+    medians = {name: statistics.median(runs[name]) for name in PP_CASES}
+    print(f"\n{args.requests} requests, {args.prompt_tokens}-token prompts -> {args.new_tokens} tokens, medians:")
+    print("  " + ", ".join(f"{name} {medians[name]:.1f} tok/s" for name in PP_CASES))
+    print(
+        f"  PP=2 / PP=1 x 2 threads {medians[parallel] / medians[baseline]:.2f}; "
+        f"PP=2 / PP=1 x 1 thread {medians[parallel] / medians[single]:.2f}"
     )
 
 
@@ -198,6 +245,12 @@ def main() -> None:
     tp.add_argument("--prompt-tokens", type=int, default=128)
     tp.add_argument("--new-tokens", type=int, default=128)
     tp.set_defaults(func=bench_tp)
+    pp = cases.add_parser("pp", help="pipeline parallel: PP=2 x 1 core vs PP=1 x 2 threads, 16 requests")
+    pp.add_argument("--repeats", type=int, default=3)
+    pp.add_argument("--requests", type=int, default=16)
+    pp.add_argument("--prompt-tokens", type=int, default=128)
+    pp.add_argument("--new-tokens", type=int, default=64)
+    pp.set_defaults(func=bench_pp)
     for name, func in (("dp", bench_dp), ("routing", bench_routing)):
         case = cases.add_parser(name)
         case.add_argument("--repeats", type=int, default=2, help="rounds of every case, alternating")
