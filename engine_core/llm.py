@@ -27,8 +27,8 @@ class LLM:
     `LLM()` uses the default model (SmolLM2-135M-Instruct, prepared on first use); `model=` takes any
     Hugging Face model directory or hub id. Keyword arguments are `EngineConfig` fields
     (`dtype`, `block_size`, `kv_cache_memory` ("2GiB"), `max_num_batched_tokens`, `max_num_seqs`, ...).
-    `tensor_parallel_size=N` splits the model over N processes (this one and N - 1 workers it starts);
-    `close()`, or leaving a `with LLM(...) as llm:` block, stops them.
+    `tensor_parallel_size=T` and `pipeline_parallel_size=P` split the model over T x P processes (this
+    one and the workers it starts); `close()`, or leaving a `with LLM(...) as llm:` block, stops them.
     """
 
     def __init__(self, model: str | None = None, **engine_args):

@@ -101,6 +101,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def _head_cost_in_layers(cfg: ModelConfig) -> float:
+    """The LM head's weights over one decoder layer's: what the first pipeline stage's head costs."""
+    q_and_o = 2 * cfg.hidden_size * cfg.num_heads * cfg.head_dim
+    k_and_v = 2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.vocab_size * cfg.hidden_size / (q_and_o + k_and_v + mlp)
+
+
 class MissingLayer(nn.Module):
     """The place of a layer another pipeline stage holds."""
 
@@ -123,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.tp = building_group()
         self.stage = building_stage()
-        self.layer_range = self.stage.layers(cfg.num_layers)
+        self.layer_range = self.stage.layers(cfg.num_layers, head_cost=_head_cost_in_layers(cfg))
         # The LM head is a Linear ([hidden, vocab]); tied models share the embedding's storage through
         # `embed_tokens` = lm_head's transpose (see `load_weights`). Both hold this rank's vocabulary rows,
         # and only the first pipeline stage has them.

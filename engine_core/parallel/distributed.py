@@ -141,10 +141,18 @@ class Stage:
     def is_last(self) -> bool:
         return self.index == self.count - 1
 
-    def layers(self, num_layers: int) -> range:
-        """This stage's layers: `num_layers / count` each, the ranks differing by one layer at most."""
-        span = split_rows(num_layers, self.index, self.count)
-        return range(span.start, span.stop)
+    def layers(self, num_layers: int, head_cost: float = 0.0) -> range:
+        """This stage's layers. `head_cost`: what the first stage's LM head (and sampling) costs, in
+        layers; the first stage gets that many fewer layers, so that every stage has as much work (a
+        decode step reads every weight once, so the cost of a layer or of the head is its weights). The
+        other stages share the rest evenly (differing by one layer at most); every stage gets one at
+        least."""
+        first = round((num_layers + head_cost) / self.count - head_cost)
+        first = max(1, min(first, num_layers - (self.count - 1)))
+        if self.is_first:
+            return range(first)
+        span = split_rows(num_layers - first, self.index - 1, self.count - 1)
+        return range(first + span.start, first + span.stop)
 
 
 WHOLE = Stage()

@@ -35,10 +35,19 @@ def tiny_llama(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("pp"), "llama", "llama3", {})
 
 
-def test_stages_split_the_layers_contiguously():
+def test_stages_split_the_layers_contiguously_the_first_one_lighter_by_its_lm_head():
     assert [Stage(i, 2).layers(30) for i in range(2)] == [range(0, 15), range(15, 30)]
-    assert [Stage(i, 4).layers(30) for i in range(4)] == [range(0, 7), range(7, 15), range(15, 22), range(22, 30)]
-    assert Stage(0, 1).layers(3) == range(3) and Stage(0, 1).is_first and Stage(0, 1).is_last
+    assert [Stage(i, 4).layers(30) for i in range(4)] == [range(0, 8), range(8, 15), range(15, 22), range(22, 30)]
+    # SmolLM2: its LM head (49,152 x 576) weighs as much as 8 of its layers.
+    assert [Stage(i, 2).layers(30, head_cost=8.0) for i in range(2)] == [range(0, 11), range(11, 30)]
+    assert [Stage(i, 4).layers(30, head_cost=8.0) for i in range(4)] == [
+        range(0, 2),
+        range(2, 11),
+        range(11, 20),
+        range(20, 30),
+    ]
+    assert [Stage(i, 3).layers(3, head_cost=5.0) for i in range(3)] == [range(0, 1), range(1, 2), range(2, 3)]
+    assert Stage(0, 1).layers(3, head_cost=2.0) == range(3) and Stage(0, 1).is_first and Stage(0, 1).is_last
 
 
 @pytest.mark.slow
