@@ -48,3 +48,35 @@ def random_prompts() -> list[list[int]]:
 def worker_processes() -> list[psutil.Process]:
     """This process's parallel workers (named pagoda-tpN), left running."""
     return [p for p in psutil.Process().children() if p.name().startswith("pagoda-tp")]
+
+
+def killed_worker_fails_the_next_step(config, message: str) -> None:
+    """An engine with workers (`config`): after one step, SIGKILL its first worker; the next step raises
+    WorkerDied matching `message` at once (not after the group's timeout), and closing the engine leaves
+    no worker and no group directory."""
+    import os
+    import signal
+    import time
+
+    import pytest
+
+    from engine_core.engine import EngineCore
+    from engine_core.parallel.executor import WorkerDied
+    from engine_core.sampling_params import SamplingParams
+
+    engine = EngineCore(config)
+    try:
+        engine.add_request("a", list(range(5, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
+        engine.step()
+        worker = engine.executor.workers[0].process
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(5)
+        started = time.monotonic()
+        with pytest.raises(WorkerDied, match=message):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - started < 5
+    finally:
+        engine.close()
+    assert not os.path.exists(engine.executor.runtime_dir)
+    assert worker_processes() == []

@@ -9,10 +9,6 @@ once; splits that cannot work are refused before any worker starts.
 
 from __future__ import annotations
 
-import os
-import signal
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -20,10 +16,16 @@ import torch
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from engine_core.parallel.distributed import Stage
-from engine_core.parallel.executor import WorkerDied
 from engine_core.sampling_params import SamplingParams
 from tests.helpers import golden_prompts, greedy_with_first_logprobs
-from tests.parallel_checks import TOLERANCE, compare_runs, random_prompts, tiny_model, worker_processes
+from tests.parallel_checks import (
+    TOLERANCE,
+    compare_runs,
+    killed_worker_fails_the_next_step,
+    random_prompts,
+    tiny_model,
+    worker_processes,
+)
 
 
 def _runs(model_dir, prompts, splits: list[dict], **engine_args):
@@ -163,19 +165,5 @@ def test_more_stages_than_layers_fail_before_any_worker_starts(tiny_llama):
 
 
 def test_a_killed_last_stage_fails_the_next_step(tiny_llama):
-    engine = EngineCore(EngineConfig(model=str(tiny_llama), num_kv_blocks=32, pipeline_parallel_size=2))
-    try:
-        engine.add_request("a", list(range(5, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
-        engine.step()
-        worker = engine.executor.workers[0].process
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(5)
-        started = time.monotonic()
-        with pytest.raises(WorkerDied, match=r"rank 1 \(pipeline stage 2, tensor-parallel rank 0\) .* signal 9"):
-            while engine.has_unfinished_requests():
-                engine.step()
-        assert time.monotonic() - started < 5  # at once, not after the transfer timeout
-    finally:
-        engine.close()
-    assert not os.path.exists(engine.executor.runtime_dir)
-    assert worker_processes() == []
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=32, pipeline_parallel_size=2)
+    killed_worker_fails_the_next_step(config, r"rank 1 \(pipeline stage 2, tensor-parallel rank 0\) .* signal 9")

@@ -23,11 +23,16 @@ from engine_core import protocol
 from engine_core.config import EngineConfig
 from engine_core.default_model import ensure_default_gguf
 from engine_core.engine import EngineCore
-from engine_core.parallel.executor import WorkerDied
 from engine_core.sampling_params import SamplingParams
 from tests.engine_process import EngineProcess
 from tests.helpers import golden_prompts, greedy_with_first_logprobs, run_engine
-from tests.parallel_checks import compare_runs, random_prompts, tiny_model, worker_processes
+from tests.parallel_checks import (
+    compare_runs,
+    killed_worker_fails_the_next_step,
+    random_prompts,
+    tiny_model,
+    worker_processes,
+)
 
 
 def _tp1_and_tp2(model_dir, prompts, **engine_args):
@@ -122,21 +127,8 @@ def test_a_quantization_group_split_between_ranks_is_named(tmp_path):
 
 
 def test_a_killed_worker_fails_the_next_step(tiny_llama):
-    engine = EngineCore(EngineConfig(model=str(tiny_llama), num_kv_blocks=32, tensor_parallel_size=2))
-    try:
-        engine.add_request("a", list(range(5, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
-        engine.step()
-        worker = engine.executor.workers[0].process
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.join(5)
-        started = time.monotonic()
-        with pytest.raises(WorkerDied, match=r"tensor-parallel rank 1 .* killed by signal 9"):
-            while engine.has_unfinished_requests():
-                engine.step()
-        assert time.monotonic() - started < 5  # at once, not after the collective timeout
-    finally:
-        engine.close()
-    assert not os.path.exists(engine.executor.runtime_dir)
+    config = EngineConfig(model=str(tiny_llama), num_kv_blocks=32, tensor_parallel_size=2)
+    killed_worker_fails_the_next_step(config, r"tensor-parallel rank 1 .* killed by signal 9")
 
 
 class TPEngineProcess(EngineProcess):
