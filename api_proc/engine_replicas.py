@@ -44,15 +44,27 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 class EngineReplicas:
-    def __init__(self, supervisor, target, config: EngineConfig, num_replicas: int, max_restarts: int):
-        """`target`: the engine process's entry point (engine_core.core_proc.run_engine_core)."""
+    def __init__(
+        self,
+        supervisor,
+        target,
+        config: EngineConfig,
+        num_replicas: int,
+        max_restarts: int,
+        addrs: list[tuple[str, str]] | None = None,
+        target_args: tuple = (),
+    ):
+        """`target`: the engine process's entry point (engine_core.core_proc.run_engine_core, or under
+        the Ray backend api_proc.ray_replicas.run_ray_replica), called with a replica's config, its
+        (input, output) addresses (default: ipc sockets in the runtime directory) and `target_args`."""
         self.supervisor = supervisor
         self.target = target
+        self.target_args = target_args
         self.configs = replica_configs(config, num_replicas)
         self.restarts = ReplicaRestarts(num_replicas, max_restarts)
         self.stalled: set[int] = set()  # killed by us because their loop stalled
         runtime_dir = supervisor.runtime_dir
-        self.addrs = [
+        self.addrs = addrs or [
             (f"ipc://{runtime_dir}/engine-{i}-in.sock", f"ipc://{runtime_dir}/engine-{i}-out.sock")
             for i in range(num_replicas)
         ]
@@ -65,11 +77,18 @@ class EngineReplicas:
 
     def start(self, index: int) -> None:
         for addr in self.addrs[index]:  # a killed process leaves its socket files behind
-            with contextlib.suppress(OSError):
-                os.unlink(addr[len("ipc://") :])
+            if addr.startswith("ipc://"):
+                with contextlib.suppress(OSError):
+                    os.unlink(addr[len("ipc://") :])
         name_index = index if self.several else None
         self.supervisor.start(
-            Role.ENGINE, self.target, self.configs[index], *self.addrs[index], index=name_index, replica=name_index
+            Role.ENGINE,
+            self.target,
+            self.configs[index],
+            *self.addrs[index],
+            *self.target_args,
+            index=name_index,
+            replica=name_index,
         )
 
     def start_all(self) -> None:

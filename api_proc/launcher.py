@@ -256,10 +256,15 @@ def serve(args) -> int:
 
     supervisor = Supervisor(runtime_dir)
     status = 1
+    cluster = None
+    link_keys = None
     try:
-        engines = EngineReplicas(
-            supervisor, run_engine_core, config, args.data_parallel_size, args.max_replica_restarts
-        )
+        if args.distributed_executor_backend == "ray":
+            cluster, engines, link_keys = _ray_replicas(args, supervisor, config)
+        else:
+            engines = EngineReplicas(
+                supervisor, run_engine_core, config, args.data_parallel_size, args.max_replica_restarts
+            )
     except ValueError as exc:  # e.g. a --cpu-threads-bind that does not fit the replicas
         shutil.rmtree(runtime_dir, ignore_errors=True)
         logger.error("%s", exc)
@@ -284,6 +289,7 @@ def serve(args) -> int:
             model_name=names[0],
             routing=args.dp_routing,
             seed=args.seed,
+            link_keys=link_keys,
         )
         for i in range(args.api_workers):
             supervisor.start(Role.API, run_api_worker, settings, index=i)
@@ -326,6 +332,50 @@ def serve(args) -> int:
     finally:
         systemd.close()
         supervisor.kill_remaining()
+        if cluster is not None:
+            cluster.close()
         shutil.rmtree(runtime_dir, ignore_errors=True)
     logger.info("stopped (exit %d)", status)
     return status
+
+
+def _ray_replicas(args, supervisor: Supervisor, config):
+    """The Ray backend's replicas (api_proc/ray_replicas.py): a local cluster unless --ray-address
+    names one, per-launch CURVE keys for the engines' tcp links, and tcp addresses the tokenizer
+    process binds. Returns (the local cluster or None, the replicas, the keys)."""
+    from api_proc.engine_replicas import EngineReplicas
+    from api_proc.ray_replicas import (
+        LocalRayCluster,
+        RaySettings,
+        engine_link_addrs,
+        launch_namespace,
+        node_ip,
+        run_ray_replica,
+    )
+    from engine_core.zmq_security import EngineLinkKeys
+
+    try:
+        import ray  # noqa: F401 - only to fail early and clearly
+    except ImportError:
+        raise ValueError("--distributed-executor-backend ray needs Ray: pip install 'pagoda-llm[ray]'") from None
+    cluster = None if args.ray_address else LocalRayCluster()
+    address, auth_env = (args.ray_address, {}) if cluster is None else (cluster.address, cluster.auth_env)
+    settings = RaySettings(address, args.ray_cpus_per_rank, args.ray_placement_timeout, launch_namespace(), auth_env)
+    keys = EngineLinkKeys.generate()
+    # A local cluster's engines connect over loopback; a real one's from other machines.
+    addrs = engine_link_addrs(args.data_parallel_size, node_ip() if args.ray_address else "127.0.0.1")
+    try:
+        engines = EngineReplicas(
+            supervisor,
+            run_ray_replica,
+            config,
+            args.data_parallel_size,
+            args.max_replica_restarts,
+            addrs=addrs,
+            target_args=(keys, settings),
+        )
+    except BaseException:
+        if cluster is not None:
+            cluster.close()
+        raise
+    return cluster, engines, keys

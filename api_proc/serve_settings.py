@@ -257,6 +257,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="CURVE certificates for a tcp:// frontend, as written by `pagoda keys DIR`",
     )
     add_data_parallel_args(parser)
+    add_ray_args(parser)
     add_limit_args(parser)
 
 
@@ -282,6 +283,38 @@ def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="times a replica that died is restarted (backoff 1, 2, 4... s) before it stays down; with one "
         "engine the server exits instead",
+    )
+
+
+def add_ray_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("Ray (docs/ray.md)")
+    g.add_argument(
+        "--distributed-executor-backend",
+        choices=("mp", "ray"),
+        default="mp",
+        help="how engine replicas are started: mp = processes of this machine; ray = Ray actors placed on a "
+        "Ray cluster (needs the ray extra: pip install 'pagoda-llm[ray]')",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster to join (e.g. 10.0.0.1:6379, as `ray start --head` printed); default: start a "
+        "local one that lives as long as the server",
+    )
+    g.add_argument(
+        "--ray-cpus-per-rank",
+        type=_positive,
+        default=1,
+        help="CPUs each engine rank reserves in its replica's placement group (and its torch threads)",
+    )
+    g.add_argument(
+        "--ray-placement-timeout",
+        type=float,
+        default=120.0,
+        metavar="SECONDS",
+        help="start-up fails when a replica's placement group cannot be placed within this, naming the "
+        "resources asked for and those available",
     )
 
 

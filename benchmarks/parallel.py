@@ -13,6 +13,8 @@
            harness; random token-id prompts, ignore_eos, greedy): 2 replicas x 1 thread (one core each) vs
            1 engine x 2 threads, the same 64 requests (128 -> 128 tokens) at concurrency 64: output tok/s
            and their ratio.
+  ray      start-up: `pagoda serve` launched until /health is 200 and a 1-token request answered, with
+           --distributed-executor-backend ray (a local Ray cluster started by the server) vs mp, one replica.
   routing  2 replicas, P2C + prefix affinity vs round robin (--dp-routing), on a shared-prefix workload:
            16 groups of 4 requests, each group sharing a 1,024-token prefix (+ 32 unique tokens, 16
            output tokens), shuffled, at concurrency 8: median TTFT and prefix-cache hit rate.
@@ -24,6 +26,7 @@ machine hits both alike; every round's ratio is printed, then the medians.
     python -m benchmarks.parallel pp --repeats 3
     python -m benchmarks.parallel dp
     python -m benchmarks.parallel routing --repeats 3
+    python -m benchmarks.parallel ray --repeats 3
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from api_proc.bench.datasets import BenchRequest, random_requests
-from api_proc.bench.local_server import PagodaServer, http
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http
 from api_proc.bench.metrics import summarize
 from api_proc.bench.runner import run_serve
 from engine_core.config import EngineConfig
@@ -237,6 +240,31 @@ def bench_routing(args) -> None:
     print(f"  {'median':>5} {ta:16.0f} {tb:12.0f} {ta / tb:6.2f} {ha:13.3f} {hb:6.3f}")
 
 
+def time_to_ready(args: list[str]) -> float:
+    """Seconds from launching `pagoda serve` until it has answered a 1-token request."""
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        server = PagodaServer(Path(tmp), *args, ready_timeout=300)
+        try:
+            body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}
+            status, _ = http("POST", server.base_url + "/v1/completions", body)
+            assert status == 200, status
+            return time.perf_counter() - started
+        finally:
+            server.stop()
+
+
+def bench_ray(args) -> None:
+    cases = {"mp": [], "ray": ["--distributed-executor-backend", "ray"]}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for round_ in range(args.repeats):
+        for name, extra in cases.items():
+            times[name].append(time_to_ready(extra))
+        print(f"  round {round_ + 1}: mp {times['mp'][-1]:.1f} s, ray {times['ray'][-1]:.1f} s", flush=True)
+    mp, ray = (statistics.median(times[name]) for name in cases)
+    print(f"\nReady (first answer) after launch, medians: mp {mp:.1f} s, ray {ray:.1f} s; ray / mp {ray / mp:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cases = parser.add_subparsers(dest="case", required=True)
@@ -251,7 +279,7 @@ def main() -> None:
     pp.add_argument("--prompt-tokens", type=int, default=128)
     pp.add_argument("--new-tokens", type=int, default=64)
     pp.set_defaults(func=bench_pp)
-    for name, func in (("dp", bench_dp), ("routing", bench_routing)):
+    for name, func in (("dp", bench_dp), ("routing", bench_routing), ("ray", bench_ray)):
         case = cases.add_parser(name)
         case.add_argument("--repeats", type=int, default=2, help="rounds of every case, alternating")
         case.set_defaults(func=func)

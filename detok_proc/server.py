@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.limits import FrontendLimits
@@ -44,7 +45,7 @@ from engine_core.json_limits import depth_message
 from engine_core.lifecycle import Command, ParentLink, Report, Role, init_child_process
 from engine_core.tokenizer import load_tokenizer
 from engine_core.validation import ParamError, check_token_ids
-from engine_core.zmq_security import CurveConfig
+from engine_core.zmq_security import CurveConfig, EngineLinkKeys
 
 logger = logging.getLogger(__name__)
 _POLL_MS = 500
@@ -75,6 +76,7 @@ class DetokProc:
         model_name: str | None = None,
         routing: str = "p2c",
         seed: int = 0,
+        link_keys: EngineLinkKeys | None = None,
     ):
         """`engine_addrs`: each engine replica's (input, output) addresses, which the engines bind."""
         self.model_dir = model_dir
@@ -90,7 +92,12 @@ class DetokProc:
                 raise ValueError("a tcp:// frontend needs CURVE keys")
             self.auth = curve.serve(self.ctx, router := self.ctx.socket(zmq.ROUTER))
             self.frontends.append(self._router([tcp_addr], router))
-        self.replicas = [EngineReplica(self.ctx, i, *addrs) for i, addrs in enumerate(engine_addrs)]
+        if link_keys is not None:  # engines connect back over tcp: admit only their key
+            if self.auth is None:
+                self.auth = ThreadAuthenticator(self.ctx)
+                self.auth.start()
+            link_keys.authorize(self.auth)
+        self.replicas = [EngineReplica(self.ctx, i, *addrs, link_keys) for i, addrs in enumerate(engine_addrs)]
         self.router = Router(routing, seed)
         self.poller = zmq.Poller()
         for router in self.frontends:
@@ -622,9 +629,11 @@ def run_detok(
     model_name: str | None = None,
     routing: str = "p2c",
     seed: int = 0,
+    link_keys: EngineLinkKeys | None = None,
 ) -> None:
     """Process entry point; exits 0 on SIGTERM/SIGINT or the parent's "stop". `engine_addrs`: each
-    engine replica's (input, output) addresses."""
+    engine replica's (input, output) addresses; with `link_keys` this process binds them (tcp, CURVE)
+    and the engines connect (the Ray backend)."""
     init_child_process(Role.DETOK.process_name())
     started = time.monotonic()
     proc = DetokProc(
@@ -638,6 +647,7 @@ def run_detok(
         model_name,
         routing,
         seed,
+        link_keys,
     )
     link = ParentLink(parent_conn, runtime_dir, proc.ipc_files) if parent_conn is not None else None
 

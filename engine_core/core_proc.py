@@ -21,6 +21,7 @@ from engine_core import protocol
 from engine_core.config import EngineConfig
 from engine_core.lifecycle import ParentLink, Report, Role, init_child_process
 from engine_core.validation import param_of
+from engine_core.zmq_security import EngineLinkKeys
 
 if TYPE_CHECKING:
     from engine_core.engine import EngineCore  # (imports torch: only in load(), in the child)
@@ -30,12 +31,19 @@ _IDLE_POLL_MS = 1000
 
 
 class EngineCoreProc:
-    def __init__(self, input_addr: str, output_addr: str):
+    def __init__(self, input_addr: str, output_addr: str, link_keys: EngineLinkKeys | None = None):
+        """Binds its input and output sockets; with `link_keys` (an engine placed by Ray, possibly on
+        another machine) it connects to the tokenizer process's tcp sockets instead, over CURVE."""
         self.ctx = zmq.Context()
         self.inputs = self.ctx.socket(zmq.PULL)
-        self.inputs.bind(input_addr)
         self.outputs = self.ctx.socket(zmq.PUSH)
-        self.outputs.bind(output_addr)
+        if link_keys is None:
+            self.inputs.bind(input_addr)
+            self.outputs.bind(output_addr)
+        else:
+            for socket, addr in ((self.inputs, input_addr), (self.outputs, output_addr)):
+                link_keys.make_client(socket)
+                socket.connect(addr)
         self.poller = zmq.Poller()
         self.poller.register(self.inputs, zmq.POLLIN)
         self.engine: EngineCore  # set by load(), before anything reads it

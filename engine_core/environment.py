@@ -64,3 +64,9 @@ def configure_kernels(int8_activations: bool = False) -> None:
         build_dir=cache_root() / "kernels",
         int8_activations=int8_activations,
     )
+
+
+def pagoda_environment() -> dict[str, str]:
+    """Every PAGODA_* variable set in this process: what a process started elsewhere (a Ray actor) must
+    be given to behave as this one's children do."""
+    return {name: os.environ[name] for name in VARIABLES if name in os.environ}

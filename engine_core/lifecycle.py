@@ -77,12 +77,17 @@ def configure_logging(level: str, log_format: str | None = None) -> None:
 def init_child_process(name: str) -> None:
     """First thing in every child: a process name `ps`/`top` show (e.g. "pagoda-engine"), the
     parent's log settings, and death with the parent."""
+    name_process(name)
+    configure_logging(log_settings()[0])
+    die_with_parent()
+
+
+def name_process(name: str) -> None:
+    """The name `ps` and `top` show for this process (15 bytes at most)."""
     try:
         ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15])
     except (OSError, AttributeError):
         pass
-    configure_logging(log_settings()[0])
-    die_with_parent()
 
 
 def die_with_parent() -> None:

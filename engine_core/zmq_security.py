@@ -59,3 +59,52 @@ def generate_keys(directory: str | Path) -> dict[str, Path]:
         "client_secret": Path(client_secret),
         "authorized": authorized,
     }
+
+
+ENGINE_LINK_DOMAIN = "pagoda-engine-link"  # the ZAP domain of the engine links (the frontend's is "*")
+
+
+@dataclass(frozen=True)
+class EngineLinkKeys:
+    """Per-launch CURVE keys of the links between the tokenizer process and engines that connect back
+    over tcp (the Ray backend, where an engine may run on another machine). The tokenizer process binds
+    as the CURVE server and admits only the client key; the engines get the client pair and the
+    server's public key in their constructor. Generated in memory for each launch, never written."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def generate(cls) -> EngineLinkKeys:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public, server_secret, client_public, client_secret)
+
+    def for_engine(self) -> EngineLinkKeys:
+        """What an engine needs: no server secret."""
+        return EngineLinkKeys(self.server_public, b"", self.client_public, self.client_secret)
+
+    def authorize(self, authenticator: ThreadAuthenticator) -> None:
+        """Admit the engines' client key (and no other) on ENGINE_LINK_DOMAIN."""
+        authenticator.configure_curve_callback(ENGINE_LINK_DOMAIN, _OneKey(self.client_public))
+
+    def make_server(self, socket: zmq.Socket) -> None:
+        """`socket` (not yet bound) a CURVE server on ENGINE_LINK_DOMAIN (see `authorize`)."""
+        socket.curve_publickey, socket.curve_secretkey = self.server_public, self.server_secret
+        socket.curve_server = True
+        socket.zap_domain = ENGINE_LINK_DOMAIN.encode()
+
+    def make_client(self, socket: zmq.Socket) -> None:
+        """`socket` (not yet connected) a CURVE client of the tokenizer process."""
+        socket.curve_serverkey = self.server_public
+        socket.curve_publickey, socket.curve_secretkey = self.client_public, self.client_secret
+
+
+class _OneKey:
+    def __init__(self, key: bytes):
+        self.key = key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return domain == ENGINE_LINK_DOMAIN and key == self.key
