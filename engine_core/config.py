@@ -72,6 +72,9 @@ class EngineConfig:
     # CPU cores per engine process (engine_core/cpu_binding.py): "auto", "none" or "0-3|4-7"; one
     # process (no data or tensor parallelism) is pinned only by an explicit group.
     cpu_threads_bind: str = "auto"
+    # Speculative decoding (engine_core/speculative): vLLM's JSON, e.g. '{"method": "ngram"}'
+    speculative_config: str | None = None
+    speculative_disable_batch_size: int | None = None  # overrides the JSON's disable_batch_size
 
     def __post_init__(self):
         if self.block_size not in (8, 16, 32, 64, 128):
@@ -89,6 +92,11 @@ class EngineConfig:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be at least 1")
         check_cpu_spec(self.cpu_threads_bind)
+        from engine_core.speculative.config import SpeculativeConfig
+
+        speculative = SpeculativeConfig.parse(self.speculative_config, self.speculative_disable_batch_size)
+        if speculative is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative decoding and pipeline parallel do not combine yet")
 
     @property
     def num_ranks(self) -> int:
@@ -221,6 +229,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size ranks, with up to this many steps in flight (one per stage); docs/parallel.md",
     )
     g.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s spelling: \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (docs/speculative-decoding.md)',
+    )
+    g.add_argument(
+        "--speculative-disable-batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="no speculation in a step with more running requests than this (default 4, measured here)",
+    )
+    g.add_argument(
         "--cpu-threads-bind",
         default="auto",
         metavar="SPEC",
@@ -252,5 +274,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        speculative_config=args.speculative_config,
+        speculative_disable_batch_size=args.speculative_disable_batch_size,
         cpu_threads_bind=args.cpu_threads_bind,
     )

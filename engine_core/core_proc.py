@@ -101,7 +101,7 @@ class EngineCoreProc:
             deltas += self.engine.step()
             for request_id, message, param in self.engine.take_rejected():  # bad structured-output specs
                 self._send(protocol.RequestRejected(request_id, message, param))
-        self._send(protocol.StepOutputs(deltas, self.engine.scheduler.stats(), time.time()))
+        self._send(protocol.StepOutputs(deltas, self.engine.stats(), time.time()))
 
     def load(self, config: EngineConfig) -> None:
         from engine_core.engine import EngineCore  # torch is imported here, in the child only

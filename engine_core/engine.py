@@ -23,10 +23,13 @@ from engine_core.loader import resolve_model
 from engine_core.model_config import ModelConfig
 from engine_core.model_runner import ModelRunner, PendingStep, StepResult
 from engine_core.parallel.sharding import check_model_splits
-from engine_core.protocol import RequestDelta
+from engine_core.protocol import RequestDelta, SchedulerStatsMessage
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler, SchedulerOutput
+from engine_core.speculative.config import SpeculativeConfig
+from engine_core.speculative.proposer import Proposer
+from engine_core.speculative.stats import SpecDecodeCounters
 from engine_core.structured_output import StructuredOutputManager
 from engine_core.validation import ParamError, check_token_ids
 
@@ -80,6 +83,11 @@ class EngineCore:
                 self.runner.enable_decode_graphs(self.max_model_len)
             else:  # (the workers would have to capture the same graphs, collectives included, in step)
                 logger.info("CUDA graphs are not used under tensor or pipeline parallel: decode steps run eager")
+        self.speculative = SpeculativeConfig.parse(config.speculative_config, config.speculative_disable_batch_size)
+        self.proposer = None if self.speculative is None else Proposer(self.speculative, self.max_model_len)
+        self.spec_counters = (
+            None if self.speculative is None else SpecDecodeCounters(self.speculative.num_speculative_tokens)
+        )
         # Constrained requests wait here, off the scheduler, while a worker thread compiles their grammar.
         self.structured = StructuredOutputManager(
             self.model_dir, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids
@@ -232,6 +240,8 @@ class EngineCore:
         stages = self.config.pipeline_parallel_size
         while len(self.in_flight) < stages:
             if stages == 1:
+                if self.proposer is not None:
+                    self.proposer.propose(self.scheduler.running)
                 sched = self.scheduler.schedule()
             else:
                 busy = {r.request_id for step, _ in self.in_flight for r in step.requests}
@@ -245,32 +255,50 @@ class EngineCore:
         """Add a finished step's tokens and prompt logprobs to its requests, finish those that stop;
         the deltas to send. Requests aborted while the step was in flight get nothing."""
         live = [r for r in sched.requests if not r.status.finished]
+        before = {}
         for request in live:
+            before[request.request_id] = request.num_tokens
             chunk = result.prompt_logprobs.get(request.request_id)
             if chunk is not None and request.prompt_logprobs is not None:
                 request.prompt_logprobs.add(chunk)
+            proposed = sched.spec_token_ids.get(request.request_id)
+            if proposed and request.request_id in result.sampled:
+                kept = len(result.sampled[request.request_id]) - 1
+                request.spec_proposed += len(proposed)
+                request.spec_accepted += kept
+                assert self.spec_counters is not None
+                self.spec_counters.record(len(proposed), kept)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled)}
+        if self.spec_counters is not None:
+            self.spec_counters.maybe_log()
         outputs = []
         for request in live:
-            token = result.sampled.get(request.request_id)
-            if token is None:
+            new_tokens = request.all_token_ids[before[request.request_id] :]  # (fewer than sampled after a stop)
+            if not new_tokens:
                 continue
-            logprobs = result.logprobs.get(request.request_id)
+            logprobs = result.logprobs.get(request.request_id, [])[: len(new_tokens)]
             prompt_logprobs = None
             if request.prompt_logprobs is not None:  # all computed now that it samples: sent once, here
                 prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs.pack(), None
             outputs.append(
                 RequestDelta(
                     request_id=request.request_id,
-                    new_token_ids=[token],
+                    new_token_ids=new_tokens,
                     finish_reason=request.finish_reason if request.request_id in finished else None,
-                    new_logprobs=[logprobs] if logprobs is not None else [],
+                    new_logprobs=logprobs,
                     num_cached_tokens=request.num_cached_tokens,
                     queue_time=request.queue_time if request.num_output_tokens == 1 else None,
                     prompt_logprobs=prompt_logprobs,
                 )
             )
         return outputs
+
+    def stats(self) -> SchedulerStatsMessage:
+        """The scheduler's stats, and speculative decoding's counters when it is on."""
+        stats = self.scheduler.stats()
+        if self.spec_counters is not None:
+            stats.spec_decode = self.spec_counters.stats
+        return stats
 
     @property
     def num_preemptions(self) -> int:

@@ -89,7 +89,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         blocks = self._blocks_of.get(request.request_id, [])
-        full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        # (Proposed tokens being verified are computed but not the request's yet: not theirs to publish.)
+        full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(blocks))
         start = self._num_cached_blocks.get(request.request_id, 0)
         if full <= start:
             return
@@ -97,6 +98,16 @@ class KVCacheManager:
         for index in range(start, full):
             self.pool.cache(blocks[index], hashes[index])
         self._num_cached_blocks[request.request_id] = full
+
+    def trim(self, request: Request) -> None:
+        """Return the blocks past the request's tokens (taken for proposals it rejected); they were never
+        published, since only blocks full of the request's own tokens are."""
+        blocks = self._blocks_of.get(request.request_id, [])
+        keep = -(-request.num_tokens // self.block_size)
+        if len(blocks) > keep:
+            self.pool.release(list(reversed(blocks[keep:])))
+            del blocks[keep:]
+            request.block_ids = [b.block_id for b in blocks]
 
     def free(self, request: Request) -> None:
         """Return a request's blocks, tail first, so a chain's later blocks are evicted before its head."""

@@ -40,6 +40,7 @@ from engine_core.quantization import resolve_method
 from engine_core.request import Request
 from engine_core.sampler import SamplingBatch, sample
 from engine_core.scheduler import SchedulerOutput
+from engine_core.speculative.verify import accepted, sampler_views
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
@@ -47,8 +48,10 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 
 @dataclass
 class StepResult:
-    sampled: dict[str, int]  # request id -> new token, for requests whose prompt is fully computed
-    logprobs: dict[str, TokenLogprobs]  # request id -> packed logprobs, when asked for
+    # request id -> its new tokens (one; with speculation the accepted proposals and one more), for
+    # requests whose prompt is fully computed
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]  # request id -> packed logprobs per new token, when asked for
     # request id -> the prompt logprobs this step's tokens gave, for requests that still owe them
     prompt_logprobs: dict[str, PromptLogprobsChunk]
 
@@ -91,7 +94,8 @@ class PendingStep:
 
     requests: list[Request]  # in batch order
     counts: list[int]
-    sampling: list[tuple[Request, int]]  # (request, its sampling row)
+    sampling: list[tuple[Request, int]]  # (request, its first sampling row): one row, or one per proposal + 1
+    proposals: dict[str, list[int]]  # request id -> the proposals this step verifies
     wanted: list[tuple[Request, range, int, int]]  # see _prompt_logprob_rows
     rows: LogitsRows
     num_tokens: int
@@ -229,13 +233,17 @@ class ModelRunner:
         order = sorted(range(len(sched.requests)), key=lambda i: sched.num_scheduled_tokens[i] != 1)
         requests = [sched.requests[i] for i in order]
         counts = [sched.num_scheduled_tokens[i] for i in order]
-        step = _prepare(requests, counts, self.block_size)
-        sampling = [
-            (r, step.last_token_index[i]) for i, r in enumerate(requests) if r.num_computed_tokens == r.num_tokens
-        ]
+        proposals = sched.spec_token_ids
+        step = _prepare(requests, counts, self.block_size, proposals)
+        sampling = []  # a request samples once its tokens are all computed: at its last row, or at each proposal
+        for i, r in enumerate(requests):
+            drafts = proposals.get(r.request_id, ())
+            if r.num_computed_tokens - len(drafts) == r.num_tokens:
+                sampling.append((r, step.last_token_index[i] - len(drafts)))
         wanted = self._prompt_logprob_rows(requests, counts, step)
         spans = np.array([(start, stop) for _, _, start, stop in wanted], dtype=np.int64).reshape(-1, 2)
-        rows = LogitsRows(spans, np.array([i for _, i in sampling], dtype=np.int64))
+        sample_rows = [row + j for r, row in sampling for j in range(1 + len(proposals.get(r.request_id, ())))]
+        rows = LogitsRows(spans, np.array(sample_rows, dtype=np.int64))
         if self.followers is not None:
             self.followers.broadcast_step(step, rows)
         graphs = self.decode_graphs
@@ -245,7 +253,7 @@ class ModelRunner:
             )
         else:
             hidden = self.model(*self.to_device(step))
-        pending = PendingStep(requests, counts, sampling, wanted, rows, len(step.token_ids), hidden)
+        pending = PendingStep(requests, counts, sampling, proposals, wanted, rows, len(step.token_ids), hidden)
         if self.pipe is not None:
             self.pipe.send_activations(hidden)
             pending.hidden = None
@@ -273,10 +281,18 @@ class ModelRunner:
         assert hidden is not None
         logits = self.model.compute_logits(hidden[torch.from_numpy(pending.rows.sample_rows).to(self.device)])
         assert logits is not None  # (rank 0 gets the gathered logits)
-        sampling_requests = [r for r, _ in pending.sampling]
-        out = sample(logits, SamplingBatch.from_requests(sampling_requests, self.model_cfg.vocab_size))
-        sampled = {r.request_id: t for r, t in zip(sampling_requests, out.token_ids, strict=True)}
-        logprobs = {r.request_id: lp for r, lp in zip(sampling_requests, out.logprobs, strict=True) if lp is not None}
+        # One sampler row per logits row: a request, or a request at one of its proposals.
+        drafts = [pending.proposals.get(r.request_id, []) for r, _ in pending.sampling]
+        views = [view for (r, _), d in zip(pending.sampling, drafts, strict=True) for view in sampler_views(r, d)]
+        out = sample(logits, SamplingBatch.from_requests(views, self.model_cfg.vocab_size))
+        sampled, logprobs, row = {}, {}, 0
+        for (request, _), proposed in zip(pending.sampling, drafts, strict=True):
+            draws = out.token_ids[row : row + 1 + len(proposed)]
+            kept = accepted(draws, proposed)
+            sampled[request.request_id] = kept
+            if request.params.logprobs is not None:
+                logprobs[request.request_id] = [lp for lp in out.logprobs[row : row + len(kept)] if lp is not None]
+            row += 1 + len(proposed)
         return StepResult(sampled, logprobs, prompt_logprobs)
 
     def _receive_final_rows(self, rows: LogitsRows, num_tokens: int) -> torch.Tensor | None:
@@ -379,7 +395,10 @@ class StepInputs:
     last_token_index: list[int]  # [B] row of each sequence's last token in the flat batch
 
 
-def _prepare(requests: list[Request], counts: list[int], block_size: int) -> StepInputs:
+def _prepare(
+    requests: list[Request], counts: list[int], block_size: int, proposals: dict[str, list[int]] | None = None
+) -> StepInputs:
+    """The step's flat inputs; a request with `proposals` computes them after its last token."""
     total = sum(counts)
     token_ids = np.empty(total, dtype=np.int64)
     positions = np.empty(total, dtype=np.int64)
@@ -390,7 +409,9 @@ def _prepare(requests: list[Request], counts: list[int], block_size: int) -> Ste
     for i, (request, n) in enumerate(zip(requests, counts, strict=True)):
         end = request.num_computed_tokens  # already advanced by the scheduler
         start = end - n
-        token_ids[offset : offset + n] = request.all_token_ids[start:end]
+        drafts = proposals.get(request.request_id) if proposals else None
+        tokens = request.all_token_ids if not drafts else request.all_token_ids + drafts
+        token_ids[offset : offset + n] = tokens[start:end]
         positions[offset : offset + n] = np.arange(start, end)
         seq_lens[i] = end
         block_tables[i, : len(request.block_ids)] = request.block_ids

@@ -169,8 +169,17 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True
         return self.finish_reason is not None
 
 
+class SpecDecodeStats(msgspec.Struct, array_like=True, gc=False):
+    """Cumulative counters of speculative decoding (vLLM's vllm:spec_decode_* metrics)."""
+
+    num_drafts: int  # verifications: a request's proposals checked in one step
+    num_draft_tokens: int  # tokens proposed
+    num_accepted_tokens: int  # of which the target kept
+    accepted_per_position: list[int]  # [k]: how often the proposal at each position was kept
+
+
 class SchedulerStatsMessage(msgspec.Struct, array_like=True, gc=False):
-    """`Scheduler.stats()`: made by the scheduler, sent as it is with every StepOutputs."""
+    """`EngineCore.stats()`: the scheduler's, sent as it is with every StepOutputs."""
 
     num_running: int
     num_waiting: int
@@ -178,6 +187,7 @@ class SchedulerStatsMessage(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int  # cumulative counters from here on
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which were found there
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):

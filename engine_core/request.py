@@ -73,6 +73,11 @@ class Request:
         self.grammar: RequestGrammar | None = None
         # Prompt logprobs still owed: gathered over the prefill, sent with the first token, then None.
         self.prompt_logprobs: PromptLogprobsCollector | None = None
+        # Speculative decoding: tokens proposed for its next step (engine_core/speculative), and how its
+        # proposals have fared (it stops being proposed for when they rarely hold).
+        self.spec_token_ids: list[int] = []
+        self.spec_proposed = 0
+        self.spec_accepted = 0
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = PromptLogprobsCollector(params.prompt_logprobs, prompt_token_ids)
         if params.seed is not None:

@@ -26,6 +26,9 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Speculative decoding: request id -> the proposed tokens this step verifies (scheduled after the
+    # request's last token, and counted in its scheduled tokens).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -128,6 +131,16 @@ class Scheduler:
             self.kv.cache_full_blocks(request)  # their K/V are written in this step, before any reader
         return out
 
+    def _with_proposals(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """How many tokens a running request computes: the rest of its prompt (or its last token), and
+        when it decodes, its proposed tokens too, as many as the budget takes."""
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        spec = request.spec_token_ids[: budget - 1]
+        if not spec or num_new != 1:
+            return num_new
+        out.spec_token_ids[request.request_id] = spec
+        return 1 + len(spec)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int, exclude: Collection[str], limit: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0 and len(out.requests) < limit:
@@ -136,7 +149,12 @@ class Scheduler:
             if num_new <= 0 or request.request_id in exclude:  # its step (or sampled token) is in flight
                 index += 1
                 continue
+            num_new = self._with_proposals(request, budget, out)
             while not self.kv.allocate_slots(request, num_new):
+                if request.request_id in out.spec_token_ids:  # no room to speculate: decode plainly
+                    del out.spec_token_ids[request.request_id]
+                    num_new = 1
+                    continue
                 # The newest running request not in flight (at worst this one).
                 victim = next(r for r in reversed(self.running) if r.request_id not in exclude)
                 self._preempt(victim, out)
@@ -202,19 +220,29 @@ class Scheduler:
             i = out.requests.index(request)
             out.requests.pop(i)
             out.num_scheduled_tokens.pop(i)
+        out.spec_token_ids.pop(request.request_id, None)
         out.preempted.append(request)
 
     # ---- after the model ran ------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append each sampled token, finish the requests that stop; return the finished ones."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append each request's new tokens (one, or with speculation the accepted proposals and one
+        more) until one stops it; finish the requests that stop; return the finished ones. A request
+        that verified proposals has K/V for its accepted tokens only: its computed count steps back to
+        them, and blocks beyond its tokens go back to the pool."""
         finished = []
         for request in out.requests:
-            token = sampled.get(request.request_id)
-            if token is None or request.status.finished:
+            tokens = sampled.get(request.request_id)
+            if not tokens or request.status.finished:
                 continue
-            request.append_token(token)
-            status = request.stop_status(self.max_model_len)
-            if status is not None:
-                self.finish(request, status)
-                finished.append(request)
+            for token in tokens:
+                request.append_token(token)
+                status = request.stop_status(self.max_model_len)
+                if status is not None:
+                    self.finish(request, status)
+                    finished.append(request)
+                    break
+            else:
+                if request.request_id in out.spec_token_ids:
+                    request.num_computed_tokens = request.num_tokens - 1
+                    self.kv.trim(request)
         return finished

@@ -92,7 +92,7 @@ def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max
             assert block.ref_cnt == holders.get(block.block_id, 0) >= 0
         for r in scheduler.running:
             assert len(r.block_ids) * block_size >= r.num_computed_tokens
-        sampled = {r.request_id: 7 for r in out.requests if r.num_computed_tokens == r.num_tokens}
+        sampled = {r.request_id: [7] for r in out.requests if r.num_computed_tokens == r.num_tokens}
         scheduler.update_from_output(out, sampled)
         manager.pool.check_integrity()
 

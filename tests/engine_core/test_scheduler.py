@@ -23,7 +23,7 @@ def request(rid, prompt_len, max_tokens=4, **kw):
 
 def run_step(scheduler, token=7):
     out = scheduler.schedule()
-    sampled = {r.request_id: token for r in out.requests if r.num_computed_tokens == r.num_tokens}
+    sampled = {r.request_id: [token] for r in out.requests if r.num_computed_tokens == r.num_tokens}
     finished = scheduler.update_from_output(out, sampled)
     return out, finished
 
@@ -156,7 +156,7 @@ def test_pipelined_steps_skip_and_never_preempt_requests_in_flight():
     for _ in range(10):  # "new" (the one preempted without pipelining) is always in flight
         out = s.schedule(exclude={"new"})
         preempted += [r.request_id for r in out.preempted]
-        s.update_from_output(out, {r.request_id: 7 for r in out.requests})
+        s.update_from_output(out, {r.request_id: [7] for r in out.requests})
         if preempted:
             break
     assert preempted == ["old"]  # the newest running request not in flight: "old" itself

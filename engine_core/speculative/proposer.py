@@ -1,0 +1,61 @@
+"""Which running requests get proposals this step, and how many tokens each.
+
+Speculation stands down when it would slow the server: for the whole step when more requests run than
+`disable_batch_size` (verifying k more tokens each then costs more than the forward passes it saves), and
+for a request whose proposals have rarely held (under 10 % of at least 32 proposed tokens; it is tried
+again every 16 tokens, in case the text turned repetitive). A request gets no more proposals than its
+max_tokens and the context can take.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from engine_core.request import Request
+from engine_core.speculative.config import SpeculativeConfig
+from engine_core.speculative.ngram import propose_ngram
+from engine_core.speculative.verify import grammar_prefix
+
+_MIN_EVIDENCE = 32  # proposed tokens before a request's acceptance rate is judged
+_MIN_ACCEPTANCE = 0.1
+_RETRY_EVERY = 16  # output tokens between tries for a request judged unprofitable
+
+
+class Proposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.seconds = 0.0  # time spent proposing (benchmarks/spec_decode.py reports it per step)
+        self.calls = 0
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` of every running request (empty where it gets none this step)."""
+        started = time.perf_counter()
+        busy = len(running) > self.config.disable_batch_size
+        for request in running:
+            request.spec_token_ids = [] if busy else self._proposals(request)
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+
+    def _proposals(self, request: Request) -> list[int]:
+        if request.num_output_tokens == 0 or request.num_computed_tokens != request.num_tokens - 1:
+            return []  # only a decoding request (its prompt done, its last token to compute)
+        unprofitable = (
+            request.spec_proposed >= _MIN_EVIDENCE and request.spec_accepted < _MIN_ACCEPTANCE * request.spec_proposed
+        )
+        if unprofitable and request.num_output_tokens % _RETRY_EVERY:
+            return []
+        k = self.config.num_speculative_tokens
+        params = request.params
+        if params.max_tokens is not None:
+            k = min(k, params.max_tokens - request.num_output_tokens - 1)  # the last one comes from the target
+        k = min(k, self.max_model_len - request.num_tokens)
+        if k <= 0:
+            return []
+        tokens = np.asarray(request.all_token_ids, dtype=np.int64)
+        proposals = propose_ngram(tokens, self.config.prompt_lookup_min, self.config.prompt_lookup_max, k)
+        if proposals and request.grammar is not None:
+            proposals = grammar_prefix(request.grammar, proposals)
+        return proposals
