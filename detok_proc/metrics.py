@@ -310,10 +310,38 @@ class EngineStatsCollector(Collector):
             for engine, (_, stats) in enumerate(engines):
                 metric.add_metric([self.model_name, str(engine)], getattr(stats, attribute))
             yield metric
+        yield from self._spec_decode(engines)
         up = GaugeMetricFamily("pagoda:engine_up", "1 while the engine replica serves, else 0.", labels=LABELS)
         for engine, (serving, _) in enumerate(engines):
             up.add_metric([self.model_name, str(engine)], 1.0 if serving else 0.0)
         yield up
+
+
+    def _spec_decode(self, engines) -> Iterable[Metric]:
+        """vLLM's speculative-decoding counters, when an engine speculates."""
+        if not any(stats.spec_decode is not None for _, stats in engines):
+            return
+        counters = [
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "num_accepted_tokens"),
+        ]
+        for name, doc, attribute in counters:
+            metric = CounterMetricFamily(name, doc, labels=LABELS)
+            for engine, (_, stats) in enumerate(engines):
+                if stats.spec_decode is not None:
+                    metric.add_metric([self.model_name, str(engine)], getattr(stats.spec_decode, attribute))
+            yield metric
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
+        )
+        for engine, (_, stats) in enumerate(engines):
+            if stats.spec_decode is not None:
+                for position, count in enumerate(stats.spec_decode.accepted_per_position):
+                    per_position.add_metric([self.model_name, str(engine), str(position)], count)
+        yield per_position
 
 
 class ApiWorkerCounters(Collector):
