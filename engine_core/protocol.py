@@ -280,6 +280,12 @@ class MetricsQuery(msgspec.Struct, tag="metrics"):
     request_id: str
 
 
+class DashboardQuery(msgspec.Struct, tag="dashboard"):
+    """Answered by DashboardReport: the web dashboard's data (detok_proc/dashboard.py)."""
+
+    request_id: str
+
+
 class ApiWorkerStats(msgspec.Struct, tag="api_stats", kw_only=True):
     """An HTTP worker's own counters, cumulative since it started; sent (no answer) at start-up and
     whenever one changes, so the tokenizer process can add them to every worker's /metrics."""
@@ -298,6 +304,7 @@ FrontendRequest = (
     | HealthQuery
     | ResetPrefixCacheRequest
     | MetricsQuery
+    | DashboardQuery
     | ApiWorkerStats
 )
 
@@ -407,6 +414,11 @@ class MetricsReport(msgspec.Struct, tag="metrics"):
     text: bytes  # Prometheus text exposition format
 
 
+class DashboardReport(msgspec.Struct, tag="dashboard"):
+    request_id: str
+    json: bytes  # GET /dashboard.json's body, encoded once here
+
+
 FrontendResponse = (
     GenerateOutputs
     | RequestError
@@ -415,6 +427,7 @@ FrontendResponse = (
     | HealthReport
     | PrefixCacheResetResult
     | MetricsReport
+    | DashboardReport
 )
 
 encoder = msgspec.msgpack.Encoder()
