@@ -151,7 +151,8 @@ class DetokMetrics:
         self.processes = ProcessesCollector()
         self.api_workers = ApiWorkerCounters(model_name)
         engine_stats = EngineStatsCollector(model_name, engines)
-        for collector in (engine_stats, self.api_workers, self.processes):
+        self.device_memory = DeviceMemoryCollector(model_name)
+        for collector in (engine_stats, self.device_memory, self.api_workers, self.processes):
             self.registry.register(collector)
         r = self.registry
         prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r)
@@ -202,6 +203,7 @@ class DetokMetrics:
         # What the dashboard reads of /metrics' families (detok_proc/dashboard.py), and its own records.
         self._dashboard_families: list[Collector] = [
             engine_stats,
+            self.device_memory,
             self.api_workers,
             prompt_tokens,
             generation_tokens,
@@ -224,6 +226,8 @@ class DetokMetrics:
     def engine_ready(self, engine: int, ready: protocol.EngineReady) -> None:
         self.processes.add(ready.pid, "engine")
         self._engine_pids[engine] = ready.pid
+        if ready.device_memory_total:
+            self.device_memory.engines[engine] = (ready.device_memory_used, ready.device_memory_total)
         if not self.request_prompt_tokens:
             buckets = buckets_1_2_5(ready.max_model_len)
             self.request_prompt_tokens = self._per_engine(
@@ -248,6 +252,7 @@ class DetokMetrics:
     def engine_down(self, engine: int) -> None:
         """Its process is gone (or about to be): no more process_* samples for it."""
         pid = self._engine_pids.pop(engine, None)
+        self.device_memory.engines.pop(engine, None)
         if pid is not None:
             self.processes.remove(pid)
 
@@ -340,6 +345,30 @@ class EngineStatsCollector(Collector):
         for engine, (serving, _) in enumerate(engines):
             up.add_metric([self.model_name, str(engine)], 1.0 if serving else 0.0)
         yield up
+
+
+class DeviceMemoryCollector(Collector):
+    """Each engine replica's GPU memory as its EngineReady reported it (CUDA only: nothing is exported
+    on the CPU), until it goes down."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.engines: dict[int, tuple[int, int]] = {}  # engine -> (used, total) bytes
+
+    def collect(self) -> Iterable[Metric]:
+        if not self.engines:
+            return
+        used = GaugeMetricFamily(
+            "pagoda:device_memory_used_bytes",
+            "GPU memory the engine replica's allocator holds once ready (weights, KV cache, CUDA graphs).",
+            labels=LABELS,
+        )
+        total = GaugeMetricFamily("pagoda:device_memory_total_bytes", "The engine replica's GPU memory.", labels=LABELS)
+        for engine, (used_bytes, total_bytes) in sorted(self.engines.items()):
+            used.add_metric([self.model_name, str(engine)], used_bytes)
+            total.add_metric([self.model_name, str(engine)], total_bytes)
+        yield used
+        yield total
 
 
 class ApiWorkerCounters(Collector):

@@ -204,6 +204,10 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     pid: int = 0  # the engine process (the tokenizer process reports its process metrics)
     quantization: str | None = None  # how the weights are stored (QuantizationMethod.describe()); None: full precision
     weight_bytes: int = 0  # bytes the weights hold in memory
+    # On CUDA (else 0): what the engine process's allocator holds once ready (weights, KV cache, CUDA
+    # graphs), and the card's memory (the web dashboard and pagoda:device_memory_* show them).
+    device_memory_used: int = 0
+    device_memory_total: int = 0
 
 
 class EngineDead(msgspec.Struct, tag="dead", array_like=True):

@@ -168,7 +168,7 @@ export class Dashboard {
 
   renderLatency(latency) {
     const rows = [["", ["", "count", "mean ms", "p50 ms", "p90 ms", "p99 ms"]]];
-    const names = { ttft: "Time to first token", itl: "Inter-token latency", e2e: "End to end" };
+    const names = { ttft: "TTFT", itl: "ITL", e2e: "end to end" };
     for (const [kind, name] of Object.entries(names)) {
       const s = latency[kind];
       rows.push([kind, [name, integer(s.count), ms(s.mean), ms(s.p50), ms(s.p90), ms(s.p99)]]);

@@ -144,3 +144,21 @@ def test_the_timeline_holds_the_last_100_samples_with_their_phases():
     last = timeline[-1]
     assert last["end"] is None and last["finish_reason"] is None and last["first_token"] is None
     assert last["scheduled"] is None and last["admitted"] == pytest.approx(-0.9)
+
+
+def test_gpu_memory_is_exported_only_for_replicas_that_report_it():
+    idle = protocol.SchedulerStatsMessage(0, 0, 0.0, 0)
+    metrics = DetokMetrics(MODEL, lambda: [(True, idle), (True, idle)], 2)
+    metrics.engine_ready(0, protocol.EngineReady(10, 16, 2048, 1000, "/models/x", pid=os.getpid()))  # the CPU
+    assert "device_memory" not in metrics.render().decode()
+    gib = 2**30
+    ready = protocol.EngineReady(10, 16, 2048, 1000, "/m", pid=os.getpid(), device_memory_used=60 * gib)
+    ready.device_memory_total = 141 * gib
+    metrics.engine_ready(1, ready)
+    engines, _ = metrics.numbers()
+    assert "pagoda:device_memory_used_bytes" not in engines[0]
+    assert engines[1]["pagoda:device_memory_used_bytes"] == 60 * gib
+    assert engines[1]["pagoda:device_memory_total_bytes"] == 141 * gib
+    assert 'pagoda:device_memory_total_bytes{engine="1",model_name="my-model"}' in metrics.render().decode()
+    metrics.engine_down(1)
+    assert "device_memory" not in metrics.render().decode()
