@@ -9,7 +9,7 @@ const $ = (id) => document.getElementById(id);
 let pendingKey = null; // one dialog at a time: a second caller waits for the same answer
 
 // Ask for a key ("user" or "admin"); resolves true once one is stored, false if the dialog was cancelled.
-export function askForKey(kind, reason) {
+function askForKey(kind, reason) {
   if (pendingKey) return pendingKey;
   const dialog = $("key-dialog");
   $("key-title").textContent = kind === "admin" ? "Admin key" : "API key";
@@ -39,15 +39,13 @@ function showKeyState() {
   $("key-state").textContent = keys.user() ? "key set" : "";
 }
 
-export function banner(text) {
+function banner(text) {
   const el = $("banner");
   el.textContent = text || "";
   el.hidden = !text;
 }
 
 // ---- the models, which also tells whether the key works --------------------------------------------
-let connected = false;
-
 async function connect() {
   try {
     const models = await call("v1/models");
@@ -61,12 +59,10 @@ async function connect() {
     );
     const first = models.data[0];
     $("model-info").textContent = first ? `${first.id} · context ${first.max_model_len} tokens` : "";
-    connected = true;
     banner("");
     document.body.dataset.connected = "true";
     return true;
   } catch (error) {
-    connected = false;
     document.body.dataset.connected = "false";
     if (error.needsKey) {
       banner(`This server needs an API key: ${error.message}`);
@@ -79,13 +75,12 @@ async function connect() {
 }
 
 // Called by the pages when a request was refused for want of a key: ask, then say whether to retry.
-export async function keyRefused(error) {
+async function keyRefused(error) {
   banner(`This server needs an API key: ${error.message}`);
   if (!(await askForKey("user", error.message))) return false;
   return connect();
 }
 
-export const isConnected = () => connected;
 
 // ---- tabs ----------------------------------------------------------------------------------------
 const pages = {};
