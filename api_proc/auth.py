@@ -2,11 +2,13 @@
 
 Deny by default. Once any key is configured, a route is reachable only if it is on an allow-list:
 `USER_ROUTES` take a user key (or an admin key), `ADMIN_ROUTES` only an admin key, `PROBE_ROUTES`
-(`/health`, `/metrics`) are public unless `protect_probes`. Every other path — including ones added
-later and never listed, and paths that would 404 — answers 401 to a caller without a key, so no route
-slips through because of how its path is spelled (a prefix check such as "starts with /v1" lets
-`/v1/../admin` style paths and later routes past). With no keys at all, everything is open (a local
-development server), except that admin routes then still need the admin key when one is set.
+(`/health`, `/metrics`) are public unless `protect_probes`, and the web app's static files
+(`PAGE_PATHS`, api_proc/web_ui.py: no data, and the page must load to ask for a key) are public.
+Every other path — including ones added later and never listed, and paths that would 404 — answers
+401 to a caller without a key, so no route slips through because of how its path is spelled (a prefix
+check such as "starts with /v1" lets `/v1/../admin` style paths and later routes past). With no keys
+at all, everything is open (a local development server), except that admin routes then still need the
+admin key when one is set.
 
 Keys come from `--api-key` (repeatable), `PAGODA_API_KEY` (comma-separated) and `--api-key-file`
 (one per line, `#` comments); admin keys likewise from `--admin-key`, `PAGODA_ADMIN_KEY` and
@@ -20,10 +22,19 @@ import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from api_proc.web_ui import PAGE_PATHS
 from engine_core.environment import keys_from_environment
 
 USER_ROUTES = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+        "/dashboard.json",
+    }
 )
 ADMIN_ROUTES = frozenset({"/reset_prefix_cache"})
 PROBE_ROUTES = frozenset({"/health", "/metrics"})
@@ -61,7 +72,7 @@ class AuthPolicy:
 
     def check(self, path: str, authorization: str | None) -> tuple[int, str] | None:
         """None if the request may proceed, else (401 or 403, message)."""
-        if not self.enabled:
+        if not self.enabled or path in PAGE_PATHS:
             return None
         token = _bearer(authorization)
         is_user = _matches(token, self._encoded[0])

@@ -195,6 +195,10 @@ class AsyncEngineClient:
         """Every process's metrics in Prometheus' text format (what GET /metrics serves)."""
         return (await self._call(protocol.MetricsQuery(self.new_request_id()), timeout)).text
 
+    async def dashboard(self, timeout: float = 5.0) -> bytes:
+        """The web dashboard's data as JSON (what GET /dashboard.json serves; detok_proc/dashboard.py)."""
+        return (await self._call(protocol.DashboardQuery(self.new_request_id()), timeout)).json
+
     def post(self, message) -> None:
         """Send a message that has no answer (ApiWorkerStats) without waiting; call in the event loop."""
         self.socket.send(protocol.encoder.encode(message))  # pyzmq queues it if it cannot go at once

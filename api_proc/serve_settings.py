@@ -49,6 +49,7 @@ def api_settings(args: argparse.Namespace, frontend_addr: str, served_model_name
         max_connections=args.max_connections,
         max_tokens_cap=args.max_tokens_cap,
         log_requests=args.log_requests,
+        ui=not args.no_ui,
     )
 
 
@@ -255,6 +256,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="CURVE certificates for a tcp:// frontend, as written by `pagoda keys DIR`",
+    )
+    g.add_argument(
+        "--no-ui",
+        action="store_true",
+        help="do not serve the web app (playground and dashboard) at /; GET /dashboard.json stays",
     )
     add_data_parallel_args(parser)
     add_ray_args(parser)

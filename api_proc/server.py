@@ -38,6 +38,7 @@ from api_proc.streams import merge
 from api_proc.structured import structured_outputs_of
 from api_proc.tool_parsing import ToolCallStream, tool_response
 from api_proc.tools import plan_tools
+from api_proc.web_ui import install_dashboard_data, install_pages
 from engine_core import protocol
 from engine_core.identity import PAGODA_VERSION
 from engine_core.validation import ParamError, check_token_ids
@@ -66,6 +67,7 @@ class ApiSettings:
     max_connections: int | None = 1024  # open connections per worker (api_proc/http_guard.py)
     max_tokens_cap: int | None = None  # the server's largest max_tokens (enforced by the tokenizer process)
     log_requests: bool = False  # put prompts into the per-request log lines
+    ui: bool = True  # serve the web app at / (api_proc/web_ui.py; --no-ui)
 
     def completion_max_tokens(self) -> int:
         """OpenAI's default max_tokens for /v1/completions (16), or the server's cap if lower."""
@@ -156,6 +158,9 @@ class ApiServer:
             ]
         )
         install_metrics(self.app, self.client)  # GET /metrics (api_proc/metrics.py)
+        install_dashboard_data(self.app, self.client)  # GET /dashboard.json (api_proc/web_ui.py)
+        if settings.ui:
+            install_pages(self.app)  # GET / and /ui/...
 
     # ---- small routes ------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:

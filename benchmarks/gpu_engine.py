@@ -27,6 +27,7 @@ import torch
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
+from engine_core.gpu_memory import device_memory
 from engine_core.sampling_params import SamplingParams
 
 # Llama-3-8B's shape; SmolLM2-135M's for the token checks (fp32 there: exact comparisons need it).
@@ -121,7 +122,9 @@ def cmd_tokens(args) -> dict:
     core = engine(args, enforce_eager=args.path == "eager")
     prompts = random_prompts(8, 40, SHAPES[args.model_shape]["vocab_size"])
     tokens, _ = run(core, prompts, args.max_tokens)
-    return {"path": args.path, "tokens": tokens}
+    used, total = device_memory(core.runner.device)  # what EngineReady reports (the web dashboard shows it)
+    print(f"device memory held by the engine: {used / 2**30:.2f} GiB of {total / 2**30:.2f} GiB")
+    return {"path": args.path, "tokens": tokens, "device_memory_used": used, "device_memory_total": total}
 
 
 def cmd_throughput(args) -> dict:

@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from detok_proc.dashboard import Numbers, RecentActivity, numbers_by_engine
 from detok_proc.process_metrics import ProcessesCollector
 from engine_core import protocol
 
@@ -132,6 +133,7 @@ class SampleTiming:
     """One sample's life as this process saw it (time.monotonic()); kept on its SampleState."""
 
     arrival: float = field(default_factory=time.monotonic)
+    admitted: float = field(default_factory=time.monotonic)  # tokenized and handed to the engine (made then)
     first_token: float | None = None
     last_token: float | None = None
     queue_time: float | None = None  # seconds, measured by the engine
@@ -148,15 +150,17 @@ class DetokMetrics:
         self.registry = CollectorRegistry()
         self.processes = ProcessesCollector()
         self.api_workers = ApiWorkerCounters(model_name)
-        for collector in (EngineStatsCollector(model_name, engines), self.api_workers, self.processes):
+        engine_stats = EngineStatsCollector(model_name, engines)
+        self.device_memory = DeviceMemoryCollector(model_name)
+        for collector in (engine_stats, self.device_memory, self.api_workers, self.processes):
             self.registry.register(collector)
         r = self.registry
-        self.prompt_tokens = self._per_engine(
-            Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r)
+        prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r)
+        generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r
         )
-        self.generation_tokens = self._per_engine(
-            Counter("vllm:generation_tokens", "Number of generation tokens processed.", LABELS, registry=r)
-        )
+        self.prompt_tokens = self._per_engine(prompt_tokens)
+        self.generation_tokens = self._per_engine(generation_tokens)
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -167,42 +171,49 @@ class DetokMetrics:
             {reason: success.labels(model_name, str(engine), reason.value) for reason in protocol.FinishReason}
             for engine in range(num_engines)
         ]
-        self.ttft = self._per_engine(
-            Histogram(
-                "vllm:time_to_first_token_seconds",
-                "Histogram of time to first token in seconds.",
-                LABELS,
-                registry=r,
-                buckets=TTFT_BUCKETS,
-            )
+        ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            LABELS,
+            registry=r,
+            buckets=TTFT_BUCKETS,
         )
-        self.itl = self._per_engine(
-            Histogram(
-                "vllm:inter_token_latency_seconds",
-                "Histogram of inter-token latency in seconds.",
-                LABELS,
-                registry=r,
-                buckets=ITL_BUCKETS,
-            )
+        itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            LABELS,
+            registry=r,
+            buckets=ITL_BUCKETS,
         )
-        self.e2e = self._per_engine(
-            Histogram(
-                "vllm:e2e_request_latency_seconds",
-                "Histogram of e2e request latency in seconds.",
-                LABELS,
-                registry=r,
-                buckets=REQUEST_LATENCY_BUCKETS,
-            )
+        e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            LABELS,
+            registry=r,
+            buckets=REQUEST_LATENCY_BUCKETS,
         )
-        self.queue_time = self._per_engine(
-            Histogram(
-                "vllm:request_queue_time_seconds",
-                "Histogram of time spent in WAITING phase for request.",
-                LABELS,
-                registry=r,
-                buckets=REQUEST_LATENCY_BUCKETS,
-            )
+        queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            LABELS,
+            registry=r,
+            buckets=REQUEST_LATENCY_BUCKETS,
         )
+        self.ttft, self.itl, self.e2e, self.queue_time = (self._per_engine(h) for h in (ttft, itl, e2e, queue_time))
+        # What the dashboard reads of /metrics' families (detok_proc/dashboard.py), and its own records.
+        self._dashboard_families: list[Collector] = [
+            engine_stats,
+            self.device_memory,
+            self.api_workers,
+            prompt_tokens,
+            generation_tokens,
+            success,
+            ttft,
+            itl,
+            e2e,
+            queue_time,
+        ]
+        self.activity = RecentActivity(num_engines)
         # Token-count histograms need the context length for their buckets: made in engine_ready().
         self.request_prompt_tokens: list = []
         self.request_generation_tokens: list = []
@@ -215,6 +226,8 @@ class DetokMetrics:
     def engine_ready(self, engine: int, ready: protocol.EngineReady) -> None:
         self.processes.add(ready.pid, "engine")
         self._engine_pids[engine] = ready.pid
+        if ready.device_memory_total:
+            self.device_memory.engines[engine] = (ready.device_memory_used, ready.device_memory_total)
         if not self.request_prompt_tokens:
             buckets = buckets_1_2_5(ready.max_model_len)
             self.request_prompt_tokens = self._per_engine(
@@ -239,6 +252,7 @@ class DetokMetrics:
     def engine_down(self, engine: int) -> None:
         """Its process is gone (or about to be): no more process_* samples for it."""
         pid = self._engine_pids.pop(engine, None)
+        self.device_memory.engines.pop(engine, None)
         if pid is not None:
             self.processes.remove(pid)
 
@@ -256,18 +270,22 @@ class DetokMetrics:
             timing.first_token = now
             timing.queue_time = delta.queue_time
             self.ttft[engine].observe(now - timing.arrival)
+            self.activity.observe("ttft", now, engine, now - timing.arrival)
             self.prompt_tokens[engine].inc(sample.num_prompt_tokens)
         else:
             self.itl[engine].observe(now - timing.last_token)
+            self.activity.observe("itl", now, engine, now - timing.last_token)
         timing.last_token = now
         self.generation_tokens[engine].inc(len(delta.new_token_ids))
 
     def finished(self, sample: SampleState, finish_reason: protocol.FinishReason) -> None:
         """`sample` ended: STOP or LENGTH, or ABORT when its client aborted it. Samples ended by an
         error are not counted (as in vLLM, request_success counts requests that ran to an end)."""
-        timing, engine = sample.timing, sample.engine
+        timing, engine, now = sample.timing, sample.engine, time.monotonic()
         self.request_success[engine][finish_reason].inc()
-        self.e2e[engine].observe(time.monotonic() - timing.arrival)
+        self.e2e[engine].observe(now - timing.arrival)
+        self.activity.observe("e2e", now, engine, now - timing.arrival)
+        self.activity.sample_finished(sample, finish_reason.value, now)
         if timing.queue_time is not None:  # known once the sample's first token came
             self.queue_time[engine].observe(timing.queue_time)
         self.request_prompt_tokens[engine].observe(sample.num_prompt_tokens)
@@ -276,6 +294,19 @@ class DetokMetrics:
     def render(self) -> bytes:
         """Every metric in Prometheus' text format."""
         return generate_latest(self.registry)
+
+    # ---- the web dashboard (detok_proc/dashboard.py) -------------------------------------------------
+    def numbers(self) -> Numbers:
+        """The dashboard's numbers of /metrics, now: per engine replica, and server-wide."""
+        return numbers_by_engine(self._dashboard_families, self.num_engines)
+
+    def tick(self) -> None:
+        """Called from the loop, often: samples the totals the dashboard's rates need once a second."""
+        self.activity.tick(time.monotonic(), self.numbers)
+
+    def dashboard(self, in_flight: Iterable[SampleState]) -> dict:
+        """The dashboard's report (GET /dashboard.json); `in_flight`: the samples running now."""
+        return {"model": self.model_name, **self.activity.report(time.monotonic(), self.numbers(), in_flight)}
 
 
 class EngineStatsCollector(Collector):
@@ -316,7 +347,6 @@ class EngineStatsCollector(Collector):
             up.add_metric([self.model_name, str(engine)], 1.0 if serving else 0.0)
         yield up
 
-
     def _spec_decode(self, engines) -> Iterable[Metric]:
         """vLLM's speculative-decoding counters, when an engine speculates."""
         if not any(stats.spec_decode is not None for _, stats in engines):
@@ -342,6 +372,30 @@ class EngineStatsCollector(Collector):
                 for position, count in enumerate(stats.spec_decode.accepted_per_position):
                     per_position.add_metric([self.model_name, str(engine), str(position)], count)
         yield per_position
+
+
+class DeviceMemoryCollector(Collector):
+    """Each engine replica's GPU memory as its EngineReady reported it (CUDA only: nothing is exported
+    on the CPU), until it goes down."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.engines: dict[int, tuple[int, int]] = {}  # engine -> (used, total) bytes
+
+    def collect(self) -> Iterable[Metric]:
+        if not self.engines:
+            return
+        used = GaugeMetricFamily(
+            "pagoda:device_memory_used_bytes",
+            "GPU memory the engine replica's allocator holds once ready (weights, KV cache, CUDA graphs).",
+            labels=LABELS,
+        )
+        total = GaugeMetricFamily("pagoda:device_memory_total_bytes", "The engine replica's GPU memory.", labels=LABELS)
+        for engine, (used_bytes, total_bytes) in sorted(self.engines.items()):
+            used.add_metric([self.model_name, str(engine)], used_bytes)
+            total.add_metric([self.model_name, str(engine)], total_bytes)
+        yield used
+        yield total
 
 
 class ApiWorkerCounters(Collector):

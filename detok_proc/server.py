@@ -170,6 +170,9 @@ class DetokProc:
             self._reply(identity, self._health(message.request_id))
         elif isinstance(message, protocol.MetricsQuery):
             self._reply(identity, protocol.MetricsReport(message.request_id, self.metrics.render()))
+        elif isinstance(message, protocol.DashboardQuery):
+            report = self.metrics.dashboard(self.samples.values())
+            self._reply(identity, protocol.DashboardReport(message.request_id, msgspec.json.encode(report)))
         elif isinstance(message, protocol.ApiWorkerStats):  # no answer
             self.metrics.api_worker_stats(message)
         elif isinstance(message, protocol.TokenizeRequest):
@@ -590,6 +593,7 @@ class DetokProc:
                             break
                         self._handle_engine(replica, frame)
             self._check_stalls()
+            self.metrics.tick()  # the dashboard's rates: totals once a second (the poll wakes twice a second)
 
     def close(self) -> None:
         self.prompts.close()

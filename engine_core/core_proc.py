@@ -113,6 +113,8 @@ class EngineCoreProc:
         self.engine.structured.start()
 
     def run(self) -> None:
+        from engine_core.gpu_memory import device_memory  # (imports torch: the child only)
+
         engine = self.engine
         self._send(
             protocol.EngineReady(
@@ -124,6 +126,7 @@ class EngineCoreProc:
                 os.getpid(),
                 None if engine.runner.quantization is None else engine.runner.quantization.describe(),
                 engine.runner.weight_bytes,
+                *device_memory(engine.runner.device),
             )
         )
         was_busy = False

@@ -34,6 +34,14 @@ class MemoryProfile:
         return int(self.total * utilization) - self.in_use - self.activation_peak - self.graph_memory
 
 
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(bytes this process's caching allocator holds on `device`, the card's total) on CUDA, (0, 0)
+    elsewhere. Read once the KV pool and CUDA graphs exist, after which it no longer grows much."""
+    if device.type != "cuda":
+        return 0, 0
+    return torch.cuda.memory_reserved(device), torch.cuda.get_device_properties(device).total_memory
+
+
 def profile_step(runner, num_tokens: int) -> None:
     """Run the most memory-hungry step the scheduler can produce: one prefill of `num_tokens` tokens
     (over a temporary cache just big enough), then logits and full sampling for `max_num_seqs` rows.

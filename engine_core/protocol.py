@@ -214,6 +214,10 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     pid: int = 0  # the engine process (the tokenizer process reports its process metrics)
     quantization: str | None = None  # how the weights are stored (QuantizationMethod.describe()); None: full precision
     weight_bytes: int = 0  # bytes the weights hold in memory
+    # On CUDA (else 0): what the engine process's allocator holds once ready (weights, KV cache, CUDA
+    # graphs), and the card's memory (the web dashboard and pagoda:device_memory_* show them).
+    device_memory_used: int = 0
+    device_memory_total: int = 0
 
 
 class EngineDead(msgspec.Struct, tag="dead", array_like=True):
@@ -290,6 +294,12 @@ class MetricsQuery(msgspec.Struct, tag="metrics"):
     request_id: str
 
 
+class DashboardQuery(msgspec.Struct, tag="dashboard"):
+    """Answered by DashboardReport: the web dashboard's data (detok_proc/dashboard.py)."""
+
+    request_id: str
+
+
 class ApiWorkerStats(msgspec.Struct, tag="api_stats", kw_only=True):
     """An HTTP worker's own counters, cumulative since it started; sent (no answer) at start-up and
     whenever one changes, so the tokenizer process can add them to every worker's /metrics."""
@@ -308,6 +318,7 @@ FrontendRequest = (
     | HealthQuery
     | ResetPrefixCacheRequest
     | MetricsQuery
+    | DashboardQuery
     | ApiWorkerStats
 )
 
@@ -417,6 +428,11 @@ class MetricsReport(msgspec.Struct, tag="metrics"):
     text: bytes  # Prometheus text exposition format
 
 
+class DashboardReport(msgspec.Struct, tag="dashboard"):
+    request_id: str
+    json: bytes  # GET /dashboard.json's body, encoded once here
+
+
 FrontendResponse = (
     GenerateOutputs
     | RequestError
@@ -425,6 +441,7 @@ FrontendResponse = (
     | HealthReport
     | PrefixCacheResetResult
     | MetricsReport
+    | DashboardReport
 )
 
 encoder = msgspec.msgpack.Encoder()
