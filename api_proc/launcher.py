@@ -292,7 +292,7 @@ def serve(args) -> int:
             link_keys=link_keys,
         )
         for i in range(args.api_workers):
-            supervisor.start(Role.API, run_api_worker, settings, index=i)
+            supervisor.start(Role.API, run_api_worker, settings, index=i, worker=i)
         dead = supervisor.wait_ready(started)
         if dead is not None or supervisor.stop_signal is not None:
             if dead is not None:

@@ -199,7 +199,7 @@ def run_ray_replica(
 ) -> None:
     """Process entry point (the launcher's engine target under the Ray backend): place, start and watch
     one replica's engine actor. Exits 0 after "stop", 1 when the replica fails or cannot be placed."""
-    init_child_process(Role.ENGINE.process_name(replica))
+    init_child_process(Role.ENGINE.process_name(replica), Role.ENGINE.process_title(replica))
     driver_ref: list[_ReplicaDriver] = []
     stop = threading.Event()
     link = _DriverLink(parent_conn, runtime_dir, driver_ref) if parent_conn is not None else None
@@ -277,7 +277,7 @@ def run_ray_head(parent_conn: Connection) -> None:
     """Process entry point of `pagoda-ray`: start a local Ray cluster (its processes are this one's
     children), report its address, and hold it until "stop" or until the launcher is gone; then shut it
     down and kill whatever of it is left (Ray's per-node agents outlive a killed raylet by a minute)."""
-    init_child_process("pagoda-ray")
+    init_child_process("pagoda-ray", "pagoda: ray")
     # A session directory of its own (short: Ray puts unix sockets there), not /tmp/ray's shared
     # "session_latest", which another cluster on this machine may be using.
     temp_dir = tempfile.mkdtemp(prefix="pagoda-ray-", dir="/tmp")

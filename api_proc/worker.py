@@ -111,9 +111,10 @@ async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
 
 
 def run_api_worker(
-    settings: ApiSettings, parent_conn: Connection | None = None, runtime_dir: str | None = None
+    settings: ApiSettings, parent_conn: Connection | None = None, runtime_dir: str | None = None, worker: int = 0
 ) -> None:
-    init_child_process(Role.API.process_name())
+    """Process entry point of HTTP worker number `worker` (its title: "pagoda: api <worker>")."""
+    init_child_process(Role.API.process_name(), Role.API.process_title(worker))
     link = None
     if parent_conn is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which decides

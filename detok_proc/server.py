@@ -638,7 +638,7 @@ def run_detok(
     """Process entry point; exits 0 on SIGTERM/SIGINT or the parent's "stop". `engine_addrs`: each
     engine replica's (input, output) addresses; with `link_keys` this process binds them (tcp, CURVE)
     and the engines connect (the Ray backend)."""
-    init_child_process(Role.DETOK.process_name())
+    init_child_process(Role.DETOK.process_name(), Role.DETOK.process_title())
     started = time.monotonic()
     proc = DetokProc(
         model_dir,

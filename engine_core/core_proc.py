@@ -161,7 +161,7 @@ def run_engine_core(
     reporting EngineDead. With `parent_conn` (under `pagoda serve`) it reports "ready" to the parent
     after loading and warming up, and exits as soon as the parent is gone. `replica`: its index under
     data parallelism (named pagoda-engine<index>; its CPU cores are in `config.cpu_threads_bind`)."""
-    init_child_process(Role.ENGINE.process_name(replica))
+    init_child_process(Role.ENGINE.process_name(replica), Role.ENGINE.process_title(replica))
     proc = EngineCoreProc(input_addr, output_addr)
     link = ParentLink(parent_conn, runtime_dir) if parent_conn is not None else None
     if link is not None:

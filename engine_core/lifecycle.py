@@ -37,6 +37,12 @@ class Role(str, enum.Enum):
         """ "pagoda-engine"; a data-parallel replica's adds its index ("pagoda-engine1", 15 bytes at most)."""
         return f"pagoda-{self.value}" if index is None else f"pagoda-{self.value}{index}"
 
+    def process_title(self, index: int | None = None) -> str:
+        """The command line `ps -o args`, `top -c` and systemd show: "pagoda: engine_core",
+        "pagoda: engine_core 1" (a data-parallel replica), "pagoda: detok", "pagoda: api 0"."""
+        word = {"engine": "engine_core"}.get(self.value, self.value)
+        return f"pagoda: {word}" if index is None else f"pagoda: {word} {index}"
+
 
 class Command(str, enum.Enum):
     """Parent -> child."""
@@ -74,16 +80,23 @@ def configure_logging(level: str, log_format: str | None = None) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
-def init_child_process(name: str) -> None:
-    """First thing in every child: a process name `ps`/`top` show (e.g. "pagoda-engine"), the
-    parent's log settings, and death with the parent."""
-    name_process(name)
+def init_child_process(name: str, title: str) -> None:
+    """First thing in every child: a process name `ps`/`top` show (e.g. "pagoda-engine") and a title
+    in place of the command line (`Role.process_title`), the parent's log settings, and death with the
+    parent."""
+    name_process(name, title)
     configure_logging(log_settings()[0])
     die_with_parent()
 
 
-def name_process(name: str) -> None:
-    """The name `ps` and `top` show for this process (15 bytes at most)."""
+def name_process(name: str, title: str | None = None) -> None:
+    """The name `ps -o comm`, `top` and `pgrep` show for this process (15 bytes at most), and with
+    `title` its command line (`ps -o args`, /proc/PID/cmdline), which otherwise reads `python -c from
+    multiprocessing.spawn import spawn_main...` for every child alike."""
+    if title is not None:
+        import setproctitle  # (it also sets the short name, to the title's first 15 bytes: named below)
+
+        setproctitle.setproctitle(title)
     try:
         ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15])
     except (OSError, AttributeError):

@@ -46,7 +46,7 @@ class WorkerSpec:
 
 def run_worker(spec: WorkerSpec, parent_conn: Connection) -> None:
     """Process entry point of rank `spec.rank`."""
-    init_child_process(f"pagoda-tp{spec.rank}")
+    init_child_process(f"pagoda-tp{spec.rank}", f"pagoda: tp worker {spec.rank}")
     link = ParentLink(parent_conn, spec.runtime_dir)
     link.watch(lambda command, info: None)  # (no commands: rank 0 speaks through the ring)
     # A parent-death SIGTERM cleans up like a closed pipe; Ctrl-C goes to the whole process group, and
