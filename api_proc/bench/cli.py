@@ -8,6 +8,7 @@ import json
 import math
 from dataclasses import asdict
 
+from api_proc.bench import vllm_compat
 from engine_core.config import add_engine_args
 
 
@@ -30,6 +31,7 @@ def _add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) -
     g.add_argument(
         "--tokenizer", default=None, help="HF tokenizer directory, to count text prompts exactly and make text for chat"
     )
+    vllm_compat.add_dataset_aliases(g)
     if with_seed:  # offline commands have the engine's --seed, which seeds the dataset too
         g.add_argument("--seed", type=int, default=0, help="seed of the dataset and of the arrival times")
 
@@ -37,6 +39,10 @@ def _add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) -
 def load_dataset(args, tokenizer=None):
     from api_proc.bench import datasets
 
+    if args.dataset_name == "random" and args.random_prefix_len:  # vLLM's random dataset with a shared prefix
+        return datasets.prefix_requests(
+            args.num_prompts, args.random_prefix_len, args.input_len, args.output_len, args.seed
+        )
     if args.dataset_name == "random":
         return datasets.random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
     if args.dataset_name == "prefix":
@@ -59,6 +65,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     from api_proc.bench.metrics import format_report, parse_goodput, summarize
     from api_proc.bench.runner import run_serve, save_result
 
+    vllm_compat.resolve(args)
     slo = parse_goodput(args.goodput)
     tokenizer = _tokenizer(args)
     requests = load_dataset(args, tokenizer)
@@ -87,8 +94,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     for error in errors[:5]:
         print(f"failure: {error}")
     settings = {k: v for k, v in vars(args).items() if k != "func"}
-    if args.save_result:
-        save_result(args.save_result, summary, settings, results)
+    path = vllm_compat.result_path(args, model)
+    if path is not None:
+        save_result(path, summary, settings, results, vllm_compat.flat_keys(summary, results, args, model))
     if args.plot:
         from api_proc.bench.plot import plot_run
 
@@ -153,9 +161,16 @@ def add_bench_parser(sub) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
     serve = kinds.add_parser("serve", help="drive a running OpenAI-compatible server and report TTFT/TPOT/ITL")
-    serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address (with or without /v1)")
+    serve.add_argument(
+        "--base-url", default=None, help="server address (with or without /v1); default http://127.0.0.1:8000"
+    )
     serve.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    serve.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    serve.add_argument(
+        "--endpoint",
+        type=vllm_compat.endpoint,
+        default=None,
+        help="completions (default) or chat; vLLM's /v1/completions and /v1/chat/completions too",
+    )
     serve.add_argument("--request-rate", default="inf", help="requests per second, or inf for all at once")
     serve.add_argument(
         "--burstiness",
@@ -178,10 +193,19 @@ def add_bench_parser(sub) -> None:
         metavar="KEY:MS",
         help="service-level objectives for goodput, e.g. ttft:500 tpot:100 e2el:5000",
     )
-    serve.add_argument("--save-result", default=None, metavar="FILE.json", help="summary + every request's timings")
+    serve.add_argument(
+        "--save-result",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE.json",
+        help="summary + every request's timings (and vLLM's flat keys); alone, a switch as in vLLM "
+        "(--result-dir, --result-filename)",
+    )
     serve.add_argument("--plot", default=None, metavar="FILE.png", help="latency CDFs, tokens/s and concurrency")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_dataset_args(serve)
+    vllm_compat.add_serve_aliases(serve)
     serve.set_defaults(func=cmd_bench_serve)
 
     throughput = kinds.add_parser("throughput", help="offline throughput of the engine in this process")

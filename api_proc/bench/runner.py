@@ -83,7 +83,12 @@ async def run_serve(
     return list(results), duration, model
 
 
-def save_result(path: str | Path, summary: dict, settings: dict, results: list[RequestResult]) -> None:
-    """The summary, the settings and every request's timings (seconds) as JSON."""
+def save_result(
+    path: str | Path, summary: dict, settings: dict, results: list[RequestResult], flat: dict | None = None
+) -> None:
+    """The summary, the settings and every request's timings (seconds) as JSON; `flat`: top-level keys
+    beside them (vLLM's: api_proc/bench/vllm_compat.py)."""
     per_request = [{**asdict(r), "itl": r.itl, "tpot": r.tpot} for r in results]
-    Path(path).write_text(json.dumps({"settings": settings, "summary": summary, "requests": per_request}, indent=1))
+    body = {**(flat or {}), "settings": settings, "summary": summary, "requests": per_request}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(body, indent=1))

@@ -158,3 +158,57 @@ def test_offline_throughput_and_latency_commands(tmp_path, default_model_dir):
     )
     latency = json.loads(out.read_text())
     assert len(latency["latencies_s"]) == 2 and 0 < latency["median_s"] <= max(latency["latencies_s"])
+
+
+def test_vllms_documented_command_line_runs_and_saves_vllms_keys(server, tmp_path):
+    """`vllm bench serve --backend openai --model X --dataset-name random --random-input-len 32
+    --random-output-len 8 --num-prompts 8 --save-result --result-dir D`, with `pagoda` for `vllm` (and
+    --host/--port for vLLM's default localhost:8000)."""
+    from api_proc.bench.local_server import MODEL_NAME
+
+    result_dir = tmp_path / "results"
+    line = (
+        f"bench serve --backend openai --model {MODEL_NAME} --host 127.0.0.1 --port {server.port} "
+        f"--dataset-name random --random-input-len 32 --random-output-len 8 --random-range-ratio 0.25 "
+        f"--num-prompts 8 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99.9 "
+        f"--save-result --result-dir {result_dir}"
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "api_proc.cli", *line.split()], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr
+    (saved_file,) = result_dir.iterdir()
+    assert saved_file.name.startswith("openai-infqps-") and saved_file.suffix == ".json"  # vLLM's default name
+    saved = json.loads(saved_file.read_text())
+    assert saved["completed"] == 8 and saved["num_prompts"] == 8 and saved["backend"] == "openai"
+    # Lengths in [len * 0.75, len * 1.25]; ignore_eos: every output has the length it asked for.
+    assert saved["total_output_tokens"] == sum(saved["output_lens"]) and all(6 <= n <= 10 for n in saved["output_lens"])
+    assert saved["total_input_tokens"] == sum(saved["input_lens"]) and all(24 <= n <= 40 for n in saved["input_lens"])
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p50", "p99.9"):
+            assert isinstance(saved[f"{stat}_{metric}_ms"], float), (stat, metric)
+    assert saved["p99.9_ttft_ms"] >= saved["p50_ttft_ms"] == saved["median_ttft_ms"] > 0
+    assert saved["output_throughput"] > 0 and saved["duration"] > 0 and len(saved["itls"]) == 8
+    assert saved["summary"]["completed"] == 8  # Pagoda's own keys are still there
+
+
+def test_vllm_spellings_are_aliases(tmp_path):
+    from api_proc.bench import vllm_compat
+    from api_proc.cli import build_parser
+
+    def parsed(line: str):
+        args = build_parser().parse_args(["bench", "serve", *line.split()])
+        vllm_compat.resolve(args)
+        return args
+
+    args = parsed("--random-input-len 7 --random-output-len 3 --random-range-ratio 0.5 --backend openai-chat")
+    assert (args.input_len, args.output_len, args.range_ratio, args.endpoint) == (7, 3, 0.5, "chat")
+    assert parsed("--endpoint /v1/chat/completions").endpoint == "chat"
+    assert parsed("").base_url == "http://127.0.0.1:8000" and parsed("").save_result is None
+    assert parsed(f"--save-result {tmp_path}/a.json").save_result == f"{tmp_path}/a.json"  # Pagoda's spelling
+    args = parsed(f"--save-result --result-dir {tmp_path} --result-filename b.json")
+    assert vllm_compat.result_path(args, "m") == tmp_path / "b.json"
+    with pytest.raises(SystemExit):
+        parsed("--base-url http://x:1 --port 2")
+    with pytest.raises(SystemExit):
+        parsed("--percentile-metrics ttft,latency")
