@@ -90,8 +90,10 @@ def add_download_parser(subcommands) -> None:
 def cmd_download_default(args: argparse.Namespace) -> int:
     from engine_core.default_model import ensure_default_gguf, ensure_default_model
 
-    path = ensure_default_model()
-    print(ensure_default_gguf() if args.gguf else path)
+    # Bars are drawn on stderr (stdout is the path, for MODEL=$(pagoda download-default)): only there.
+    progress = sys.stderr.isatty()
+    path = ensure_default_model(progress)
+    print(ensure_default_gguf(progress) if args.gguf else path)
     return 0
 
 

