@@ -290,6 +290,7 @@ def serve(args) -> int:
             routing=args.dp_routing,
             seed=args.seed,
             link_keys=link_keys,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
         )
         for i in range(args.api_workers):
             supervisor.start(Role.API, run_api_worker, settings, index=i, worker=i)

@@ -37,6 +37,8 @@ class RequestRecord:
     cached_tokens: dict[int, int] = field(default_factory=dict)  # per prompt (its first sample)
     output_tokens: dict[tuple[int, int], int] = field(default_factory=dict)  # per (prompt, sample)
     finish_reasons: Counter[FinishReason] = field(default_factory=Counter)
+    request: object | None = None  # the parsed body, once parsed (the trace's gen_ai.request.* attributes)
+    trace_context: str | None = None  # the W3C traceparent of its span, when traced (api_proc/request_trace.py)
 
     def observe(self, prompt_index: int, delta: GenerateDelta) -> None:
         if self.first_token is None and delta.num_output_tokens:

@@ -50,6 +50,7 @@ def api_settings(args: argparse.Namespace, frontend_addr: str, served_model_name
         max_tokens_cap=args.max_tokens_cap,
         log_requests=args.log_requests,
         ui=not args.no_ui,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 
@@ -145,6 +146,13 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         help="text lines, or one JSON object per line, from every process (default: text)",
     )
     g.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR (default: INFO)")
+    g.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces (one per request) over OTLP/HTTP to this collector, e.g. "
+        "http://127.0.0.1:4318 (needs the otel extra: pip install 'pagoda-llm[otel]')",
+    )
     g = parser.add_argument_group("limits")
     g.add_argument("--max-body-size", default="32MiB", help="largest request body (413 above)")
     g.add_argument(
@@ -333,4 +341,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.model = args.model_arg
     if args.api_workers < 1:
         raise ValueError("--api-workers must be at least 1")
+    if args.otlp_traces_endpoint:  # refused now, not in every child: a bad URL, or the extra not installed
+        from detok_proc.tracing import check_available, traces_url
+
+        traces_url(args.otlp_traces_endpoint)
+        check_available()
     return serve(args)

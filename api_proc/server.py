@@ -34,6 +34,7 @@ from api_proc.openai_format import (
 from api_proc.openai_schema import MAX_N, ApiError, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from api_proc.request_body import decode_json, read_body
 from api_proc.request_log import RequestRecord, logged, observed
+from api_proc.request_trace import HttpTracing
 from api_proc.streams import merge
 from api_proc.structured import structured_outputs_of
 from api_proc.tool_parsing import ToolCallStream, tool_response
@@ -68,6 +69,7 @@ class ApiSettings:
     max_tokens_cap: int | None = None  # the server's largest max_tokens (enforced by the tokenizer process)
     log_requests: bool = False  # put prompts into the per-request log lines
     ui: bool = True  # serve the web app at / (api_proc/web_ui.py; --no-ui)
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces (api_proc/request_trace.py)
 
     def completion_max_tokens(self) -> int:
         """OpenAI's default max_tokens for /v1/completions (16), or the server's cap if lower."""
@@ -136,6 +138,8 @@ class ApiServer:
         self.settings = settings
         self.model = settings.served_model_names[0]
         self.client = AsyncEngineClient(settings.frontend_addr)
+        endpoint = settings.otlp_traces_endpoint
+        self.tracing = HttpTracing(endpoint, self.model) if endpoint else None
         self.serving = False  # set once the parent says every process is ready
         self.draining = False
         self.active_requests = 0  # generation handlers running now
@@ -157,6 +161,8 @@ class ApiServer:
                 web.post("/reset_prefix_cache", self.reset_prefix_cache),
             ]
         )
+        if self.tracing is not None:
+            self.app.on_cleanup.append(self.tracing.on_cleanup)
         install_metrics(self.app, self.client)  # GET /metrics (api_proc/metrics.py)
         install_dashboard_data(self.app, self.client)  # GET /dashboard.json (api_proc/web_ui.py)
         if settings.ui:
@@ -321,7 +327,8 @@ class ApiServer:
         """Run a generation route: `run(request, record)`, counted as in flight (shutdown waits for
         it) and logged once however it ends: answered, refused from body parsing on, failed, or left."""
         record = RequestRecord(new_id(id_prefix), endpoint)
-        with logged(record):
+        # (traced outside logged: the span ends once the record knows how the request ended)
+        with HttpTracing.traced(self.tracing, request, record), logged(record):
             self._check_accepting()
             self.active_requests += 1
             try:
@@ -336,6 +343,7 @@ class ApiServer:
         req = decode_json(await self._body(request), CompletionRequest)
         record.prompt = req.prompt if self.settings.log_requests else None
         model = self._check_model(req.model)
+        record.request = req
         prompts = req.prompts()
         max_tokens = self.settings.completion_max_tokens() if req.max_tokens is None else req.max_tokens
         params = self._limited(
@@ -351,6 +359,7 @@ class ApiServer:
                 add_special_tokens=req.add_special_tokens,
                 return_prompt=req.echo,
                 cache_salt=req.cache_salt,
+                trace_context=record.trace_context,
             )
             for p in prompts
         ]
@@ -468,6 +477,7 @@ class ApiServer:
         req = decode_json(await self._body(request), ChatCompletionRequest)
         record.prompt = req.messages if self.settings.log_requests else None
         model = self._check_model(req.model)
+        record.request = req
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)  # None: no tool to call
         constraint = structured_outputs_of(req, tools)
@@ -482,6 +492,7 @@ class ApiServer:
             chat_template_kwargs=req.chat_template_kwargs or {},
             cache_salt=req.cache_salt,
             tools=tools.template_tools if tools else None,
+            trace_context=record.trace_context,
         )
         meta = dict(response_id=record.request_id, model=model)
         async with aclosing(observed(self._deadline(merge([stream])), record)) as deltas:

@@ -13,6 +13,7 @@ import numpy as np
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.metrics import SampleTiming
 from detok_proc.prompt_size import PromptTooLong, encode_within
+from detok_proc.tracing import SampleTrace
 from engine_core import protocol
 from engine_core.tokenizer import render_chat
 from engine_core.validation import ParamError, check_token_ids
@@ -135,6 +136,7 @@ class SampleState:
     prompt_tokens: bytes | None = None
     num_output_tokens: int = 0
     timing: SampleTiming = field(default_factory=SampleTiming)  # for the metrics (detok_proc/metrics.py)
+    trace: SampleTrace | None = None  # with --otlp-traces-endpoint, for a request that carries a trace context
 
     def delta(self, delta: protocol.RequestDelta, token_text) -> protocol.GenerateDelta:
         """The client's view of one engine delta. `token_text(id)` names a token for logprobs."""

@@ -17,6 +17,7 @@ requests at once (500, code `engine_dead`); the others go on serving.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -38,6 +39,7 @@ from detok_proc.replicas import EngineReplica
 from detok_proc.requests import RequestInvalid, SampleState, check_context, check_request_options
 from detok_proc.routing import Router
 from detok_proc.tokenizing import PromptTokenizer
+from detok_proc.tracing import RequestTracing
 from engine_core import protocol
 from engine_core.block_hash import extend_block_hashes
 from engine_core.gguf_model import model_source
@@ -77,6 +79,7 @@ class DetokProc:
         routing: str = "p2c",
         seed: int = 0,
         link_keys: EngineLinkKeys | None = None,
+        otlp_traces_endpoint: str | None = None,
     ):
         """`engine_addrs`: each engine replica's (input, output) addresses, which the engines bind."""
         self.model_dir = model_dir
@@ -126,6 +129,7 @@ class DetokProc:
         self.metrics = DetokMetrics(
             model_name or model_dir, lambda: [(r.serving, r.stats) for r in self.replicas], len(self.replicas)
         )
+        self.tracing = RequestTracing(otlp_traces_endpoint, model_name or model_dir) if otlp_traces_endpoint else None
 
     def _router(self, addrs: list[str], router: zmq.Socket | None = None) -> zmq.Socket:
         router = router or self.ctx.socket(zmq.ROUTER)
@@ -269,6 +273,8 @@ class DetokProc:
         replica = self._route(ids, request.cache_salt, engine.block_size)  # every sample goes there
         replica.sent_since_stats += params.n
         engine_ids = self.by_client[key] = []  # registered first, so a failure below can abort them
+        traced = self.tracing is not None and request.trace_context is not None
+        trace = self.tracing.admitted(request, arrival, len(ids)) if traced else None
         for index in range(params.n):
             engine_id = str(next(self._ids))
             detokenizer = IncrementalDetokenizer(
@@ -288,6 +294,7 @@ class DetokProc:
                 sample.prompt = request.prompt if request.prompt is not None else self.tokenizer.decode(ids)
                 sample.prompt_tokens = prompt_tokens
             sample.timing.arrival = arrival
+            sample.trace = None if trace is None else dataclasses.replace(trace)  # one per sample
             self.samples[engine_id] = sample
             engine_ids.append(engine_id)
             replica.send(protocol.AddRequest(engine_id, prompt_tokens, params.for_sample(index), request.cache_salt))
@@ -313,6 +320,7 @@ class DetokProc:
                     by_replica[sample.engine].append(engine_id)
                     if by_client:
                         self.metrics.finished(sample, protocol.FinishReason.ABORT)
+                        self._traced(sample, protocol.FinishReason.ABORT)
         for index, engine_ids in by_replica.items():
             if self.replicas[index].serving:  # (a replica that is down has forgotten them already)
                 self.replicas[index].send(protocol.AbortRequests(engine_ids))
@@ -460,7 +468,7 @@ class DetokProc:
         replica.heard()
         if isinstance(message, protocol.StepOutputs):
             replica.got_stats(message.stats)
-            self._deliver(replica, message.deltas)
+            self._deliver(replica, message.deltas, message.timestamp)
         elif isinstance(message, protocol.RequestRejected):
             self._rejected(message)
         elif isinstance(message, protocol.PrefixCacheReset):
@@ -510,7 +518,8 @@ class DetokProc:
                 self._replica_down(replica, replica.status(self.stall_timeout)[1])
                 self.on_stalled(replica.index)
 
-    def _deliver(self, replica: EngineReplica, deltas: list[protocol.RequestDelta]) -> None:
+    def _deliver(self, replica: EngineReplica, deltas: list[protocol.RequestDelta], step_time: float) -> None:
+        """`step_time`: when the engine step that made these deltas ended (the engine's wall clock)."""
         outgoing: dict[bytes, list[protocol.GenerateDelta]] = defaultdict(list)
         stopped = []
         for delta in deltas:
@@ -518,7 +527,12 @@ class DetokProc:
             if sample is None:  # aborted by its client, or already ended by a stop string
                 continue
             try:
-                out = sample.delta(delta, self._token_text)
+                if sample.trace is None:
+                    out = sample.delta(delta, self._token_text)
+                else:  # traced: the time spent detokenizing counts
+                    started = time.perf_counter()
+                    out = sample.delta(delta, self._token_text)
+                    RequestTracing.tokens(sample.trace, delta, step_time, time.perf_counter() - started)
             except Exception as exc:  # e.g. a tokenizer that cannot decode: end this one only
                 logger.exception("detokenizing request %s failed", sample.client_request_id)
                 self._abort(sample.identity, [sample.client_request_id])
@@ -536,6 +550,7 @@ class DetokProc:
             self.metrics.tokens(sample, delta)
             if out.finish_reason is not None:
                 self.metrics.finished(sample, out.finish_reason)
+                self._traced(sample, out.finish_reason)
                 del self.samples[delta.request_id]
                 self._sample_done(sample, delta.request_id)
                 if not delta.finished:  # ended here by a stop string: the engine must stop too
@@ -544,6 +559,10 @@ class DetokProc:
             replica.send(protocol.AbortRequests(stopped))
         for identity, outs in outgoing.items():
             self._reply(identity, protocol.GenerateOutputs(outs))
+
+    def _traced(self, sample: SampleState, finish_reason: protocol.FinishReason) -> None:
+        if self.tracing is not None:
+            self.tracing.finished(sample, finish_reason)
 
     def _sample_done(self, sample: SampleState, engine_id: str) -> None:
         key = (sample.identity, sample.client_request_id)
@@ -596,6 +615,8 @@ class DetokProc:
             self.metrics.tick()  # the dashboard's rates: totals once a second (the poll wakes twice a second)
 
     def close(self) -> None:
+        if self.tracing is not None:
+            self.tracing.shutdown()
         self.prompts.close()
         if self.auth is not None:
             self.auth.stop()
@@ -634,6 +655,7 @@ def run_detok(
     routing: str = "p2c",
     seed: int = 0,
     link_keys: EngineLinkKeys | None = None,
+    otlp_traces_endpoint: str | None = None,
 ) -> None:
     """Process entry point; exits 0 on SIGTERM/SIGINT or the parent's "stop". `engine_addrs`: each
     engine replica's (input, output) addresses; with `link_keys` this process binds them (tcp, CURVE)
@@ -652,6 +674,7 @@ def run_detok(
         routing,
         seed,
         link_keys,
+        otlp_traces_endpoint,
     )
     link = ParentLink(parent_conn, runtime_dir, proc.ipc_files) if parent_conn is not None else None
 

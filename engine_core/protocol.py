@@ -255,6 +255,9 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True, omit_default
     include_stop_str_in_output: bool = False
     return_prompt: bool = False  # echo: send the prompt's text and token ids in the first delta
     cache_salt: str | None = None
+    # W3C traceparent of the span this request belongs to (the HTTP worker's): the tokenizer process
+    # adds its spans under it (detok_proc/tracing.py, --otlp-traces-endpoint).
+    trace_context: str | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
