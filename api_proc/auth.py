@@ -34,6 +34,7 @@ USER_ROUTES = frozenset(
         "/detokenize",
         "/version",
         "/dashboard.json",
+        "/openapi.json",
     }
 )
 ADMIN_ROUTES = frozenset({"/reset_prefix_cache"})

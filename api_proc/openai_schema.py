@@ -281,6 +281,13 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
         )
 
 
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def _shown(value: object) -> str:
     """A client's value in an error message, cut short (never a whole 30 MB string)."""
     text = repr(value)

@@ -31,7 +31,15 @@ from api_proc.openai_format import (
     prompt_logprobs_json,
     usage,
 )
-from api_proc.openai_schema import MAX_N, ApiError, ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from api_proc.openai_schema import (
+    MAX_N,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from api_proc.openapi import install as install_openapi
 from api_proc.request_body import decode_json, read_body
 from api_proc.request_log import RequestRecord, logged, observed
 from api_proc.request_trace import HttpTracing
@@ -167,6 +175,7 @@ class ApiServer:
         install_dashboard_data(self.app, self.client)  # GET /dashboard.json (api_proc/web_ui.py)
         if settings.ui:
             install_pages(self.app)  # GET / and /ui/...
+        install_openapi(self.app, settings.auth, with_pages=settings.ui)  # GET /openapi.json (api_proc/openapi.py)
 
     # ---- small routes ------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -244,11 +253,9 @@ class ApiServer:
         )
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = decode_json(await self._body(request))
-        self._check_model(body.get("model"))
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list):
-            raise ApiError(400, "Invalid type for 'tokens': expected a list of token ids.", "tokens", "invalid_type")
+        body = decode_json(await self._body(request), DetokenizeRequest)
+        self._check_model(body.model)
+        tokens = body.tokens
         try:
             check_token_ids(tokens, None, "tokens")
         except ParamError as exc:
