@@ -126,6 +126,7 @@ async def openai_errors(request: web.Request, handler):
                 exc.status,
                 f"{exc.reason}: {request.method} {request.path}",
                 code="not_found" if exc.status == 404 else None,
+                headers={"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None,  # 405 (RFC 9110)
             )
         )
     except OverflowError as exc:  # an integer too large to cross to the engine
