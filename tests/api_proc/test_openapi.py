@@ -130,7 +130,7 @@ def test_without_a_key_it_is_refused_in_openais_shape(server):
 
 
 @pytest.mark.slow
-def test_schemathesis_cli_all_phases_and_checks(server):
+def test_schemathesis_cli_all_phases_and_checks(server, tmp_path):
     """The command line's coverage phase as well (boundary values, nulls, wrong types, undeclared
     methods: a 405 must name the allowed ones in `Allow`) and every built-in check but positive data
     acceptance (above); bounded by examples per route and a seed."""
@@ -141,7 +141,7 @@ def test_schemathesis_cli_all_phases_and_checks(server):
             "--checks", "all", "--exclude-checks", "positive_data_acceptance",
             "--max-examples", "30", "--seed", "20261202", "--no-color",
         ],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,  # (its .schemathesis/ cache goes there)
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "0 failures" in run.stdout or " passed" in run.stdout.splitlines()[-1]
