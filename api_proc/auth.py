@@ -2,7 +2,9 @@
 
 Deny by default. Once any key is configured, a route is reachable only if it is on an allow-list:
 `USER_ROUTES` take a user key (or an admin key), `ADMIN_ROUTES` only an admin key, `PROBE_ROUTES`
-(`/health`, `/metrics`) are public unless `protect_probes`. Every other path — including ones added
+(`/health`, `/load`, `/metrics`) are public unless `protect_probes`: load balancers and Prometheus read
+them without a user's key, and `/load` (running and waiting requests, KV-cache usage, polled by
+`pagoda router`) tells no more than the gauges of `/metrics`. Every other path — including ones added
 later and never listed, and paths that would 404 — answers 401 to a caller without a key, so no route
 slips through because of how its path is spelled (a prefix check such as "starts with /v1" lets
 `/v1/../admin` style paths and later routes past). With no keys at all, everything is open (a local
@@ -26,7 +28,7 @@ USER_ROUTES = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version"}
 )
 ADMIN_ROUTES = frozenset({"/reset_prefix_cache"})
-PROBE_ROUTES = frozenset({"/health", "/metrics"})
+PROBE_ROUTES = frozenset({"/health", "/load", "/metrics"})
 
 
 def read_keys(flag_values: list[str] | None, env_var: str, key_file: str | None) -> list[str]:
