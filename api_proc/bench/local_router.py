@@ -3,6 +3,7 @@ free port, in front of the given backends; stopped with SIGTERM (its exit status
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,7 +14,14 @@ from api_proc.bench.local_server import free_port, http
 
 
 class LocalRouter:
-    def __init__(self, log_dir: Path, backends: list[str], *extra_args: str, ready_timeout: float = 60.0):
+    def __init__(
+        self,
+        log_dir: Path,
+        backends: list[str],
+        *extra_args: str,
+        ready_timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+    ):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_dir) / f"router-{self.port}.log"
@@ -23,6 +31,7 @@ class LocalRouter:
             [sys.executable, "-m", "api_proc.cli", "router", "--port", str(self.port), *args, *extra_args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
         )
         self._wait_listening(ready_timeout)
 

@@ -289,6 +289,9 @@ class RouterProxy:
                 data = data[:end]
                 if len(partial) > MAX_PARTIAL_EVENT:  # not events after all: relay as they come
                     data, partial = data + partial, b""
+            if not partial and upstream.content.at_eof():  # the stream's end came with this read
+                await response.write_eof(data)  # one write for both
+                return response
             if data:
                 await response.write(data)
         await response.write_eof()

@@ -29,8 +29,11 @@ logger = logging.getLogger("pagoda.router")
 def _session() -> aiohttp.ClientSession:
     # No cap on connections to backends (the client connection cap bounds them); idle ones are closed
     # after 15 s, well before a Pagoda backend's 75 s keep-alive, so a reused one is rarely closed under us.
+    # No cookie jar: a cookie one backend sets must never ride along on another client's request.
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=15.0)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+    return aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None), cookie_jar=aiohttp.DummyCookieJar()
+    )
 
 
 async def run_router(settings: RouterSettings) -> int:
@@ -74,6 +77,11 @@ async def run_router(settings: RouterSettings) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            # Draining already: another signal changes nothing. (Left registered, the loop's close would
+            # restore the default action, and one arriving then would kill the process mid-exit.)
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
         notifier.send("STOPPING=1", "STATUS=draining")
         await _drain(proxy, settings.shutdown_timeout)
         await runner.cleanup()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -118,9 +119,9 @@ def start_router(tmp_path):
     """Starts `pagoda router` processes; each must exit 0 on SIGTERM at the end of the test."""
     routers: list[LocalRouter] = []
 
-    def start(backends: list[PagodaServer | str], *flags: str) -> LocalRouter:
+    def start(backends: list[PagodaServer | str], *flags: str, env: dict[str, str] | None = None) -> LocalRouter:
         urls = [b if isinstance(b, str) else b.base_url for b in backends]
-        routers.append(LocalRouter(tmp_path, urls, *flags))
+        routers.append(LocalRouter(tmp_path, urls, *flags, env=env))
         return routers[-1]
 
     yield start
@@ -428,3 +429,34 @@ def test_no_backend_up(start_router):
     status, body = complete(router.base_url, key=None, timeout=30)
     assert status == 503 and body["error"]["code"] == "no_backend", body
     assert Scrape(router).value("pagoda_router_failed_requests_total", code="no_backend") == 1
+
+
+def test_config_file_and_systemd_notifications(fleet, start_router, tmp_path):
+    """`--config router.yaml` names the backends and the policy; under systemd (Type=notify) the router
+    says READY=1 once it listens, STOPPING=1 on SIGTERM, then exits 0 (the fixture checks)."""
+    config = tmp_path / "router.yaml"
+    config.write_text(
+        "backend:\n"
+        + "".join(f"  - {b.base_url}\n" for b in fleet[:2])
+        + f"policy: round_robin\nbackend-api-key: {BACKEND_KEY}\n"
+    )
+    notify = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(notify))
+        sock.settimeout(30)
+        router = start_router([], "--config", str(config), env={"NOTIFY_SOCKET": str(notify)})
+        assert sock.recv(4096).decode().splitlines()[0] == "READY=1"
+        assert [complete(router.base_url, key=None)[0] for _ in range(4)] == [200] * 4
+        assert [sent_to(router, b) for b in fleet[:2]] == [2, 2]  # in turn
+        router.process.send_signal(signal.SIGTERM)
+        assert sock.recv(4096).decode().splitlines()[0] == "STOPPING=1"
+
+
+def test_the_shipped_router_yaml_is_valid():
+    from api_proc.cli import build_parser
+    from api_proc.cli_config import parse_args_with_config
+    from api_proc.router.cli import router_settings
+
+    example = Path(__file__).resolve().parents[2] / "deploy" / "router.yaml"
+    settings = router_settings(parse_args_with_config(build_parser(), ["router", "--config", str(example)]))
+    assert settings.backends == ("http://127.0.0.1:8001", "http://127.0.0.1:8002") and settings.policy == "p2c"
