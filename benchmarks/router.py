@@ -60,8 +60,10 @@ def _one(conn: http.client.HTTPConnection, body: bytes) -> float:
     return elapsed
 
 
-def added_latency(backend_url: str, router_url: str, body: dict, rounds: int) -> tuple[float, float]:
-    """(median direct, median through the router) in ms, requests alternating between the two."""
+def added_latency(backend_url: str, router_url: str, body: dict, rounds: int) -> tuple[float, float, float]:
+    """(median direct, median through the router, median of the differences within each pair) in ms, the
+    requests alternating between the two paths; the paired one is the steadier when the machine's load
+    drifts during the run."""
     data = json.dumps(body).encode()
     direct, routed = _connection(backend_url), _connection(router_url)
     for _ in range(5):  # warm both paths (connections, caches)
@@ -74,7 +76,15 @@ def added_latency(backend_url: str, router_url: str, body: dict, rounds: int) ->
             out.append(_one(conn, data))
     direct.close()
     routed.close()
-    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
+    paired = [b - a for a, b in zip(*times, strict=True)]
+    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3, statistics.median(paired) * 1e3
+
+
+def _latency_line(direct: float, routed: float, paired: float) -> str:
+    return (
+        f"direct {direct:7.3f} ms   router {routed:7.3f} ms   added {routed - direct:+.3f} ms "
+        f"(paired {paired:+.3f} ms; target <= 1 ms)"
+    )
 
 
 def latency(workdir: Path, rounds: int, with_model: bool) -> None:
@@ -82,8 +92,8 @@ def latency(workdir: Path, rounds: int, with_model: bool) -> None:
     null = NullServer(free_port())
     router = LocalRouter(workdir, [null.url])
     try:
-        direct, routed = added_latency(null.url, router.base_url, {"prompt": "x", "max_tokens": 1}, rounds)
-        print(f"null server    direct {direct:7.3f} ms   router {routed:7.3f} ms   added {routed - direct:+.3f} ms")
+        found = added_latency(null.url, router.base_url, {"prompt": "x", "max_tokens": 1}, rounds)
+        print("null server   " + _latency_line(*found))
     finally:
         router.stop()
         null.stop()
@@ -94,8 +104,7 @@ def latency(workdir: Path, rounds: int, with_model: bool) -> None:
     router = LocalRouter(workdir, [server.base_url])
     try:
         body = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
-        direct, routed = added_latency(server.base_url, router.base_url, body, rounds)
-        print(f"pagoda serve   direct {direct:7.3f} ms   router {routed:7.3f} ms   added {routed - direct:+.3f} ms")
+        print("pagoda serve  " + _latency_line(*added_latency(server.base_url, router.base_url, body, rounds)))
     finally:
         router.stop()
         server.stop()

@@ -157,7 +157,10 @@ class RouterProxy:
                 try:
                     return await self._attempt(request, backend, body, headers, may_retry=len(candidates) > 1)
                 except _TryNext as exc:
-                    failures.append(f"{backend.url}: {exc.reason}")
+                    failures.append(exc.reason)
+                    logger.info(
+                        "%s %s: backend %s %s; trying another", request.method, request.path, backend.url, exc.reason
+                    )
             raise self._failed_everywhere(failures)
         finally:
             self.active_requests -= 1
@@ -184,9 +187,9 @@ class RouterProxy:
                 headers={"Retry-After": "1"},
             )
         self.metrics.failed.labels("backend_unreachable").inc()
-        return ApiError(
+        return ApiError(  # the backends' addresses stay in the router's log, not in clients' answers
             502,
-            "No backend could take the request: " + "; ".join(failures) + ".",
+            f"No backend could take the request (tried {len(failures)}: " + "; ".join(failures) + ").",
             error_type="server_error",
             code="backend_unreachable",
         )
