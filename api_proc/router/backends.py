@@ -5,7 +5,8 @@ that Pagoda backends report on `GET /load`.
   its health probes (`GET /health` answering anything but 200, or not within the probe timeout) and of
   requests (no connection, no byte within --read-timeout, closed before or during a response). Any
   success resets the count. Ejected backends keep being probed at the same interval, and the first
-  passing probe re-admits them.
+  passing probe re-admits them (only a probe: a late answer to a request sent before the ejection
+  does not).
 - Load: the router counts each backend's requests in flight itself (its own traffic, always known).
   Pagoda backends also report running and waiting requests and KV-cache usage on `GET /load`, polled
   every `load_poll_interval` (250 ms), which covers traffic from other clients and other routers. A
@@ -106,6 +107,11 @@ class BackendPool:
             )
 
     def succeeded(self, backend: Backend) -> None:
+        """A request got its answer: the failures in a row end (an ejected backend waits for its probe)."""
+        if backend.up:
+            backend.consecutive_failures = 0
+
+    def _passed_probe(self, backend: Backend) -> None:
         backend.consecutive_failures = 0
         if not backend.up:
             backend.up = True
@@ -118,7 +124,7 @@ class BackendPool:
         """One `GET /health`; its outcome applied to the backend."""
         failure = await self._health_failure(backend)
         if failure is None:
-            self.succeeded(backend)
+            self._passed_probe(backend)
             return True
         self.failed(backend, *failure)
         return False

@@ -20,8 +20,10 @@ import pytest
 
 from api_proc.bench.local_router import LocalRouter
 from api_proc.bench.local_server import PagodaServer, alive, child_pids, free_port, http, wait_until
-from api_proc.router.backends import Backend, BackendLoad
+from api_proc.router.backends import Backend, BackendLoad, BackendPool
+from api_proc.router.metrics import RouterMetrics
 from api_proc.router.policies import PREFIX_CHARS, Picker, prefix_key, rendezvous
+from api_proc.router.settings import RouterSettings
 from tests import tiny_models
 from tests.metrics_scrape import Scrape, scrape_until
 
@@ -85,6 +87,28 @@ def test_prefix_keys_and_rendezvous_hashing():
     assert {picker.pick(backends, b"shared").index for _ in range(20)} == {home.index}
     home.in_flight = 200  # SGLang's imbalance test: > 64 above the least loaded and > 1.5x it
     assert home.index not in {picker.pick(backends, b"shared").index for _ in range(50)}
+
+
+def test_failures_in_a_row_eject_and_only_a_probe_readmits():
+    settings = RouterSettings(backends=("http://10.0.0.1:8000", "http://10.0.0.2:8000"), eject_after_failures=3)
+    metrics = RouterMetrics(settings.backends)
+    pool = BackendPool(settings, metrics, session=None)  # type: ignore[arg-type]  (no probe is sent here)
+    first = pool.backends[0]
+    pool.failed(first, "connect", "refused")
+    pool.failed(first, "timeout", "slow")
+    pool.succeeded(first)  # an answer in between: the count starts again
+    for _ in range(2):
+        pool.failed(first, "connect", "refused")
+    assert first.up
+    pool.failed(first, "connect", "refused")
+    assert not first.up and pool.up() == [pool.backends[1]]
+    pool.succeeded(first)  # a late answer to an earlier request does not bring it back
+    assert not first.up
+    pool._passed_probe(first)
+    assert first.up and first.consecutive_failures == 0
+    text = metrics.render().decode()
+    assert 'pagoda_router_backend_ejections_total{backend="http://10.0.0.1:8000"} 1.0' in text
+    assert 'pagoda_router_backend_errors_total{backend="http://10.0.0.1:8000",kind="connect"} 4.0' in text
 
 
 # ---- real processes ----------------------------------------------------------------------------------
