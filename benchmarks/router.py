@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 from api_proc.bench.datasets import random_requests
 from api_proc.bench.local_router import LocalRouter
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, free_port
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer, cpu_seconds, free_port
 from api_proc.bench.local_server import http as http_request
 from api_proc.bench.metrics import summarize
 from api_proc.bench.null_server import NullServer
@@ -80,10 +80,15 @@ def added_latency(backend_url: str, router_url: str, body: dict, rounds: int) ->
     return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3, statistics.median(paired) * 1e3
 
 
-def _latency_line(direct: float, routed: float, paired: float) -> str:
+def _measured(router: LocalRouter, backend_url: str, body: dict, rounds: int) -> str:
+    """The latency line of one backend: medians, the added time, and the router's CPU time per request
+    (from /proc: what the router itself costs, whatever else the machine is doing)."""
+    cpu = cpu_seconds(router.process.pid)
+    direct, routed, paired = added_latency(backend_url, router.base_url, body, rounds)
+    per_request = (cpu_seconds(router.process.pid) - cpu) / (rounds + 5)
     return (
         f"direct {direct:7.3f} ms   router {routed:7.3f} ms   added {routed - direct:+.3f} ms "
-        f"(paired {paired:+.3f} ms; target <= 1 ms)"
+        f"(paired {paired:+.3f} ms; target <= 1 ms); router CPU {per_request * 1e3:.3f} ms per request"
     )
 
 
@@ -92,8 +97,7 @@ def latency(workdir: Path, rounds: int, with_model: bool) -> None:
     null = NullServer(free_port())
     router = LocalRouter(workdir, [null.url])
     try:
-        found = added_latency(null.url, router.base_url, {"prompt": "x", "max_tokens": 1}, rounds)
-        print("null server   " + _latency_line(*found))
+        print("null server   " + _measured(router, null.url, {"prompt": "x", "max_tokens": 1}, rounds))
     finally:
         router.stop()
         null.stop()
@@ -104,7 +108,7 @@ def latency(workdir: Path, rounds: int, with_model: bool) -> None:
     router = LocalRouter(workdir, [server.base_url])
     try:
         body = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
-        print("pagoda serve  " + _latency_line(*added_latency(server.base_url, router.base_url, body, rounds)))
+        print("pagoda serve  " + _measured(router, server.base_url, body, rounds))
     finally:
         router.stop()
         server.stop()
