@@ -2,13 +2,14 @@
 
 Deny by default. Once any key is configured, a route is reachable only if it is on an allow-list:
 `USER_ROUTES` take a user key (or an admin key), `ADMIN_ROUTES` only an admin key, `PROBE_ROUTES`
-(`/health`, `/metrics`) are public unless `protect_probes`, and the web app's static files
-(`PAGE_PATHS`, api_proc/web_ui.py: no data, and the page must load to ask for a key) are public.
-Every other path — including ones added later and never listed, and paths that would 404 — answers
-401 to a caller without a key, so no route slips through because of how its path is spelled (a prefix
-check such as "starts with /v1" lets `/v1/../admin` style paths and later routes past). With no keys
-at all, everything is open (a local development server), except that admin routes then still need the
-admin key when one is set.
+(`/health`, `/load`, `/metrics`) are public unless `protect_probes`: load balancers and Prometheus read
+them without a user's key, and `/load` (running and waiting requests, KV-cache usage, polled by
+`pagoda router`) tells no more than the gauges of `/metrics`. The web app's static files (`PAGE_PATHS`,
+api_proc/web_ui.py: no data, and the page must load to ask for a key) are public too. Every other path —
+including ones added later and never listed, and paths that would 404 — answers 401 to a caller without
+a key, so no route slips through because of how its path is spelled (a prefix check such as "starts with
+/v1" lets `/v1/../admin` style paths and later routes past). With no keys at all, everything is open (a
+local development server), except that admin routes then still need the admin key when one is set.
 
 Keys come from `--api-key` (repeatable), `PAGODA_API_KEY` (comma-separated) and `--api-key-file`
 (one per line, `#` comments); admin keys likewise from `--admin-key`, `PAGODA_ADMIN_KEY` and
@@ -38,7 +39,7 @@ USER_ROUTES = frozenset(
     }
 )
 ADMIN_ROUTES = frozenset({"/reset_prefix_cache"})
-PROBE_ROUTES = frozenset({"/health", "/metrics"})
+PROBE_ROUTES = frozenset({"/health", "/load", "/metrics"})
 
 
 def read_keys(flag_values: list[str] | None, env_var: str, key_file: str | None) -> list[str]:

@@ -2,6 +2,7 @@
 
 pagoda serve [MODEL] [options]        # api_proc/serve_settings.py
 pagoda bench serve|throughput|latency  # api_proc/bench/cli.py
+pagoda router --backend URL ...        # api_proc/router/cli.py: a load balancer in front of several servers
 pagoda generate PROMPT [options]       # the offline engine, one prompt
 pagoda keys DIR                        # CURVE certificates for a tcp:// frontend
 pagoda download-default [--gguf]       # prepare the default model, print its path (or its GGUF file's)
@@ -17,6 +18,7 @@ from dataclasses import asdict
 
 from api_proc.bench.cli import add_bench_parser
 from api_proc.cli_config import parse_args_with_config
+from api_proc.router.cli import add_router_parser
 from api_proc.serve_settings import add_serve_parser
 from engine_core.config import add_engine_args, engine_config_from_args
 from engine_core.lifecycle import configure_logging
@@ -111,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(subcommands)
     add_keys_parser(subcommands)
     add_bench_parser(subcommands)
+    add_router_parser(subcommands)
     add_download_parser(subcommands)
     return parser
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import time
 from dataclasses import dataclass, field
 
@@ -49,6 +50,35 @@ _KNOWN_MESSAGES = {  # aiohttp messages that quote nothing of the request, and w
     "Transfer-Encoding can't be present with Content-Length": _FRAMING,
     "Received HTTPS traffic on an HTTP port": "This port speaks plain HTTP, not HTTPS.",
 }
+
+
+OTHER_FILES = 256  # sockets to the tokenizer process or backends' probes, libraries, logs: besides connections
+
+
+def allow_open_files(connections: int | None, files_per_connection: int = 1) -> int | None:
+    """Raise the soft limit on open files so that the connection cap, not EMFILE, is what refuses
+    clients (a failing accept() is retried and logged by asyncio in a loop). Returns the cap to use:
+    `connections`, or less when the hard limit leaves less room. `files_per_connection`: 2 for a proxy,
+    whose every client connection may hold one to a backend."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and (
+        connections is None or connections * files_per_connection + OTHER_FILES > hard
+    ):
+        fitting = max(1, (hard - OTHER_FILES) // files_per_connection)
+        logger.warning(
+            "the open-file limit (%d) leaves room for %d connections: the cap is %d, not %s",
+            hard,
+            fitting,
+            fitting,
+            connections,
+        )
+        connections = fitting
+    if connections is None:  # no cap, and no hard limit to keep under
+        return None
+    wanted = connections * files_per_connection + OTHER_FILES
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return connections
 
 
 @dataclass

@@ -40,9 +40,12 @@ async def read_body(request: web.Request, max_bytes: int, idle_timeout: float | 
             deadline = started + idle_timeout + len(body) / MIN_BODY_RATE
             wait = min(idle_timeout, deadline - loop.time())
         try:
-            if wait is not None and wait <= 0:
+            if request.content.is_eof():  # the rest has arrived (a small body comes with its head): no timer
+                chunk = await request.content.readany()
+            elif wait is not None and wait <= 0:
                 raise asyncio.TimeoutError
-            chunk = await asyncio.wait_for(request.content.readany(), wait)  # wait None: no limit
+            else:
+                chunk = await asyncio.wait_for(request.content.readany(), wait)  # wait None: no limit
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
             raise ApiError(
                 408,

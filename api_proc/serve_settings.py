@@ -117,7 +117,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--protect-probes",
         action="store_true",
-        help="/health and /metrics need a key too (default: public, for load balancers and Prometheus)",
+        help="/health, /load and /metrics need a key too (default: public, for load balancers and Prometheus)",
     )
     g.add_argument(
         "--allowed-origin",

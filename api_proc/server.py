@@ -161,6 +161,7 @@ class ApiServer:
         self.app.add_routes(
             [
                 web.get("/health", self.health),
+                web.get("/load", self.load),
                 web.get("/version", self.version),
                 web.get("/v1/models", self.models),
                 web.post("/v1/completions", self.completions),
@@ -202,6 +203,16 @@ class ApiServer:
                 for e in report.engines
             ]
         return json_response(body, 200 if report.healthy else 503)
+
+    async def load(self, request: web.Request) -> web.Response:
+        """What a router balancing over several servers reads every 250 ms (api_proc/router): running and
+        waiting requests and KV-cache usage, over every engine replica. Cheap: the tokenizer process
+        answers from the scheduler stats the engines sent with their latest step (what /metrics shows
+        too); nothing reaches an engine."""
+        report = await self.client.health(self.settings.health_timeout)
+        return json_response(
+            {"running": report.num_running, "waiting": report.num_waiting, "kv_cache_usage": report.kv_cache_usage}
+        )
 
     async def version(self, request: web.Request) -> web.Response:
         return json_response({"version": PAGODA_VERSION})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 import signal
 import sys
 import time
@@ -17,7 +16,7 @@ from multiprocessing.connection import Connection
 
 from aiohttp import web
 
-from api_proc.http_guard import GuardedAppRunner, HttpGuard
+from api_proc.http_guard import GuardedAppRunner, HttpGuard, allow_open_files
 from api_proc.server import ApiServer, ApiSettings
 from engine_core.lifecycle import Command, ParentLink, Report, Role, init_child_process
 
@@ -35,34 +34,10 @@ async def _drain(server: ApiServer, timeout: float) -> None:
         await asyncio.sleep(0.2)
 
 
-_OTHER_FILES = 256  # sockets to the tokenizer process, libraries, logs: what a worker opens besides clients
-
-
-def _allow_open_files(connections: int | None) -> int | None:
-    """Raise the soft limit on open files so that the connection cap, not EMFILE, is what refuses
-    clients (a failing accept() is retried and logged by asyncio in a loop). Returns the cap to use:
-    `connections`, or less when the hard limit leaves less room."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and (connections is None or connections + _OTHER_FILES > hard):
-        fitting = max(1, hard - _OTHER_FILES)
-        logger.warning(
-            "the open-file limit (%d) leaves room for %d connections: the cap is %d, not %s",
-            hard,
-            fitting,
-            fitting,
-            connections,
-        )
-        connections = fitting
-    wanted = connections + _OTHER_FILES
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    return connections
-
-
 async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
     server = ApiServer(settings)
     guard = HttpGuard(
-        header_timeout=settings.header_timeout, max_connections=_allow_open_files(settings.max_connections)
+        header_timeout=settings.header_timeout, max_connections=allow_open_files(settings.max_connections)
     )
     runner = GuardedAppRunner(
         server.app, guard, handler_cancellation=True, access_log=None, keepalive_timeout=settings.keepalive_timeout

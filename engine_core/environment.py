@@ -14,6 +14,7 @@ VARIABLES = {
     "PAGODA_CACHE": "directory of the converted default model and the compiled CPU kernels (default ~/.cache/pagoda)",
     "PAGODA_API_KEY": "API keys, comma-separated (added to --api-key)",
     "PAGODA_ADMIN_KEY": "admin keys, comma-separated (added to --admin-key)",
+    "PAGODA_ROUTER_API_KEY": "keys clients must send `pagoda router`, comma-separated (added to its --api-key)",
     "PAGODA_LOG_LEVEL": "log level of every process (set by --log-level; children inherit it)",
     "PAGODA_LOG_FORMAT": "text or json (set by --log-format; children inherit it)",
     "PAGODA_DISABLE_CPU_KERNELS": "1 = the plain torch kernels on the CPU instead of the compiled C ones",

@@ -59,3 +59,22 @@ def build(name: str, **overrides) -> transformers.PreTrainedModel:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
     return model
+
+
+SERVABLE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def save_servable(name: str, out, tokenizer_dir) -> None:
+    """Write to the directory `out` a tiny model `pagoda serve` can serve: ARCHITECTURES[name], its embeddings
+    tied and as wide as the vocabulary of the model in `tokenizer_dir` (SmolLM2's, 49,152: every id its
+    tokenizer makes is in range), saved beside that model's tokenizer, chat template and generation config.
+    Random weights: its greedy text is arbitrary but deterministic, and it serves in milliseconds."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    source = Path(tokenizer_dir)
+    vocab_size = json.loads((source / "config.json").read_text())["vocab_size"]
+    build(name, vocab_size=vocab_size, tie_word_embeddings=True).save_pretrained(out)
+    for file in SERVABLE_FILES:
+        shutil.copy(source / file, Path(out) / file)

@@ -1,6 +1,6 @@
-"""The flags docs/command-line.md documents are exactly the flags `pagoda serve` and `pagoda generate`
-take (and the top-level `--log-level` / `--log-format`): none missing from the tables, none in them
-that the parser does not know."""
+"""The flags the docs document are exactly the flags the commands take: docs/command-line.md for
+`pagoda serve` and `pagoda generate` (and the top-level `--log-level` / `--log-format`), docs/router.md
+for `pagoda router`. None missing from the tables, none in them that the parser does not know."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import argparse
 import re
 from pathlib import Path
 
+import pytest
+
 from api_proc.cli import build_parser
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "command-line.md"
-COMMANDS = ("serve", "generate")
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+GUIDES = {"command-line.md": ("serve", "generate"), "router.md": ("router",)}  # guide -> the commands it documents
 FLAG = re.compile(r"`(--[a-z0-9][a-z0-9-]*)")  # `--max-n N`, `--top-p P` / `--top-k K`: every flag a cell names
 
 
@@ -19,11 +21,11 @@ def _long_flags(parser: argparse.ArgumentParser) -> set[str]:
     return {flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")} - {"--help"}
 
 
-def real_flags() -> set[str]:
+def real_flags(commands: tuple[str, ...]) -> set[str]:
     parser = build_parser()
     flags = _long_flags(parser)  # --log-level, --log-format
     subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for command in COMMANDS:
+    for command in commands:
         flags |= _long_flags(subcommands.choices[command])
     return flags
 
@@ -43,9 +45,10 @@ def documented_flags(text: str) -> set[str]:
 
 
 def test_the_parser_reports_its_flags():
-    flags = real_flags()
+    flags = real_flags(("serve", "generate"))
     assert {"--log-level", "--max-n", "--header-timeout", "--keepalive-timeout", "--top-k", "--model"} <= flags
     assert "--help" not in flags
+    assert {"--backend", "--policy", "--eject-after-failures", "--read-timeout"} <= real_flags(("router",))
 
 
 def test_the_table_parser_reads_cells_that_name_two_flags():
@@ -54,11 +57,14 @@ def test_the_table_parser_reads_cells_that_name_two_flags():
     assert documented_flags("```\n| `--in-a-code-block` |\n```\n| `PAGODA_CACHE` | see `--not-first` |") == set()
 
 
-def test_every_real_flag_is_documented():
-    missing = real_flags() - documented_flags(DOC.read_text())
-    assert not missing, f"flags missing from the tables of {DOC.name}: {sorted(missing)}"
+@pytest.mark.parametrize("guide", GUIDES)
+def test_every_real_flag_is_documented(guide):
+    missing = real_flags(GUIDES[guide]) - documented_flags((DOCS / guide).read_text())
+    assert not missing, f"flags missing from the tables of {guide}: {sorted(missing)}"
 
 
-def test_every_documented_flag_exists():
-    unknown = documented_flags(DOC.read_text()) - real_flags()
-    assert not unknown, f"{DOC.name} documents flags that `pagoda serve` / `generate` do not take: {sorted(unknown)}"
+@pytest.mark.parametrize("guide", GUIDES)
+def test_every_documented_flag_exists(guide):
+    unknown = documented_flags((DOCS / guide).read_text()) - real_flags(GUIDES[guide])
+    commands = " / ".join(f"`pagoda {c}`" for c in GUIDES[guide])
+    assert not unknown, f"{guide} documents flags that {commands} do not take: {sorted(unknown)}"
