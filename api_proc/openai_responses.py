@@ -52,6 +52,14 @@ class Health(_Body):
     engines: list[EngineState] | None = None  # data parallel: each replica
 
 
+class Load(_Body):
+    """GET /load: what `pagoda router` balances on."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
+
+
 class Version(_Body):
     version: str
 

@@ -46,6 +46,7 @@ class Route:
 
 ROUTES = [
     Route("GET", "/health", "Liveness and readiness (200 serving, 503 otherwise; the body says why)", None, out.Health),
+    Route("GET", "/load", "Running and waiting requests and KV-cache usage (what pagoda router reads)", None, out.Load),
     Route("GET", "/version", "The server's version", None, out.Version),
     Route("GET", "/v1/models", "The served model (under each --served-model-name)", None, out.ModelList),
     Route(
