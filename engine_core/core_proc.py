@@ -24,6 +24,7 @@ from engine_core.validation import param_of
 
 if TYPE_CHECKING:
     from engine_core.engine import EngineCore  # (imports torch: only in load(), in the child)
+    from engine_core.pooling.engine import PoolingEngineCore
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000
@@ -38,7 +39,7 @@ class EngineCoreProc:
         self.outputs.bind(output_addr)
         self.poller = zmq.Poller()
         self.poller.register(self.inputs, zmq.POLLIN)
-        self.engine: EngineCore  # set by load(), before anything reads it
+        self.engine: EngineCore | PoolingEngineCore  # set by load(), before anything reads it
         self.stop_requested = False
         self._pending: list[protocol.RequestDelta] = []  # deltas to send with the next step (aborts)
 
@@ -62,6 +63,7 @@ class EngineCoreProc:
                     protocol.unpack_tokens(message.prompt_tokens),
                     message.params,
                     message.cache_salt,
+                    pooling=message.pooling,
                 )
             except ValueError as exc:
                 self._send(protocol.RequestRejected(message.request_id, str(exc), param_of(exc)))
@@ -96,15 +98,18 @@ class EngineCoreProc:
         self._send(protocol.StepOutputs(deltas, self.engine.scheduler.stats(), time.time()))
 
     def load(self, config: EngineConfig) -> None:
-        from engine_core.engine import EngineCore  # torch is imported here, in the child only
+        from engine_core.engine import EngineCore, create_engine  # torch is imported here, in the child only
 
-        self.engine = EngineCore(config)
+        self.engine = create_engine(config)
         self.engine.warm_up()
         # The grammar backend (xgrammar, tokenizer: ~3 s of CPU) loads in its thread from here on, after
         # the warm-up rather than beside it: on 2 cores they would only slow each other's start.
-        self.engine.structured.start()
+        if isinstance(self.engine, EngineCore):
+            self.engine.structured.start()
 
     def run(self) -> None:
+        from engine_core.pooling.engine import PoolingEngineCore
+
         engine = self.engine
         self._send(
             protocol.EngineReady(
@@ -116,6 +121,7 @@ class EngineCoreProc:
                 os.getpid(),
                 None if engine.runner.quantization is None else engine.runner.quantization.describe(),
                 engine.runner.weight_bytes,
+                engine.pooler.info() if isinstance(engine, PoolingEngineCore) else None,
             )
         )
         was_busy = False

@@ -1,0 +1,58 @@
+"""From a step's final hidden states [tokens, hidden] (whole prompts, packed) to each request's output."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine_core.pooling.params import PoolingParams
+
+_EPS = 1e-12  # as sentence-transformers' Normalize (torch.nn.functional.normalize)
+
+
+def pool(hidden: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, pooling_type: str) -> torch.Tensor:
+    """One row per sequence [B, hidden]: the mean of its rows, its first row (CLS) or its last row."""
+    if pooling_type == "cls":
+        return hidden[starts]
+    if pooling_type == "last":
+        return hidden[starts + lens - 1]
+    if pooling_type == "mean":
+        rows = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens)
+        sums = torch.zeros(len(lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        sums.index_add_(0, rows, hidden.float())
+        return sums / lens[:, None].to(sums.dtype)
+    raise ValueError(f"unknown pooling type {pooling_type!r}")
+
+
+def outputs(
+    hidden: torch.Tensor, starts: list[int], lens: list[int], params: list[PoolingParams], pooling_type: str, normalize
+) -> list[torch.Tensor]:
+    """Each request's float32 output on the CPU: its embedding [hidden] ("embed": pooled, cut to
+    `dimensions`, then normalized if the request or else the model says so) or its tokens' hidden
+    states [len, hidden] ("token_embed", normalized per token only if the request asks)."""
+    out: list[torch.Tensor | None] = [None] * len(params)
+    embed = [i for i, p in enumerate(params) if p.task == "embed"]
+    if embed:
+        index = torch.tensor(embed, device=hidden.device)
+        device_starts = torch.tensor(starts, device=hidden.device)[index]
+        device_lens = torch.tensor(lens, device=hidden.device)[index]
+        pooled = pool(hidden, device_starts, device_lens, pooling_type).float()
+        # The common case in one call: every embedding whole and normalized.
+        at_once = all(params[i].dimensions is None and _normalizes(params[i], normalize) for i in embed)
+        if at_once:
+            pooled = F.normalize(pooled, dim=-1, eps=_EPS)
+        pooled = pooled.cpu()
+        for j, i in enumerate(embed):
+            vector = pooled[j, : params[i].dimensions]
+            if not at_once and _normalizes(params[i], normalize):
+                vector = F.normalize(vector, dim=-1, eps=_EPS)
+            out[i] = vector
+    for i, p in enumerate(params):
+        if p.task == "token_embed":
+            rows = hidden[starts[i] : starts[i] + lens[i]].float()
+            out[i] = (F.normalize(rows, dim=-1, eps=_EPS) if p.normalize else rows).cpu()
+    return [o for o in out if o is not None]
+
+
+def _normalizes(params: PoolingParams, model_default: bool) -> bool:
+    return model_default if params.normalize is None else params.normalize
