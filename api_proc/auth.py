@@ -23,7 +23,16 @@ from pathlib import Path
 from engine_core.environment import keys_from_environment
 
 USER_ROUTES = frozenset(
-    {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version"}
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/embeddings",
+        "/pooling",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/version",
+    }
 )
 ADMIN_ROUTES = frozenset({"/reset_prefix_cache"})
 PROBE_ROUTES = frozenset({"/health", "/metrics"})

@@ -400,6 +400,14 @@ class EmbedResult(msgspec.Struct, tag="embedded", gc=False):
     outputs: list[PooledVectors]
     num_prompt_tokens: list[int]
 
+    def arrays(self) -> list[np.ndarray]:
+        """Each input's vectors, [rows, dim] float32: one row for an embedding, one per token otherwise."""
+        return [v.array() for v in self.outputs]
+
+    def embeddings(self) -> np.ndarray:
+        """[inputs, dim] float32: every input's embedding (task "embed")."""
+        return np.concatenate(self.arrays())
+
 
 class RequestError(msgspec.Struct, tag="error", kw_only=True):
     """A request failed; the fields are OpenAI's error envelope plus the HTTP status to answer with."""
