@@ -21,12 +21,13 @@ from engine_core.layers.linear import Linear, MergedLinear
 from engine_core.model_config import ModelConfig
 from engine_core.models.checkpoint import CheckpointLoading
 
+# config.json's hidden_act -> the Linear activation (engine_core/layers/linear.py ACTIVATIONS) it is
 _ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
 }
 _QKV = {"query": 0, "key": 1, "value": 2}
 
@@ -96,14 +97,14 @@ class BertAttention(nn.Module):
 class BertIntermediate(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype):
         super().__init__()
-        self.dense = Linear(cfg.hidden_size, cfg.intermediate_size, True, dtype)
         activation = cfg.raw.get("hidden_act", "gelu")
         if activation not in _ACTIVATIONS:
             raise ValueError(f"BERT activation {activation!r} is not supported (supported: {', '.join(_ACTIVATIONS)})")
-        self.activation = _ACTIVATIONS[activation]
+        # (the activation goes with the matmul: fused into it on the CPU)
+        self.dense = Linear(cfg.hidden_size, cfg.intermediate_size, True, dtype, activation=_ACTIVATIONS[activation])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.dense(x))
+        return self.dense(x)
 
 
 class BertLayer(nn.Module):

@@ -17,9 +17,14 @@ def pool(hidden: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, pooling
     if pooling_type == "last":
         return hidden[starts + lens - 1]
     if pooling_type == "mean":
-        rows = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens)
+        # The sequences' rows, wherever they are in the step (other rows belong to other requests).
+        packed_starts = torch.cumsum(lens, 0) - lens
+        rows = torch.arange(int(lens.sum()), device=hidden.device) + torch.repeat_interleave(
+            starts - packed_starts, lens
+        )
+        sequence = torch.repeat_interleave(torch.arange(len(lens), device=hidden.device), lens)
         sums = torch.zeros(len(lens), hidden.shape[1], dtype=torch.float32, device=hidden.device)
-        sums.index_add_(0, rows, hidden.float())
+        sums.index_add_(0, sequence, hidden[rows].float())
         return sums / lens[:, None].to(sums.dtype)
     raise ValueError(f"unknown pooling type {pooling_type!r}")
 

@@ -11,6 +11,7 @@ import torch
 from engine_core.config import EngineConfig, resolve_dtype
 from engine_core.environment import configure_kernels
 from engine_core.layers.attention import VarlenMetadata
+from engine_core.layers.linear import onednn_rows
 from engine_core.loader import load_pooling_model, weight_bytes
 from engine_core.model_config import ModelConfig
 from engine_core.pooling import pooler
@@ -46,13 +47,20 @@ class PoolingRunner:
     def execute(self, requests: list[PoolingRequest]) -> list[np.ndarray]:
         """Each request's float32 output ([hidden], or [tokens, hidden] for "token_embed"), in order."""
         lens = [len(r.prompt_token_ids) for r in requests]
-        starts = np.concatenate(([0], np.cumsum(lens)))
-        token_ids = np.concatenate([np.asarray(r.prompt_token_ids, dtype=np.int64) for r in requests])
-        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+        total = sum(lens)
+        # The packed CPU matmuls run at a few row counts only (layers/linear.py `onednn_rows`), padding their
+        # input to one per call: a copy per layer. A step padded once, here, with a sequence of its own that
+        # nothing reads, needs none of those copies.
+        padding = onednn_rows(total) - total if self.device.type == "cpu" else 0
+        sizes = lens + [padding] if padding else lens
+        starts = np.concatenate(([0], np.cumsum(sizes)))
+        token_ids = np.zeros(total + padding, dtype=np.int64)
+        token_ids[:total] = np.concatenate([np.asarray(r.prompt_token_ids, dtype=np.int64) for r in requests])
+        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in sizes])
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         hidden = self.model(to(token_ids), to(positions), VarlenMetadata(to(starts)))
         params = [r.params for r in requests]
         results = pooler.outputs(
-            hidden, starts[:-1].tolist(), lens, params, self.pooler.pooling_type, self.pooler.normalize
+            hidden, starts[: len(lens)].tolist(), lens, params, self.pooler.pooling_type, self.pooler.normalize
         )
         return [t.numpy() for t in results]

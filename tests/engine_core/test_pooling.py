@@ -39,10 +39,13 @@ def tiny_qwen2(tmp_path_factory):
     return model_dir, hf
 
 
-def _run(engine, prompts: list[list[int]], params: PoolingParams | None = None) -> list[np.ndarray]:
+def _run(
+    engine, prompts: list[list[int]], params: PoolingParams | list[PoolingParams] | None = None
+) -> list[np.ndarray]:
     """Every prompt at once, so they share steps; each one's [rows, dim] output."""
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, pooling=params or PoolingParams())
+    per_prompt = params if isinstance(params, list) else [params or PoolingParams()] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True)):
+        engine.add_request(str(i), prompt, pooling=p)
     out = {}
     while engine.has_unfinished_requests():
         for delta in engine.step():
@@ -75,6 +78,10 @@ def test_decoder_token_and_mean_pooling_equal_hf(tiny_qwen2):
     prompts = _prompts(2)
     tokens = _run(engine, prompts, PoolingParams(task="token_embed"))
     means = _run(engine, prompts)
+    tasks = ["embed", "token_embed"] * (len(prompts) // 2)
+    mixed = _run(engine, prompts, [PoolingParams(task=task) for task in tasks])
+    for i, out in enumerate(mixed):  # both tasks in one step: each request gets its own output
+        np.testing.assert_allclose(out, (means, tokens)[i % 2][i], atol=1e-6)
     for prompt, rows, mean in zip(prompts, tokens, means, strict=True):
         hidden = _hf_hidden(hf, prompt)
         assert rows.shape == (len(prompt), hidden.shape[1])
