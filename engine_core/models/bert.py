@@ -75,7 +75,7 @@ class BertOutput(nn.Module):
         self.LayerNorm = LayerNorm(hidden, eps, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(self.dense(x, residual))  # (the residual added in the matmul: linear.py)
 
 
 class BertAttention(nn.Module):

@@ -104,6 +104,16 @@ def test_token_id_inputs_and_truncation(client, model_name, reference):
     by_text = client.embeddings.create(model=model_name, input="token ids work too", encoding_format="float")
     by_ids = client.embeddings.create(model=model_name, input=[ids, ids[:3]], encoding_format="float")
     np.testing.assert_allclose(by_ids.data[0].embedding, by_text.data[0].embedding, atol=1e-6)
+    raw = client.embeddings.create(
+        model=model_name,
+        input="token ids work too",
+        user="u-1",
+        encoding_format="float",
+        extra_body={"normalize": False},
+    )
+    norm = np.linalg.norm(raw.data[0].embedding)
+    assert abs(norm - 1) > 0.01  # the model's Normalize module skipped: the same direction, its own length
+    np.testing.assert_allclose(np.array(raw.data[0].embedding) / norm, by_text.data[0].embedding, atol=1e-6)
     long = "word " * 400
     truncated = client.embeddings.create(
         model=model_name, input=long, encoding_format="float", extra_body={"truncate_prompt_tokens": 256}
