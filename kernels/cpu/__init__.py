@@ -209,7 +209,7 @@ def varlen_attention(
     if int((lens * lens).sum()) * num_heads * head_dim < 1 << 18:  # too little work to wake a thread
         threads = 1
     threads = min(threads, num_seqs * key.shape[1])
-    padded = -(-max_len // 16) * 16
+    padded = -(-max_len // 32) * 32
     workspace = _scratch(threads * (head_dim + 4) * padded)
     lib["varlen_attention_f32"](
         query.data_ptr(),

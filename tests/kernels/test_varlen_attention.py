@@ -4,7 +4,7 @@ naive float64 attention per sequence.
 
 Inputs are strided views of one fused QKV-like tensor, as the model passes them; Triton's output buffer is
 poisoned with NaN, so an unwritten element fails. Sequence lengths cover one token, tile edges (4-row and
-16-key tiles in C, 64-row tiles in Triton), an empty sequence and lengths past a tile.
+32-key tiles in C, 64-row tiles in Triton), an empty sequence and lengths past a tile.
 """
 
 from __future__ import annotations
