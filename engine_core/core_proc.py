@@ -19,7 +19,9 @@ import zmq
 
 from engine_core import protocol
 from engine_core.config import EngineConfig
+from engine_core.environment import prefer_passive_thread_waits
 from engine_core.lifecycle import ParentLink, Report, Role, init_child_process
+from engine_core.pooling.config import will_pool
 from engine_core.validation import param_of
 
 if TYPE_CHECKING:
@@ -157,6 +159,8 @@ def run_engine_core(
     after loading and warming up, and exits as soon as the parent is gone. `replica`: its index under
     data parallelism (named pagoda-engine<index>; its CPU cores are in `config.cpu_threads_bind`)."""
     init_child_process(Role.ENGINE.process_name(replica))
+    if will_pool(config):  # before torch (and its OpenMP) loads
+        prefer_passive_thread_waits()
     proc = EngineCoreProc(input_addr, output_addr)
     link = ParentLink(parent_conn, runtime_dir) if parent_conn is not None else None
     if link is not None:

@@ -23,7 +23,8 @@ from engine_core.loader import resolve_model
 from engine_core.model_config import ModelConfig
 from engine_core.model_runner import ModelRunner, PendingStep, StepResult
 from engine_core.parallel.sharding import check_model_splits
-from engine_core.pooling.engine import PoolingEngineCore, runs_pooling
+from engine_core.pooling.config import runs_pooling
+from engine_core.pooling.engine import PoolingEngineCore
 from engine_core.pooling.params import PoolingParams
 from engine_core.protocol import RequestDelta
 from engine_core.request import Request
@@ -40,7 +41,7 @@ def create_engine(config: EngineConfig) -> EngineCore | PoolingEngineCore:
     an encoder under `auto`), else the generating `EngineCore`."""
     model_dir = resolve_model(config.model)
     model_cfg = ModelConfig.from_dir(model_dir)
-    if runs_pooling(config, model_cfg):
+    if runs_pooling(config, model_cfg.architecture):
         return PoolingEngineCore(config, model_dir, model_cfg)
     return EngineCore(config)
 

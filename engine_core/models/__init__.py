@@ -9,6 +9,7 @@ import torch
 from engine_core.layers.attention import Attention, VarlenMetadata
 from engine_core.models.bert import BertModel
 from engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from engine_core.pooling.config import ENCODER_ARCHITECTURES
 
 # Every generative architecture is LlamaForCausalLM or a subclass; its methods (forward, compute_logits,
 # attention_layers, load_weights) are what the model runner relies on. Each also runs as a pooling model
@@ -21,6 +22,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 }
 # Encoders: pooling models only (bidirectional attention, no LM head).
 ENCODER_REGISTRY: dict[str, type[BertModel]] = {"BertModel": BertModel}
+assert set(ENCODER_REGISTRY) == ENCODER_ARCHITECTURES  # (the torch-free list the engine process reads)
 
 
 class PoolingModel(Protocol):

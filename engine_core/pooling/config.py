@@ -15,6 +15,8 @@ from engine_core.protocol import PoolingInfo
 
 logger = logging.getLogger(__name__)
 
+# Architectures that are encoders: pooling models only (engine_core/models has their classes).
+ENCODER_ARCHITECTURES = frozenset({"BertModel"})
 # 1_Pooling/config.json's flags -> our pooling types (others, e.g. max or weighted mean, are refused)
 _ST_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
 
@@ -32,6 +34,26 @@ class PoolerConfig:
         return PoolingInfo(
             self.hidden_size, self.pooling_type, self.normalize, self.matryoshka, self.matryoshka_dimensions
         )
+
+
+def runs_pooling(config: EngineConfig, architecture: str) -> bool:
+    """Whether `config` on a model of this architecture is a pooling engine (`--runner`; auto: encoders)."""
+    if config.runner == "auto":
+        return architecture in ENCODER_ARCHITECTURES
+    return config.runner == "pooling"
+
+
+def will_pool(config: EngineConfig) -> bool:
+    """`runs_pooling` before the model is resolved, without importing torch (the engine process decides
+    how its threads wait before torch loads): a model that is not a local directory counts as generating
+    unless `--runner pooling` says otherwise."""
+    if config.runner != "auto" or config.model is None:
+        return config.runner == "pooling"
+    try:
+        architectures = json.loads((Path(config.model).expanduser() / "config.json").read_text())["architectures"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return bool(architectures) and runs_pooling(config, architectures[0])
 
 
 def pooler_config(config: EngineConfig, model_dir: Path, model_cfg: ModelConfig, encoder: bool) -> PoolerConfig:

@@ -31,13 +31,6 @@ from engine_core.validation import ParamError, check_token_ids
 logger = logging.getLogger(__name__)
 
 
-def runs_pooling(config: EngineConfig, model_cfg: ModelConfig) -> bool:
-    """Whether `config` on this model is a pooling engine (`--runner`, auto: encoders pool)."""
-    if config.runner == "auto":
-        return is_encoder(model_cfg.architecture)
-    return config.runner == "pooling"
-
-
 class PoolingEngineCore:
     pooling = True
 

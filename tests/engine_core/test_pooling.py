@@ -181,3 +181,15 @@ def test_each_engine_refuses_the_other_kind_and_bad_inputs(tmp_path, minilm):
         generating.add_request("p", [5, 6], SamplingParams(), pooling=PoolingParams())
     with pytest.raises(ValueError, match="encoder"):
         EngineCore(EngineConfig(model=str(minilm), runner="generate"))
+
+
+def test_the_engine_process_knows_before_torch_loads_whether_it_pools(tmp_path, minilm):
+    """(It then has OpenMP threads sleep rather than spin while they wait: engine_core/environment.py.)"""
+    from engine_core.pooling.config import will_pool
+
+    assert will_pool(EngineConfig(model=str(minilm)))
+    assert not will_pool(EngineConfig(model=str(minilm), runner="generate"))
+    assert will_pool(EngineConfig(model="some/hub-id", runner="pooling"))
+    assert not will_pool(EngineConfig(model="some/hub-id")) and not will_pool(EngineConfig())
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
+    assert not will_pool(EngineConfig(model=str(tmp_path)))
