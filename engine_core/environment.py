@@ -71,5 +71,5 @@ def prefer_passive_thread_waits() -> None:
     when torch loads, so call it first. A pooling engine's steps are long and end in a wait for the next
     requests, while the tokenizer and HTTP processes need the same cores to bring them: spinning threads
     took that time from them. benchmarks/embeddings.py on the 2-core machine: 71 sentences/s passive, 37
-    spinning, in the same run."""
+    spinning, in the same run (docs/embeddings.md)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
