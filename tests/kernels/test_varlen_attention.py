@@ -94,15 +94,17 @@ def test_a_window_without_causality_is_refused():
 @pytest.mark.usefixtures("on_device")
 @pytest.mark.parametrize("head_dim,num_kv_heads,group", SHAPES)
 @pytest.mark.parametrize("causal,window", MODES)
-def test_triton_kernel_matches_naive(head_dim, num_kv_heads, group, causal, window):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_kernel_matches_naive(head_dim, num_kv_heads, group, causal, window, dtype):
     pytest.importorskip("triton")
     from kernels.triton.varlen_attention import varlen_attention
     from tests.kernels.devices import DEVICE
 
     lens = [1, 17, 0, 70, 130]
-    q, k, v, starts = inputs(head_dim, num_kv_heads, group, lens, device=DEVICE, seed=3)
-    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    q, k, v, starts = inputs(head_dim, num_kv_heads, group, lens, dtype, device=DEVICE, seed=3)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
     varlen_attention(q, k, v, starts, head_dim**-0.5, causal, window, out=out)
     assert not out.isnan().any(), "NaN in the output: an element was left unwritten"
     expected = naive(q.cpu(), k.cpu(), v.cpu(), lens, head_dim**-0.5, causal, window)
-    torch.testing.assert_close(out.cpu().double(), expected, atol=2e-5, rtol=1e-4)
+    tolerance = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.cpu().double(), expected, **tolerance)
