@@ -181,6 +181,8 @@ def test_each_engine_refuses_the_other_kind_and_bad_inputs(tmp_path, minilm):
         generating.add_request("p", [5, 6], SamplingParams(), pooling=PoolingParams())
     with pytest.raises(ValueError, match="encoder"):
         EngineCore(EngineConfig(model=str(minilm), runner="generate"))
+    with pytest.raises(ValueError, match="one process"):
+        create_engine(EngineConfig(model=str(minilm), tensor_parallel_size=2))
 
 
 def test_the_engine_process_knows_before_torch_loads_whether_it_pools(tmp_path, minilm):
