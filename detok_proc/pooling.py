@@ -170,15 +170,13 @@ class PoolingFrontend:
             replica.send(protocol.AddRequest(engine_id, protocol.pack_tokens(ids), _UNUSED, None, params))
 
     # ---- results ------------------------------------------------------------------------------
-    def deliver(self, delta: protocol.RequestDelta) -> bool:
-        """Take an engine delta of a pooling request (True), answering its client once all its inputs are
-        done; False for a delta that is not one of ours."""
+    def deliver(self, delta: protocol.RequestDelta) -> None:
+        """An engine delta of a pooling request: its client is answered once all its inputs are done.
+        Deltas of requests this does not know (aborted meanwhile) are dropped."""
         entry = self.by_engine_id.pop(delta.request_id, None)
-        if entry is None:
-            return delta.pooled is not None  # (an aborted request's vector: dropped)
+        if entry is None or delta.pooled is None:  # (no vectors: the engine aborted it, and whoever
+            return  # aborted it has told its client)
         pending, index = entry
-        if delta.pooled is None:  # (the engine aborted it: its client is told by whoever aborted it)
-            return True
         pending.outputs[index] = delta.pooled
         self.metrics.pooled(
             pending.replica, pending.num_prompt_tokens[index], pending.arrival, delta.queue_time, pending.task
@@ -187,7 +185,6 @@ class PoolingFrontend:
             del self.by_client[(pending.identity, pending.request_id)]
             outputs = [pending.outputs[i] for i in range(len(pending.engine_ids))]
             self.reply(pending.identity, protocol.EmbedResult(pending.request_id, outputs, pending.num_prompt_tokens))
-        return True
 
     # ---- ending early -------------------------------------------------------------------------
     def abort(self, key: Key) -> tuple[int, list[str]] | None:
