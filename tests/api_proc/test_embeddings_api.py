@@ -200,3 +200,29 @@ def test_metrics_count_pooling_requests(server):
     assert delta(before, after, "pagoda:pooling_requests_total", task="embed") == 3
     assert delta(before, after, "vllm:request_success_total", finished_reason="stop") == 3
     assert delta(before, after, "vllm:prompt_tokens_total") == 9  # [CLS] word [SEP] each
+
+
+def test_engine_death_fails_an_embedding_request_without_a_hang(tmp_path, model_dir):
+    import os
+    import signal
+    import threading
+    import time
+
+    from api_proc.bench.local_server import PagodaServer
+
+    server = PagodaServer(tmp_path, "--model", str(model_dir))
+    engine = server.child_named("pagoda-engine")
+    outcome: dict = {}
+    os.kill(engine, signal.SIGSTOP)  # the request then surely waits in the engine when it dies
+    thread = threading.Thread(
+        target=lambda: outcome.update(answer=http("POST", server.base_url + "/v1/embeddings", {"input": ["x"] * 8}))
+    )
+    thread.start()
+    time.sleep(1.0)
+    os.kill(engine, signal.SIGKILL)
+    assert server.process.wait(15) != 0
+    thread.join(15)
+    assert not thread.is_alive()
+    status, body = outcome["answer"]
+    assert status >= 500 and body["error"]["type"] == "server_error"  # an error, never a hang or a 200
+    server.stop()
