@@ -225,14 +225,7 @@ class Linear(nn.Module):
             return (slice(None), self.in_span.slice()) if kind == "weight" else None
         return (self.out_spans[part or 0].slice(),)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x W^T + bias, then the activation if the layer has one; `residual` (of the output's shape) is
-        added last, in the matmul itself where the weight is packed for the CPU (one pass over the output
-        saved: BERT's post-norm sublayers)."""
-        if residual is not None:
-            if self.packed is not None and self.activation is None and not self.reduces:
-                return self._packed_matmul(x, self.bias, "none", "", residual)
-            return self.forward(x) + residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.activation is not None:
             function, post_op, algorithm = ACTIVATIONS[self.activation]
             if self.packed is not None:
@@ -252,25 +245,13 @@ class Linear(nn.Module):
             return self._packed_matmul(x, bias, "none", "")
         return F.linear(x, self.weight, bias)
 
-    def _packed_matmul(
-        self,
-        x: torch.Tensor,
-        bias: torch.Tensor | None,
-        post_op: str,
-        algorithm: str,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def _packed_matmul(self, x: torch.Tensor, bias: torch.Tensor | None, post_op: str, algorithm: str) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         count = rows.shape[0]
         padded = onednn_rows(count)
         if padded != count:
             rows = F.pad(rows, (0, 0, 0, padded - count))
-        if residual is None:
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, post_op, [], algorithm)
-        else:
-            other = residual.reshape(-1, residual.shape[-1])
-            other = F.pad(other, (0, 0, 0, padded - count)) if padded != count else other.contiguous()
-            out = torch.ops.mkldnn._linear_pointwise.binary(rows, other, self.packed, bias, "add")
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, bias, post_op, [], algorithm)
         return out[:count].reshape(*x.shape[:-1], out.shape[-1])
 
 

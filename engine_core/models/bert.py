@@ -3,8 +3,9 @@
 Absolute position embeddings plus token-type embeddings (every input is one segment: type 0), then
 post-layer-norm encoder layers (x = LayerNorm(x + attention(x)); x = LayerNorm(x + MLP(x))) with a GELU
 MLP. Attention is bidirectional within each input and keeps no KV cache: a pooling step holds whole inputs
-(`VarlenMetadata`). The projections are the shared `Linear` layers (Q, K and V merged into one matmul), so
-oneDNN packing and `--quantization` apply as they do to decoders. Module names follow the checkpoint's,
+(`VarlenMetadata`). The projections are the shared `Linear` layers (Q, K and V merged into one matmul; GELU
+applied by the intermediate one, inside oneDNN's matmul on the CPU), so oneDNN packing and `--quantization`
+apply as they do to decoders. Module names follow the checkpoint's,
 but for the merged QKV. Neither tensor nor pipeline parallel: an encoder this size does not need them.
 """
 
@@ -75,7 +76,7 @@ class BertOutput(nn.Module):
         self.LayerNorm = LayerNorm(hidden, eps, dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x, residual))  # (the residual added in the matmul: linear.py)
+        return self.LayerNorm(self.dense(x) + residual)
 
 
 class BertAttention(nn.Module):

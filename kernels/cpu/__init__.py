@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -199,14 +200,15 @@ def varlen_attention(
         raise ValueError("a sliding window applies to causal attention only")
     tokens, num_heads, head_dim = query.shape
     cu_seqlens = query_start_loc.to(torch.int64).contiguous()
-    lens = cu_seqlens.diff()
+    starts = cu_seqlens.tolist()  # (host arithmetic: tensor ops on a few numbers cost more than the lists)
+    lens = [end - start for start, end in itertools.pairwise(starts)]
     num_seqs = len(lens)
-    max_len = int(lens.max()) if num_seqs else 0
+    max_len = max(lens, default=0)
     out = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
     if max_len == 0:
         return out
     threads = torch.get_num_threads()
-    if int((lens * lens).sum()) * num_heads * head_dim < 1 << 18:  # too little work to wake a thread
+    if sum(n * n for n in lens) * num_heads * head_dim < 1 << 18:  # too little work to wake a thread
         threads = 1
     threads = min(threads, num_seqs * key.shape[1])
     padded = -(-max_len // 32) * 32
