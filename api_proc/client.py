@@ -7,6 +7,8 @@ deltas. The HTTP api_proc is itself an `AsyncEngineClient`, so both paths share 
     client = EngineClient("ipc:///run/user/1000/pagoda-1234/frontend.sock")
     for delta in client.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0)):
         print(delta.text, end="", flush=True)
+
+A server serving an embedding model answers `embed` instead (`client.embed(["a", "b"]).embeddings()`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from engine_core import protocol
+from engine_core.pooling.params import PoolingParams
 from engine_core.sampling_params import SamplingParams
 from engine_core.zmq_security import connect_curve
 
@@ -61,6 +64,43 @@ def build_request(
         chat=protocol.ChatOptions(**chat_options) if messages is not None else None,
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         **options,
+    )
+
+
+EmbedInput = str | list[str] | list[int] | list[list[int]]
+
+
+def build_embed_request(
+    request_id: str,
+    inputs: EmbedInput,
+    dimensions: int | None = None,
+    task: str = "embed",
+    normalize: bool | None = None,
+    truncate_prompt_tokens: int | None = None,
+    add_special_tokens: bool = True,
+) -> protocol.EmbedRequest:
+    """One text, a list of texts, one input's token ids or a list of them, as OpenAI's `input` takes them;
+    ValueError for anything else."""
+    texts, token_ids = None, None
+    if isinstance(inputs, str):
+        texts = [inputs]
+    elif isinstance(inputs, list) and all(isinstance(x, str) for x in inputs):
+        texts = list(inputs)  # (an empty list too: the server names the field)
+    elif isinstance(inputs, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in inputs):
+        token_ids = [protocol.pack_tokens(inputs)]
+    elif isinstance(inputs, list) and all(
+        isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in inputs
+    ):
+        token_ids = [protocol.pack_tokens(x) for x in inputs]
+    else:
+        raise ValueError("input: a string, a list of strings, a list of token ids or a list of such lists")
+    return protocol.EmbedRequest(
+        request_id=request_id,
+        texts=texts,
+        token_ids=token_ids,
+        pooling=PoolingParams(task, dimensions, normalize),
+        truncate_prompt_tokens=truncate_prompt_tokens,
+        add_special_tokens=add_special_tokens,
     )
 
 
@@ -169,6 +209,35 @@ class AsyncEngineClient:
             self._queues.pop(request_id, None)
             if remaining:
                 await self.socket.send(protocol.encoder.encode(protocol.AbortRequest([request_id])))
+
+    async def embed(
+        self,
+        inputs: EmbedInput,
+        *,
+        dimensions: int | None = None,
+        task: str = "embed",
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        add_special_tokens: bool = True,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> protocol.EmbedResult:
+        """Pool each input (an embedding model only): `.embeddings()` of the result is a float32 array
+        [inputs, dim] (task="token_embed": `.arrays()`, one [tokens, dim] array per input). `dimensions`: a
+        Matryoshka model's shorter embeddings; `truncate_prompt_tokens`: keep at most that many tokens of
+        each input (-1: the model's maximum) instead of refusing a longer one. EngineError for what the
+        server refuses (status 400, `param` naming the field); a wait cut short (timeout, cancellation)
+        aborts the request."""
+        request = build_embed_request(
+            request_id or self.new_request_id(),
+            inputs,
+            dimensions,
+            task,
+            normalize,
+            truncate_prompt_tokens,
+            add_special_tokens,
+        )
+        return await self._call(request, timeout)
 
     def fail_all(self, message: str, status: int = 503) -> None:
         """End every waiting request with an error (the server is going away)."""
@@ -315,6 +384,10 @@ class EngineClient:
             # aborts; closing it then would fail, as it is still running.
             if not waiting and not self._loop.is_closed():
                 self._run(_close_deltas(deltas))
+
+    def embed(self, inputs: EmbedInput, *, timeout: float | None = None, **options) -> protocol.EmbedResult:
+        """Like `AsyncEngineClient.embed` (TimeoutError after `timeout` seconds, and the request is aborted)."""
+        return self._run(self._client.embed(inputs, timeout=timeout, **options), timeout)
 
     def health(self, timeout: float = 5.0) -> protocol.HealthReport:
         return self._run(self._client.health(timeout), timeout)

@@ -254,3 +254,39 @@ class ChatCompletionChunk(_Body):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None
+
+
+# ---- embeddings ------------------------------------------------------------------------------------
+
+
+class EmbeddingUsage(_Body):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(_Body):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 (encoding_format)
+
+
+class EmbeddingList(_Body):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
+class Pooled(_Body):
+    index: int
+    object: Literal["pooling"]
+    data: list[float] | list[list[float]] | str  # one vector, or one per token (token_embed); or base64
+
+
+class PoolingList(_Body):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Pooled]
+    usage: EmbeddingUsage

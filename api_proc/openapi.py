@@ -25,6 +25,7 @@ from aiohttp import web
 
 from api_proc import openai_responses as out
 from api_proc.auth import ADMIN_ROUTES, PROBE_ROUTES, USER_ROUTES, AuthPolicy
+from api_proc.embeddings import EmbeddingRequest, PoolingRequest
 from api_proc.openai_schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api_proc.web_ui import CONTENT_TYPES, PAGE_PATHS
 from engine_core.identity import PAGODA_VERSION
@@ -73,6 +74,8 @@ ROUTES = [
         out.Tokenized,
     ),
     Route("POST", "/detokenize", "Token ids back to text", DetokenizeRequest, out.Detokenized),
+    Route("POST", "/v1/embeddings", "OpenAI's embeddings (an embedding model)", EmbeddingRequest, out.EmbeddingList),
+    Route("POST", "/pooling", "vLLM's pooling: pooled or per-token vectors", PoolingRequest, out.PoolingList),
     Route("POST", "/reset_prefix_cache", "Forget every cached prefix (admin key)", None, out.PrefixCacheReset),
     Route("GET", "/metrics", "Prometheus metrics, vLLM's names (docs/observability.md)", media=TEXT),
     Route("GET", "/dashboard.json", "The web dashboard's numbers", None, out.Dashboard),

@@ -59,6 +59,7 @@ def frontend_limits(args: argparse.Namespace) -> FrontendLimits:
         max_prompt_tokens=args.max_prompt_tokens,
         max_pending_requests=args.max_pending_requests,
         max_tokens_cap=args.max_tokens_cap,
+        max_batch_inputs=args.max_batch_inputs or None,
     )
 
 
@@ -169,6 +170,12 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         "sets none, or what the context leaves if less (default: no cap but the context length)",
     )
     g.add_argument("--max-n", type=int, default=128, help="largest n (samples per request)")
+    g.add_argument(
+        "--max-batch-inputs",
+        type=int,
+        default=2048,
+        help="embedding models: most inputs in one /v1/embeddings or /pooling request (400 above; 0 = no limit)",
+    )
     g.add_argument(
         "--max-pending-requests",
         type=int,

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from api_proc.auth import AuthPolicy
 from api_proc.client import AsyncEngineClient, EngineError
+from api_proc.embeddings import EmbeddingRequest, PoolingRequest, embeddings_response, pooling_response
 from api_proc.http_guard import ClosingResponse
 from api_proc.metrics import count_rejected, count_timed_out
 from api_proc.metrics import install as install_metrics
@@ -166,6 +167,8 @@ class ApiServer:
                 web.get("/v1/models", self.models),
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat),
+                web.post("/v1/embeddings", self.embeddings),
+                web.post("/pooling", self.pooling),
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.post("/reset_prefix_cache", self.reset_prefix_cache),
@@ -488,6 +491,43 @@ class ApiServer:
             )
 
         return await self._sse(request, deltas, chunk, final)
+
+    async def embeddings(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, "embeddings", "embd", self._embeddings)
+
+    async def pooling(self, request: web.Request) -> web.StreamResponse:
+        return await self._generation(request, "pooling", "pool", self._pooling)
+
+    async def _embeddings(self, request: web.Request, record: RequestRecord) -> web.Response:
+        req = decode_json(await self._body(request), EmbeddingRequest)
+        model = self._check_model(req.model)
+        record.prompt = req.input if self.settings.log_requests else None
+        result = await self._embed(req.embed_options())
+        record.prompt_tokens = dict(enumerate(result.num_prompt_tokens))
+        return json_response(embeddings_response(result, model, req.encoding_format))
+
+    async def _pooling(self, request: web.Request, record: RequestRecord) -> web.Response:
+        req = decode_json(await self._body(request), PoolingRequest)
+        model = self._check_model(req.model)
+        record.prompt = req.input if self.settings.log_requests else None
+        result = await self._embed(req.embed_options(req.task))
+        record.prompt_tokens = dict(enumerate(result.num_prompt_tokens))
+        return json_response(pooling_response(result, record.request_id, model, req))
+
+    async def _embed(self, options: dict) -> protocol.EmbedResult:
+        """The tokenizer process's answer, or 504 once the request has run for `request_timeout` seconds
+        (the wait is then cut short, which aborts the request)."""
+        timeout = self.settings.request_timeout
+        try:
+            return await self.client.embed(**options, timeout=timeout)
+        except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
+            count_timed_out()
+            raise ApiError(
+                504,
+                f"The request did not finish within this server's limit of {timeout:g} s.",
+                error_type="server_error",
+                code="request_timeout",
+            ) from None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generation(request, "chat", "chatcmpl", self._chat)

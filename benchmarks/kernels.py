@@ -145,6 +145,17 @@ def cases(shape: Shape, dtype, device) -> list[tuple[str, str, Callable[[Callabl
         )
     )
 
+    # cache-free attention over whole prompts (pooling models), bidirectional as an encoder's
+    vk, vv = rand(sum(lens), s.num_kv_heads, s.head_dim), rand(sum(lens), s.num_kv_heads, s.head_dim)
+    out.append(
+        (
+            "varlen_attention",
+            f"{s.prefill_seqs}x{s.prefill_len} bidirectional",
+            lambda f: lambda: f(pq, vk, vv, starts, scale, False),
+            2 * nbytes(pq) + nbytes(vk) + nbytes(vv),
+        )
+    )
+
     # cache write: one decode step's worth of tokens per sequence, scattered over the pool
     k, v = rand(s.tokens, s.num_kv_heads, s.head_dim), rand(s.tokens, s.num_kv_heads, s.head_dim)
     wkc = torch.zeros(s.tokens // block_size + 8, block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)

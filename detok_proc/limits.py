@@ -13,6 +13,7 @@ class FrontendLimits:
     max_prompt_tokens: int | None = None  # None = only the model's context length limits prompts
     max_pending_requests: int | None = None  # running + queued engine requests (each of n samples counts)
     max_tokens_cap: int | None = None  # largest max_tokens; also the default when a request sets none
+    max_batch_inputs: int | None = 2048  # inputs of one embedding request (OpenAI's limit); None: no limit
 
     def cap_max_tokens(self, params, num_prompt_tokens: int, max_model_len: int) -> None:
         """Refuse max_tokens above the cap; give a request without one the cap, or what the context

@@ -38,6 +38,7 @@ from prometheus_client.registry import Collector
 from detok_proc.dashboard import Numbers, RecentActivity, numbers_by_engine
 from detok_proc.process_metrics import ProcessesCollector
 from engine_core import protocol
+from engine_core.pooling.params import TASKS
 
 if TYPE_CHECKING:
     from detok_proc.requests import SampleState
@@ -218,6 +219,7 @@ class DetokMetrics:
         self.request_prompt_tokens: list = []
         self.request_generation_tokens: list = []
         self._engine_pids: dict[int, int] = {}
+        self.pooling_requests: Counter | None = None  # made in engine_ready for a pooling engine
 
     def _per_engine(self, metric):
         """The metric's child for each engine replica, by index."""
@@ -228,6 +230,16 @@ class DetokMetrics:
         self._engine_pids[engine] = ready.pid
         if ready.device_memory_total:
             self.device_memory.engines[engine] = (ready.device_memory_used, ready.device_memory_total)
+        if ready.pooling is not None and self.pooling_requests is None:
+            self.pooling_requests = Counter(
+                "pagoda:pooling_requests",
+                "Pooling (embedding) requests served, one per input, by task (embed, token_embed).",
+                LABELS + ["task"],
+                registry=self.registry,
+            )
+            for task in TASKS:  # exported from the start, at 0, so rate() works before the first one
+                for index in range(self.num_engines):
+                    self.pooling_requests.labels(self.model_name, str(index), task)
         if not self.request_prompt_tokens:
             buckets = buckets_1_2_5(ready.max_model_len)
             self.request_prompt_tokens = self._per_engine(
@@ -290,6 +302,20 @@ class DetokMetrics:
             self.queue_time[engine].observe(timing.queue_time)
         self.request_prompt_tokens[engine].observe(sample.num_prompt_tokens)
         self.request_generation_tokens[engine].observe(sample.num_output_tokens)
+
+    def pooled(self, engine: int, num_prompt_tokens: int, arrival: float, queue_time: float | None, task: str) -> None:
+        """One input of an embedding request has its vectors: a finished engine request (as vLLM counts
+        pooling requests: request_success with reason "stop", its prompt tokens), and one more for
+        pagoda:pooling_requests by task."""
+        assert self.pooling_requests is not None  # (made when a pooling engine reported ready)
+        self.pooling_requests.labels(self.model_name, str(engine), task).inc()
+        self.prompt_tokens[engine].inc(num_prompt_tokens)
+        self.request_success[engine][protocol.FinishReason.STOP].inc()
+        self.e2e[engine].observe(time.monotonic() - arrival)
+        if queue_time is not None:
+            self.queue_time[engine].observe(queue_time)
+        if self.request_prompt_tokens:
+            self.request_prompt_tokens[engine].observe(num_prompt_tokens)
 
     def render(self) -> bytes:
         """Every metric in Prometheus' text format."""

@@ -35,6 +35,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.limits import FrontendLimits
 from detok_proc.metrics import DetokMetrics
+from detok_proc.pooling import PoolingFrontend
 from detok_proc.replicas import EngineReplica
 from detok_proc.requests import RequestInvalid, SampleState, check_context, check_request_options
 from detok_proc.routing import Router
@@ -130,6 +131,10 @@ class DetokProc:
             model_name or model_dir, lambda: [(r.serving, r.stats) for r in self.replicas], len(self.replicas)
         )
         self.tracing = RequestTracing(otlp_traces_endpoint, model_name or model_dir) if otlp_traces_endpoint else None
+        # Embedding requests (an embedding model: detok_proc/pooling.py)
+        self.pooling = PoolingFrontend(
+            self.tokenizer, self.prompts, self.limits, self.metrics, self._reply, lambda: str(next(self._ids))
+        )
 
     def _router(self, addrs: list[str], router: zmq.Socket | None = None) -> zmq.Socket:
         router = router or self.ctx.socket(zmq.ROUTER)
@@ -166,6 +171,11 @@ class DetokProc:
         if isinstance(message, protocol.GenerateRequest):
             try:
                 self._start(identity, message)
+            except RequestInvalid as exc:
+                self._reply(identity, exc.to_message(message.request_id))
+        elif isinstance(message, protocol.EmbedRequest):
+            try:
+                self._start_pooling(identity, message)
             except RequestInvalid as exc:
                 self._reply(identity, exc.to_message(message.request_id))
         elif isinstance(message, protocol.AbortRequest):
@@ -232,8 +242,14 @@ class DetokProc:
         and admit the request (`_admit`)."""
         arrival = time.monotonic()
         engine = self._require_engine()
+        if engine.pooling is not None:
+            raise RequestInvalid(
+                "This model is an embedding model: it does not generate text (use /v1/embeddings or /pooling).",
+                "model",
+                code="model_not_generative",
+            )
         key = (identity, request.request_id)
-        if key in self.by_client or self.prompts.is_pending(key):
+        if key in self.by_client or self.pooling.owns(key) or self.prompts.is_pending(key):
             raise RequestInvalid(f"request id {request.request_id!r} is already in use", "request_id")
         check_request_options(request, engine.vocab_size)
         self.prompts.tokenize(
@@ -243,6 +259,17 @@ class DetokProc:
             self._token_limit(engine),
             lambda ids: self._admit(key, request, ids, arrival),
         )
+
+    def _start_pooling(self, identity: bytes, request: protocol.EmbedRequest) -> None:
+        engine = self._require_engine()
+        if (identity, request.request_id) in self.by_client:
+            raise RequestInvalid(f"request id {request.request_id!r} is already in use", "request_id")
+        route = lambda ids: self._route(ids, None, engine.block_size)  # noqa: E731
+        self.pooling.start(identity, request, engine, route, self._num_pending())
+
+    def _num_pending(self) -> int:
+        """Engine requests running or queued: samples of generation requests, inputs of embedding ones."""
+        return len(self.samples) + self.pooling.num_engine_requests
 
     def _token_limit(self, engine: protocol.EngineReady) -> int:
         return min(engine.max_model_len, self.limits.max_prompt_tokens or engine.max_model_len)
@@ -266,7 +293,7 @@ class DetokProc:
         identity = key[0]
         params = request.params
         prompt_param = "messages" if request.messages is not None else "prompt"
-        self.limits.check(len(ids), params.n, len(self.samples), prompt_param)
+        self.limits.check(len(ids), params.n, self._num_pending(), prompt_param)
         self.limits.cap_max_tokens(params, len(ids), engine.max_model_len)
         check_context(len(ids), params.max_tokens, engine.max_model_len, prompt_param)
         prompt_tokens = protocol.pack_tokens(ids)
@@ -314,6 +341,9 @@ class DetokProc:
         by_replica: dict[int, list[str]] = defaultdict(list)
         for request_id in request_ids:
             self.prompts.cancel((identity, request_id))
+            pooled = self.pooling.abort((identity, request_id))
+            if pooled is not None:
+                by_replica[pooled[0]].extend(pooled[1])
             for engine_id in self.by_client.pop((identity, request_id), []):
                 sample = self.samples.pop(engine_id, None)
                 if sample is not None:
@@ -328,7 +358,11 @@ class DetokProc:
     def _abort_client(self, identity: bytes) -> None:
         self._abort(
             identity,
-            [rid for ident, rid in [*self.by_client, *self.prompts.pending_keys()] if ident == identity],
+            [
+                rid
+                for ident, rid in [*self.by_client, *self.pooling.by_client, *self.prompts.pending_keys()]
+                if ident == identity
+            ],
             by_client=True,
         )
 
@@ -343,6 +377,7 @@ class DetokProc:
         replica.went_down(reason, self.poller)
         self.metrics.engine_down(replica.index)
         failed = {(s.identity, s.client_request_id) for s in self.samples.values() if s.engine == replica.index}
+        failed.update(self.pooling.on_replica(replica.index))
         message = f"the engine has failed: {reason}"
         for identity, request_id in failed:
             for engine_id in self.by_client.pop((identity, request_id), []):
@@ -524,7 +559,8 @@ class DetokProc:
         stopped = []
         for delta in deltas:
             sample = self.samples.get(delta.request_id)
-            if sample is None:  # aborted by its client, or already ended by a stop string
+            if sample is None:  # aborted by its client, or already ended by a stop string; or pooling
+                self.pooling.deliver(delta)
                 continue
             try:
                 if sample.trace is None:
@@ -575,6 +611,10 @@ class DetokProc:
     def _rejected(self, message: protocol.RequestRejected) -> None:
         sample = self.samples.get(message.request_id)
         if sample is None:
+            pooled = self.pooling.owner(message.request_id)  # an input of an embedding request
+            if pooled is not None:
+                self._abort(pooled[0], [pooled[1]])
+                self._reply(pooled[0], RequestInvalid(message.message, message.param).to_message(pooled[1]))
             return
         self._abort(sample.identity, [sample.client_request_id])
         self._reply(

@@ -29,6 +29,8 @@ def parse_size(text: str | int) -> int:
     return int(number * 1024 ** " KMGT".index(unit or " "))
 
 
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("mean", "cls", "last")
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 
 
@@ -75,8 +77,18 @@ class EngineConfig:
     # Speculative decoding (engine_core/speculative): vLLM's JSON, e.g. '{"method": "ngram"}'
     speculative_config: str | None = None
     speculative_disable_batch_size: int | None = None  # overrides the JSON's disable_batch_size
+    # What the engine does with the model (docs/embeddings.md): "generate"; "pooling" (embeddings; no KV
+    # cache); "auto" = pooling for an encoder (BertModel), else generate. How a pooling model pools and
+    # whether it normalizes come from its sentence-transformers files unless set here.
+    runner: str = "auto"
+    pooling_type: str | None = None  # "mean", "cls" or "last"
+    normalize: bool | None = None
 
     def __post_init__(self):
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}")
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_joint_prefill_tokens < 1:
@@ -251,6 +263,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(e.g. per --data-parallel-size replica), which then uses one torch thread per core",
     )
 
+    p = parser.add_argument_group("pooling (embedding models)")
+    p.add_argument(
+        "--runner",
+        default="auto",
+        choices=RUNNERS,
+        help="generate text, or pool prompts into embeddings (no KV cache; /v1/embeddings and /pooling); auto = "
+        "pooling for an encoder (BertModel), generate otherwise: a decoder embedder (Qwen3-Embedding) needs "
+        "--runner pooling (docs/embeddings.md)",
+    )
+    p.add_argument(
+        "--pooling-type",
+        default=None,
+        choices=POOLING_TYPES,
+        help="how a pooling model turns its hidden states into one embedding: mean of all tokens, the first "
+        "(CLS) token, or the last token (default: the model's sentence-transformers 1_Pooling/config.json; else "
+        "cls for encoders, last for decoders)",
+    )
+    p.add_argument(
+        "--normalize",
+        default=None,
+        action=argparse.BooleanOptionalAction,
+        help="L2-normalize embeddings (default: yes if the model's sentence-transformers modules.json lists a "
+        "Normalize module, or if it has no modules.json)",
+    )
+
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
@@ -277,4 +314,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_config=args.speculative_config,
         speculative_disable_batch_size=args.speculative_disable_batch_size,
         cpu_threads_bind=args.cpu_threads_bind,
+        runner=args.runner,
+        pooling_type=args.pooling_type,
+        normalize=args.normalize,
     )

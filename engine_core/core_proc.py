@@ -19,12 +19,15 @@ import zmq
 
 from engine_core import protocol
 from engine_core.config import EngineConfig
+from engine_core.environment import prefer_passive_thread_waits
 from engine_core.lifecycle import ParentLink, Report, Role, init_child_process
+from engine_core.pooling.config import will_pool
 from engine_core.validation import param_of
 from engine_core.zmq_security import EngineLinkKeys
 
 if TYPE_CHECKING:
     from engine_core.engine import EngineCore  # (imports torch: only in load(), in the child)
+    from engine_core.pooling.engine import PoolingEngineCore
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000
@@ -46,7 +49,7 @@ class EngineCoreProc:
                 socket.connect(addr)
         self.poller = zmq.Poller()
         self.poller.register(self.inputs, zmq.POLLIN)
-        self.engine: EngineCore  # set by load(), before anything reads it
+        self.engine: EngineCore | PoolingEngineCore  # set by load(), before anything reads it
         self.stop_requested = False
         self._pending: list[protocol.RequestDelta] = []  # deltas to send with the next step (aborts)
 
@@ -70,6 +73,7 @@ class EngineCoreProc:
                     protocol.unpack_tokens(message.prompt_tokens),
                     message.params,
                     message.cache_salt,
+                    pooling=message.pooling,
                 )
             except ValueError as exc:
                 self._send(protocol.RequestRejected(message.request_id, str(exc), param_of(exc)))
@@ -104,16 +108,18 @@ class EngineCoreProc:
         self._send(protocol.StepOutputs(deltas, self.engine.stats(), time.time()))
 
     def load(self, config: EngineConfig) -> None:
-        from engine_core.engine import EngineCore  # torch is imported here, in the child only
+        from engine_core.engine import EngineCore, create_engine  # torch is imported here, in the child only
 
-        self.engine = EngineCore(config)
+        self.engine = create_engine(config)
         self.engine.warm_up()
         # The grammar backend (xgrammar, tokenizer: ~3 s of CPU) loads in its thread from here on, after
         # the warm-up rather than beside it: on 2 cores they would only slow each other's start.
-        self.engine.structured.start()
+        if isinstance(self.engine, EngineCore):
+            self.engine.structured.start()
 
     def run(self) -> None:
         from engine_core.gpu_memory import device_memory  # (imports torch: the child only)
+        from engine_core.pooling.engine import PoolingEngineCore
 
         engine = self.engine
         self._send(
@@ -127,6 +133,7 @@ class EngineCoreProc:
                 None if engine.runner.quantization is None else engine.runner.quantization.describe(),
                 engine.runner.weight_bytes,
                 *device_memory(engine.runner.device),
+                engine.pooler.info() if isinstance(engine, PoolingEngineCore) else None,
             )
         )
         was_busy = False
@@ -162,6 +169,8 @@ def run_engine_core(
     after loading and warming up, and exits as soon as the parent is gone. `replica`: its index under
     data parallelism (named pagoda-engine<index>; its CPU cores are in `config.cpu_threads_bind`)."""
     init_child_process(Role.ENGINE.process_name(replica), Role.ENGINE.process_title(replica))
+    if will_pool(config):  # before torch (and its OpenMP) loads
+        prefer_passive_thread_waits()
     proc = EngineCoreProc(input_addr, output_addr)
     link = ParentLink(parent_conn, runtime_dir) if parent_conn is not None else None
     if link is not None:

@@ -23,6 +23,9 @@ from engine_core.loader import resolve_model
 from engine_core.model_config import ModelConfig
 from engine_core.model_runner import ModelRunner, PendingStep, StepResult
 from engine_core.parallel.sharding import check_model_splits
+from engine_core.pooling.config import runs_pooling
+from engine_core.pooling.engine import PoolingEngineCore
+from engine_core.pooling.params import PoolingParams
 from engine_core.protocol import RequestDelta, SchedulerStatsMessage
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
@@ -36,7 +39,19 @@ from engine_core.validation import ParamError, check_token_ids
 logger = logging.getLogger(__name__)
 
 
+def create_engine(config: EngineConfig) -> EngineCore | PoolingEngineCore:
+    """The engine `config` asks for: a `PoolingEngineCore` for an embedding model (`--runner pooling`, or
+    an encoder under `auto`), else the generating `EngineCore`."""
+    model_dir = resolve_model(config.model)
+    model_cfg = ModelConfig.from_dir(model_dir)
+    if runs_pooling(config, model_cfg.architecture):
+        return PoolingEngineCore(config, model_dir, model_cfg)
+    return EngineCore(config)
+
+
 class EngineCore:
+    pooling = False  # (a PoolingEngineCore's is True)
+
     def __init__(self, config: EngineConfig):
         started = time.monotonic()
         self.config = config
@@ -117,10 +132,21 @@ class EngineCore:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Queue a request; raises ValueError (nothing queued) if it cannot be served: a ParamError
-        naming the field when a request value is to blame."""
+        naming the field when a request value is to blame. `pooling`: a pooling request, which this
+        generating engine refuses."""
+        if pooling is not None:
+            raise ParamError(
+                "this model generates text: it is not an embedding model (serve one with --runner pooling)",
+                "model",
+            )
         if not prompt_token_ids:
             raise ParamError("the prompt is empty", "prompt")
         if len(prompt_token_ids) >= self.max_model_len:

@@ -71,3 +71,12 @@ def pagoda_environment() -> dict[str, str]:
     """Every PAGODA_* variable set in this process: what a process started elsewhere (a Ray actor) must
     be given to behave as this one's children do."""
     return {name: os.environ[name] for name in VARIABLES if name in os.environ}
+
+
+def prefer_passive_thread_waits() -> None:
+    """Have OpenMP threads sleep, not spin, when they wait (`OMP_WAIT_POLICY=PASSIVE`, unless set): read
+    when torch loads, so call it first. A pooling engine's steps are long and end in a wait for the next
+    requests, while the tokenizer and HTTP processes need the same cores to bring them: spinning threads
+    took that time from them. benchmarks/embeddings.py on the 2-core machine: 71 sentences/s passive, 37
+    spinning, in the same run (docs/embeddings.md)."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

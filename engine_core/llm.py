@@ -10,8 +10,11 @@ from typing import cast
 from tqdm import tqdm
 
 from engine_core.config import EngineConfig, parse_size
-from engine_core.engine import EngineCore
-from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
+from engine_core.engine import create_engine
+from engine_core.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from engine_core.pooling import inputs as pooling_inputs
+from engine_core.pooling.engine import PoolingEngineCore
+from engine_core.pooling.params import PoolingParams
 from engine_core.protocol import FinishReason, PromptLogprobs, TokenLogprobs
 from engine_core.sampling_params import SamplingParams
 from engine_core.tokenizer import encode_chat, load_tokenizer
@@ -29,6 +32,8 @@ class LLM:
     (`dtype`, `block_size`, `kv_cache_memory` ("2GiB"), `max_num_batched_tokens`, `max_num_seqs`, ...).
     `tensor_parallel_size=T` and `pipeline_parallel_size=P` split the model over T x P processes (this
     one and the workers it starts); `close()`, or leaving a `with LLM(...) as llm:` block, stops them.
+    An embedding model (an encoder such as all-MiniLM-L6-v2, or any model with `runner="pooling"`)
+    answers `embed` instead of `generate`.
     """
 
     def __init__(self, model: str | None = None, **engine_args):
@@ -37,7 +42,7 @@ class LLM:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
         if engine_args.get("kv_cache_memory") is not None:
             engine_args["kv_cache_memory"] = parse_size(engine_args["kv_cache_memory"])
-        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        self.engine = create_engine(EngineConfig(model=model, **engine_args))
         self.tokenizer = load_tokenizer(self.engine.model_dir)
         self._ids = itertools.count()
         self._token_texts: dict[int, str] = {}  # token id -> its text, for logprobs (decoded once each)
@@ -56,6 +61,51 @@ class LLM:
         encoded = [self._encode(p) for p in prompts]
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
         return self._run(encoded, params_list, use_tqdm, salts)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        dimensions: int | None = None,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (strings or `{"prompt_token_ids": [...]}` dicts), in input order; an
+        embedding model only. `dimensions`: a Matryoshka model's shorter embeddings;
+        `truncate_prompt_tokens`: keep at most that many tokens of each prompt (-1: the model's maximum)
+        instead of refusing a longer one."""
+        engine = self.engine
+        if not isinstance(engine, PoolingEngineCore):
+            raise ValueError("this model generates text: embed() needs an embedding model (runner='pooling')")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        keep = pooling_inputs.truncation(truncate_prompt_tokens, engine.max_model_len)
+        token_ids = [
+            pooling_inputs.keep_last(self._encode(p)[1], keep)
+            if not isinstance(p, str)
+            else pooling_inputs.tokenize(self.tokenizer, [p], True, keep)[0]
+            for p in prompts
+        ]
+        pooling_inputs.check_lengths(token_ids, engine.max_model_len, "prompt")
+        params = PoolingParams(dimensions=dimensions)
+        ids = [f"{next(self._ids)}" for _ in token_ids]
+        vectors: dict[str, list[float]] = {}
+        bar = tqdm(total=len(ids), desc="Embedding", disable=not use_tqdm or len(ids) < 8)
+        try:
+            for request_id, tokens in zip(ids, token_ids, strict=True):
+                engine.add_request(request_id, tokens, pooling=params)
+            while len(vectors) < len(ids):
+                for out in engine.step():
+                    assert out.pooled is not None  # (every delta of a pooling engine has its vector)
+                    vectors[out.request_id] = out.pooled.array()[0].tolist()
+                    bar.update(1)
+        finally:  # an error or an interrupt leaves nothing of this call queued
+            bar.close()
+            for request_id in set(ids) - vectors.keys():
+                engine.abort_request(request_id)
+        return [
+            EmbeddingRequestOutput(request_id, tokens, EmbeddingOutput(vectors[request_id]))
+            for request_id, tokens in zip(ids, token_ids, strict=True)
+        ]
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel workers, if any (also done when the LLM is collected, or

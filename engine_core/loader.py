@@ -13,6 +13,7 @@ from engine_core.gguf_model import gguf_model_dir, gguf_source, is_gguf_file
 if TYPE_CHECKING:  # imported lazily: resolving a model directory must not load torch
     import torch
 
+    from engine_core.models import PoolingModel
     from engine_core.models.llama import LlamaForCausalLM
     from engine_core.parallel.distributed import Stage, TPGroup
     from engine_core.quantization.base import QuantizationMethod
@@ -117,21 +118,44 @@ def load_model(
     `fp8_matmul`: keep FP8 weights in FP8 (None: where the device multiplies in FP8). `group`: the
     tensor-parallel group this rank's shard of the model is for, `stage` the pipeline stage whose layers
     it holds (None: the whole model)."""
+    from engine_core.models import model_class
+
+    build = model_class(model_cfg.architecture)
+    return _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, group, stage)
+
+
+def load_pooling_model(
+    model_dir: Path,
+    model_cfg,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    quantization: QuantizationMethod | None = None,
+    fp8_matmul: bool | None = None,
+) -> PoolingModel:
+    """`load_model` for a pooling model (an encoder, or a decoder without its LM head); one process."""
+    from functools import partial
+
+    from engine_core.models import pooling_model_class
+
+    build = partial(pooling_model_class(model_cfg.architecture), pooling=True)
+    return _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, None, None)
+
+
+def _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, group, stage):
     import contextlib
     from functools import partial
 
     import torch
 
     from engine_core.layers.linear import deferred_weights
-    from engine_core.models import model_class
     from engine_core.parallel.distributed import SINGLE, WHOLE, building_for
     from engine_core.quantization.assembly import LinearAssembler
 
     group, stage = group or SINGLE, stage or WHOLE
-    cls = model_class(model_cfg.architecture)
     deferred = deferred_weights() if quantization is not None else contextlib.nullcontext()
     with torch.device(device), deferred, building_for(group, stage):
-        model = cls(model_cfg, dtype)
+        model = build(model_cfg, dtype)
     assembler = None if quantization is None else LinearAssembler(quantization, device, fp8_matmul)
     select = partial(_checkpoint_slices, model, assembler is not None) if group.parallel else None
     if load_format == "dummy":
@@ -220,7 +244,7 @@ def fill_dummy_weights(model, seed: int = 0) -> None:
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.lower().endswith("norm.weight"):  # (RMSNorm's and BERT's LayerNorm's scales)
                 param.fill_(1.0)
             elif param.dim() == 2:
                 param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)

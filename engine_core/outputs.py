@@ -36,3 +36,18 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs (vLLM's shape): None for the first prompt token, then per prompt
     # token {token_id: Logprob} holding that token (its rank among all tokens) and the top-N (ranks 1..N).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled (and, as the model says, normalized) vector
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s result for one prompt (vLLM's shape: `output.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -18,6 +18,7 @@ from typing import NamedTuple, TypeVar
 import msgspec
 import numpy as np
 
+from engine_core.pooling.params import PoolingParams
 from engine_core.sampling_params import SamplingParams
 
 # ---- into the engine core ----------------------------------------------------------------------
@@ -37,6 +38,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, gc=False):
     prompt_tokens: bytes  # pack_tokens(prompt token ids)
     params: SamplingParams
     cache_salt: str | None = None  # only requests with equal salts share cached prefix blocks
+    pooling: PoolingParams | None = None  # a pooling request (embedding model): `params` is unused
 
 
 class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache", array_like=True):
@@ -154,6 +156,24 @@ class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
         return out
 
 
+class PooledVectors(msgspec.Struct, array_like=True, gc=False):
+    """A pooling request's output: `rows` x `dim` little-endian float32 values in one buffer (one row for
+    an embedding, one per prompt token for "token_embed"), never one Python float per value."""
+
+    dim: int
+    data: bytes
+
+    @classmethod
+    def pack(cls, array) -> PooledVectors:
+        """From a [dim] or [rows, dim] array (any float dtype: stored as float32)."""
+        values = np.asarray(array, dtype="<f4")
+        return cls(values.shape[-1], values.tobytes())
+
+    def array(self) -> np.ndarray:
+        """[rows, dim] float32, read-only (a view of the buffer)."""
+        return np.frombuffer(self.data, dtype="<f4").reshape(-1, self.dim)
+
+
 class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
@@ -163,6 +183,7 @@ class RequestDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True
     # On a request's first delta only: seconds from its arrival in the engine to its first scheduling.
     queue_time: float | None = None
     prompt_logprobs: PromptLogprobs | None = None  # on a request's first delta, when it asked for them
+    pooled: PooledVectors | None = None  # a pooling request's output, on its one (finishing) delta
 
     @property
     def finished(self) -> bool:
@@ -218,6 +239,17 @@ class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     # graphs), and the card's memory (the web dashboard and pagoda:device_memory_* show them).
     device_memory_used: int = 0
     device_memory_total: int = 0
+    pooling: PoolingInfo | None = None  # an embedding model (`--runner pooling`): how it pools; None: it generates
+
+
+class PoolingInfo(msgspec.Struct, array_like=True):
+    """What a pooling engine serves: requests are checked against it before they reach the engine."""
+
+    hidden_size: int  # an embedding's length
+    pooling_type: str  # "mean", "cls" or "last"
+    normalize: bool
+    matryoshka: bool  # whether `dimensions` may shorten its embeddings
+    matryoshka_dimensions: list[int] | None = None  # the lengths it supports, when its config lists them
 
 
 class EngineDead(msgspec.Struct, tag="dead", array_like=True):
@@ -258,6 +290,20 @@ class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True, omit_default
     # W3C traceparent of the span this request belongs to (the HTTP worker's): the tokenizer process
     # adds its spans under it (detok_proc/tracing.py, --otlp-traces-endpoint).
     trace_context: str | None = None
+
+
+class EmbedRequest(msgspec.Struct, tag="embed", kw_only=True, omit_defaults=True):
+    """Pool each of several inputs (an embedding model only): exactly one of `texts` or `token_ids` (each
+    one input's pack_tokens). `truncate_prompt_tokens`: keep at most that many tokens of each input (the
+    last ones of token ids; for texts the tokenizer's side, special tokens kept; -1: the model's maximum);
+    without it an input longer than the model's maximum is refused. Answered by one EmbedResult."""
+
+    request_id: str
+    texts: list[str] | None = None
+    token_ids: list[bytes] | None = None
+    pooling: PoolingParams | None = None  # None: PoolingParams()
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
@@ -315,6 +361,7 @@ class ApiWorkerStats(msgspec.Struct, tag="api_stats", kw_only=True):
 
 FrontendRequest = (
     GenerateRequest
+    | EmbedRequest
     | AbortRequest
     | TokenizeRequest
     | DetokenizeRequest
@@ -368,6 +415,22 @@ class GenerateDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=Tru
 
 class GenerateOutputs(msgspec.Struct, tag="outputs", gc=False):
     deltas: list[GenerateDelta]
+
+
+class EmbedResult(msgspec.Struct, tag="embedded", gc=False):
+    """An EmbedRequest's outputs, one per input in input order, and each input's token count."""
+
+    request_id: str
+    outputs: list[PooledVectors]
+    num_prompt_tokens: list[int]
+
+    def arrays(self) -> list[np.ndarray]:
+        """Each input's vectors, [rows, dim] float32: one row for an embedding, one per token otherwise."""
+        return [v.array() for v in self.outputs]
+
+    def embeddings(self) -> np.ndarray:
+        """[inputs, dim] float32: every input's embedding (task "embed")."""
+        return np.concatenate(self.arrays())
 
 
 class RequestError(msgspec.Struct, tag="error", kw_only=True):
@@ -438,6 +501,7 @@ class DashboardReport(msgspec.Struct, tag="dashboard"):
 
 FrontendResponse = (
     GenerateOutputs
+    | EmbedResult
     | RequestError
     | TokenizeResult
     | DetokenizeResult

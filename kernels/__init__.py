@@ -29,6 +29,7 @@ _TORCH: dict[str, Callable] = {
     "reshape_and_cache": _attn.reshape_and_cache,
     "paged_decode_attention": _attn.paged_decode_attention,
     "paged_prefill_attention": _attn.paged_prefill_attention,
+    "varlen_attention": _attn.varlen_attention,
     "rms_norm": _layers.rms_norm,
     "fused_add_rms_norm": _layers.fused_add_rms_norm,
     "silu_and_mul": _layers.silu_and_mul,
@@ -37,7 +38,13 @@ _TORCH: dict[str, Callable] = {
     "fp8_linear": _fp8.reference_linear,
 }
 _CUDA_NATIVE: dict[str, Callable] = {"fp8_linear": _fp8.scaled_mm_linear}  # torch's cuBLASLt FP8 GEMM
-_CPU_COMPILED = {"paged_decode_attention", "rotary_embedding", "reshape_and_cache", "quantized_linear"}
+_CPU_COMPILED = {
+    "paged_decode_attention",
+    "varlen_attention",
+    "rotary_embedding",
+    "reshape_and_cache",
+    "quantized_linear",
+}
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
 
 
@@ -58,9 +65,9 @@ def configure(
 
 
 def _triton(name: str) -> Callable:
-    from kernels.triton import attention, layers, quantized
+    from kernels.triton import attention, layers, quantized, varlen_attention
 
-    for module in (attention, layers, quantized):
+    for module in (attention, varlen_attention, layers, quantized):
         if hasattr(module, name):
             return getattr(module, name)
     raise AttributeError(f"no Triton kernel named {name}")
@@ -95,6 +102,7 @@ def _dispatching(name: str) -> Callable:
 reshape_and_cache = _dispatching("reshape_and_cache")
 paged_decode_attention = _dispatching("paged_decode_attention")
 paged_prefill_attention = _dispatching("paged_prefill_attention")
+varlen_attention = _dispatching("varlen_attention")  # whole sequences, no cache: pooling models
 rms_norm = _dispatching("rms_norm")
 fused_add_rms_norm = _dispatching("fused_add_rms_norm")
 silu_and_mul = _dispatching("silu_and_mul")

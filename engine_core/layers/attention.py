@@ -3,6 +3,10 @@
 `AttentionMetadata` describes the step's flattened batch. Requests whose query is a single token
 (decodes) come first in the batch and are served by one batched decode call; the rest (prefill chunks,
 possibly over a cached prefix) by the varlen prefill call.
+
+Pooling models keep no KV cache (every prompt runs whole, in one step): their steps carry
+`VarlenMetadata` instead, and attention runs within each sequence over this step's own K/V, causal for
+a decoder, bidirectional for an encoder (`causal=False`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,25 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B+1] int64, for the prefill sequences (relative to them)
 
 
+@dataclass
+class VarlenMetadata:
+    """A step of whole sequences with no KV cache (pooling): sequence b owns rows
+    query_start_loc[b]:query_start_loc[b+1]."""
+
+    query_start_loc: torch.Tensor  # [B+1] int64
+
+
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None = None):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        causal: bool = True,
+    ):
         super().__init__()
+        self.causal = causal
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -36,8 +56,14 @@ class Attention(nn.Module):
         self.key_cache: torch.Tensor | None = None  # bound by the model runner
         self.value_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | VarlenMetadata
+    ) -> torch.Tensor:
         """q `[T, H, D]`, k/v `[T, Hkv, D]` -> `[T, H, D]`."""
+        if isinstance(meta, VarlenMetadata):
+            return kernels.varlen_attention(
+                q, k, v, meta.query_start_loc, self.scale, self.causal, self.sliding_window if self.causal else None
+            )
         kernels.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
         nd = meta.num_decodes  # one token each, so also the number of decode tokens
         if nd == q.shape[0]:

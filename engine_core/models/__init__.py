@@ -2,21 +2,58 @@
 
 from __future__ import annotations
 
-from engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from typing import Protocol
 
-# Every architecture is LlamaForCausalLM or a subclass; its methods (forward, compute_logits,
-# attention_layers, load_weights) are what the model runner relies on.
+import torch
+
+from engine_core.layers.attention import Attention, VarlenMetadata
+from engine_core.models.bert import BertModel
+from engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from engine_core.pooling.config import ENCODER_ARCHITECTURES
+
+# Every generative architecture is LlamaForCausalLM or a subclass; its methods (forward, compute_logits,
+# attention_layers, load_weights) are what the model runner relies on. Each also runs as a pooling model
+# (`--runner pooling`: an embedder pooling its last token, such as Qwen3-Embedding).
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
+# Encoders: pooling models only (bidirectional attention, no LM head).
+ENCODER_REGISTRY: dict[str, type[BertModel]] = {"BertModel": BertModel}
+assert set(ENCODER_REGISTRY) == ENCODER_ARCHITECTURES  # (the torch-free list the engine process reads)
+
+
+class PoolingModel(Protocol):
+    """What the pooling runner (engine_core/pooling/runner.py) relies on: the final hidden states
+    [tokens, hidden] of a step of whole sequences."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: VarlenMetadata) -> torch.Tensor: ...
+
+    def attention_layers(self) -> list[Attention]: ...
+
+
+def _supported() -> str:
+    return ", ".join(sorted([*MODEL_REGISTRY, *ENCODER_REGISTRY]))
 
 
 def model_class(architecture: str) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
-        supported = ", ".join(sorted(MODEL_REGISTRY))
-        raise ValueError(f"architecture {architecture!r} is not supported (supported: {supported})") from None
+        if architecture in ENCODER_REGISTRY:
+            raise ValueError(
+                f"{architecture} is an encoder: it runs only as a pooling (embedding) model, not to generate"
+            ) from None
+        raise ValueError(f"architecture {architecture!r} is not supported (supported: {_supported()})") from None
+
+
+def is_encoder(architecture: str) -> bool:
+    return architecture in ENCODER_REGISTRY
+
+
+def pooling_model_class(architecture: str) -> type[LlamaForCausalLM] | type[BertModel]:
+    if architecture in ENCODER_REGISTRY:
+        return ENCODER_REGISTRY[architecture]
+    return model_class(architecture)

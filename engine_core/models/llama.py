@@ -14,19 +14,19 @@ norm (engine_core/parallel/pipeline.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import cast
 
 import torch
 from torch import nn
 
 import kernels
-from engine_core.layers.attention import Attention, AttentionMetadata
+from engine_core.layers.attention import Attention, AttentionMetadata, VarlenMetadata
 from engine_core.layers.linear import Linear, MergedLinear
 from engine_core.layers.rotary import RotaryEmbedding
 from engine_core.model_config import ModelConfig
+from engine_core.models.checkpoint import CheckpointLoading
 from engine_core.parallel.distributed import building_group, building_stage
-from engine_core.parallel.sharding import AttentionHeads
+from engine_core.parallel.sharding import AttentionHeads, Span
 from engine_core.quantization.assembly import LinearAssembler
 
 
@@ -59,7 +59,9 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata | VarlenMetadata
+    ) -> torch.Tensor:
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_sizes, dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
@@ -123,10 +125,12 @@ _MERGED = {
 }
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CheckpointLoading, nn.Module):
     qk_norm = False
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pooling: bool = False):
+        """`pooling`: an embedding model (`--runner pooling`), whose final hidden states are the output;
+        it has no LM head unless the head is the (tied) embedding table."""
         super().__init__()
         self.cfg = cfg
         self.tp = building_group()
@@ -138,8 +142,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: Linear | None = None
         self.embed_tokens: nn.Parameter | None = None
         if self.stage.is_first:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, parallel="vocab")
-            self.vocab_span = self.lm_head.out_spans[0]
+            self.vocab_span = Span(0, cfg.vocab_size)  # (pooling runs without tensor parallel)
+            if not pooling or cfg.tie_word_embeddings:
+                self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, parallel="vocab")
+                self.vocab_span = self.lm_head.out_spans[0]
             if not cfg.tie_word_embeddings:
                 self.embed_tokens = nn.Parameter(
                     torch.empty(self.vocab_span.size, cfg.hidden_size, dtype=dtype), requires_grad=False
@@ -166,9 +172,9 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.all_reduce(rows.masked_fill_(~mine[:, None], 0.0))
 
     def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
-        assert self.lm_head is not None  # (the first stage embeds)
         if self.embed_tokens is not None:
             return self.embed_tokens[input_ids]
+        assert self.lm_head is not None  # (tied: the LM head's weight is the table; the first stage embeds)
         if self.lm_head.quantized is not None:  # a tied, quantized LM head: dequantize just these rows
             return kernels.embedding_rows(self.lm_head.quantized, input_ids, self.lm_head.weight.dtype)
         return self.lm_head.weight[input_ids]
@@ -177,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | VarlenMetadata,
         activations: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The final (normed) hidden states [tokens, hidden]. On a pipeline stage: the first embeds
@@ -228,49 +234,6 @@ class LlamaForCausalLM(nn.Module):
             return None
         return module.checkpoint_slices(shard, kind)
 
-    @torch.no_grad()
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], assembler: LinearAssembler | None = None
-    ) -> None:
-        """Consume (checkpoint name, tensor) pairs; every parameter must be filled. With an `assembler`
-        (a quantized model), each linear's tensors but its bias go to it instead."""
-        pending: set[tuple[str, int | None]] = set()  # (parameter, merged shard or None) still to fill
-        for name, _ in self.named_parameters():
-            module = self.get_submodule(name.rpartition(".")[0]) if "." in name else None
-            if assembler is not None and isinstance(module, Linear) and name.endswith(".weight"):
-                continue  # the assembler checks these
-            shards = range(len(module.out_sizes)) if isinstance(module, MergedLinear) else [None]
-            pending.update((name, shard) for shard in shards)
-        for name, tensor in weights:
-            target = self._target(name)
-            if target is None:
-                continue
-            param_name, shard = target
-            module_path, _, kind = param_name.rpartition(".")
-            if assembler is not None and assembler.accepts(kind):
-                try:
-                    linear = self.get_submodule(module_path)
-                except AttributeError:
-                    linear = None
-                if isinstance(linear, Linear):
-                    assembler.add(module_path, linear, shard, kind, tensor)
-                    continue
-            try:
-                param: torch.Tensor = self.get_parameter(param_name)  # or a merged shard of it, below
-            except AttributeError:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
-            if shard is not None:
-                merged = cast(MergedLinear, self.get_submodule(param_name.rpartition(".")[0]))  # (see _target)
-                param = merged.shard(shard, param)
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
-            param.copy_(tensor)
-            pending.discard((param_name, shard))
-        if assembler is not None:
-            assembler.finish(self)
-        if pending:
-            raise ValueError(f"checkpoint is missing weights: {sorted(n for n, _ in pending)[:8]}")
-
     def _target(self, name: str) -> tuple[str, int | None] | None:
         """Our parameter (and merged shard index) for a checkpoint tensor name; None to skip it."""
         if "rotary_emb" in name:
@@ -283,8 +246,8 @@ class LlamaForCausalLM(nn.Module):
             if self.embed_tokens is None:
                 return f"lm_head.{kind}", None
             return ("embed_tokens", None) if kind == "weight" else (name, None)
-        if module_path == "lm_head" and self.embed_tokens is None:
-            return None
+        if module_path == "lm_head" and (self.embed_tokens is None or self.lm_head is None):
+            return None  # tied (the table is the head), or pooling (no head)
         parent_path, _, leaf = module_path.rpartition(".")
         if leaf in _MERGED:
             merged_name, shard = _MERGED[leaf]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -42,12 +43,14 @@ _FAST_MATH = [
 ]
 _LIBRARIES = {
     "paged_attention": [*_FAST_MATH, "-fopenmp"],  # libgomp: torch's own, already loaded
+    "varlen_attention": [*_FAST_MATH, "-fopenmp"],
     "elementwise": ["-fno-fast-math", "-ffp-contract=off"],
     "quantized_matmul": ["-fopenmp"],
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],
+    "varlen_attention_f32": [_POINTER] * 6 + [_I64] * 10 + [_F32, _I64],
     "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
     "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
     "quantized_linear_f32": [_POINTER] * 7 + [_I64] * 11,
@@ -171,6 +174,61 @@ def paged_decode_attention(
         block_size,
         block_tables.shape[1],
         max_len,
+        sliding_window or 0,
+        scale,
+        threads,
+    )
+    return out
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Same contract as `kernels.torch_ref.attention.varlen_attention` (float32, CPU)."""
+    lib = _load()
+    if lib is None or not all(_rows_contiguous(x) for x in (query, key, value)):
+        from kernels.torch_ref.attention import varlen_attention as reference
+
+        return reference(query, key, value, query_start_loc, scale, causal, sliding_window)
+    if sliding_window is not None and not causal:
+        raise ValueError("a sliding window applies to causal attention only")
+    tokens, num_heads, head_dim = query.shape
+    cu_seqlens = query_start_loc.to(torch.int64).contiguous()
+    starts = cu_seqlens.tolist()  # (host arithmetic: tensor ops on a few numbers cost more than the lists)
+    lens = [end - start for start, end in itertools.pairwise(starts)]
+    num_seqs = len(lens)
+    max_len = max(lens, default=0)
+    out = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
+    if max_len == 0:
+        return out
+    threads = torch.get_num_threads()
+    if sum(n * n for n in lens) * num_heads * head_dim < 1 << 18:  # too little work to wake a thread
+        threads = 1
+    threads = min(threads, num_seqs * key.shape[1])
+    padded = -(-max_len // 32) * 32
+    workspace = _scratch(threads * (head_dim + 4) * padded)
+    lib["varlen_attention_f32"](
+        query.data_ptr(),
+        key.data_ptr(),
+        value.data_ptr(),
+        cu_seqlens.data_ptr(),
+        out.data_ptr(),
+        workspace.data_ptr(),
+        num_seqs,
+        num_heads,
+        key.shape[1],
+        head_dim,
+        query.stride(0),
+        key.stride(0),
+        value.stride(0),
+        max_len,
+        int(causal),
         sliding_window or 0,
         scale,
         threads,

@@ -116,3 +116,44 @@ def paged_prefill_attention(
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
     return out
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention within each sequence of a variable-length batch, with no KV cache: the whole sequence is
+    in the batch (pooling models run every prompt whole, in one step).
+
+    Sequence b owns rows `query_start_loc[b]:query_start_loc[b+1]` of `query` `[T, H, D]` and of `key` /
+    `value` `[T, Hkv, D]` (H a multiple of Hkv). `causal`: row i sees the keys at rows <= i of its sequence
+    (within `sliding_window` of it, if given); else every key of its sequence (an encoder's bidirectional
+    attention; a window is refused). Returns `[T, H, D]` (written into `out` if given).
+    """
+    if sliding_window is not None and not causal:
+        raise ValueError("a sliding window applies to causal attention only")
+    out = torch.empty_like(query) if out is None else out
+    starts = query_start_loc.tolist()
+    for b in range(len(starts) - 1):  # sequences are few and large: a loop over them costs little
+        start, end = starts[b], starts[b + 1]
+        if end == start:
+            continue
+        # 4-D [1, heads, len, D] inputs: torch's CPU flash kernel takes them (3-D falls back to math).
+        q = query[None, start:end].transpose(1, 2)
+        k = key[None, start:end].transpose(1, 2)
+        v = value[None, start:end].transpose(1, 2)
+        if sliding_window is None or end - start <= sliding_window:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+        else:
+            pos = torch.arange(end - start, device=query.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    return out

@@ -360,3 +360,11 @@ def test_streamed_echo_prefixes_every_choice(client):
     for c in chunks:
         texts[c.choices[0].index] += c.choices[0].text
     assert texts == {0: "Hi there" + completion, 1: "Hi there" + completion}
+
+
+def test_embedding_routes_are_refused_by_a_generative_model(client, server):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model=MODEL_NAME, input="hello")
+    assert refused.value.body["param"] == "model" and "not an embedding model" in refused.value.body["message"]
+    status, answer = http("POST", server.base_url + "/pooling", body={"input": "hello"})
+    assert status == 400 and answer["error"]["code"] == "model_not_embedding"

@@ -1,0 +1,64 @@
+"""Filling a model's parameters from checkpoint tensors as they stream by: shared by every model class."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+from torch import nn
+
+from engine_core.layers.linear import Linear, MergedLinear
+from engine_core.quantization.assembly import LinearAssembler
+
+
+class CheckpointLoading:
+    """Mixed into an nn.Module model that names, in `_target`, its parameter (and merged shard index) for a
+    checkpoint tensor name, or None to skip the tensor."""
+
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], assembler: LinearAssembler | None = None
+    ) -> None:
+        """Consume (checkpoint name, tensor) pairs; every parameter must be filled. With an `assembler`
+        (a quantized model), each linear's tensors but its bias go to it instead."""
+        model = cast(nn.Module, self)
+        pending: set[tuple[str, int | None]] = set()  # (parameter, merged shard or None) still to fill
+        for name, _ in model.named_parameters():
+            module = model.get_submodule(name.rpartition(".")[0]) if "." in name else None
+            if assembler is not None and isinstance(module, Linear) and name.endswith(".weight"):
+                continue  # the assembler checks these
+            shards = range(len(module.out_sizes)) if isinstance(module, MergedLinear) else [None]
+            pending.update((name, shard) for shard in shards)
+        for name, tensor in weights:
+            target = self._target(name)
+            if target is None:
+                continue
+            param_name, shard = target
+            module_path, _, kind = param_name.rpartition(".")
+            if assembler is not None and assembler.accepts(kind):
+                try:
+                    linear = model.get_submodule(module_path)
+                except AttributeError:
+                    linear = None
+                if isinstance(linear, Linear):
+                    assembler.add(module_path, linear, shard, kind, tensor)
+                    continue
+            try:
+                param: torch.Tensor = model.get_parameter(param_name)  # or a merged shard of it, below
+            except AttributeError:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
+            if shard is not None:
+                merged = cast(MergedLinear, model.get_submodule(param_name.rpartition(".")[0]))  # (see _target)
+                param = merged.shard(shard, param)
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+            param.copy_(tensor)
+            pending.discard((param_name, shard))
+        if assembler is not None:
+            assembler.finish(model)
+        if pending:
+            raise ValueError(f"checkpoint is missing weights: {sorted(n for n, _ in pending)[:8]}")
