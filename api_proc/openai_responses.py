@@ -280,7 +280,7 @@ class EmbeddingList(_Body):
 class Pooled(_Body):
     index: int
     object: Literal["pooling"]
-    data: list[float] | list[list[float]] | str  # one vector, or one per token (token_embed); or base64
+    data: list[float | list[float]] | str  # one vector, or one per token (token_embed); or base64
 
 
 class PoolingList(_Body):
