@@ -57,6 +57,16 @@ logger = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 
 
+def request_timed_out(timeout: float) -> ApiError:
+    """The 504 a request past --request-timeout gets (its count is the caller's)."""
+    return ApiError(
+        504,
+        f"The request did not finish within this server's limit of {timeout:g} s.",
+        error_type="server_error",
+        code="request_timeout",
+    )
+
+
 @dataclass
 class ApiSettings:
     frontend_addr: str
@@ -336,12 +346,7 @@ class ApiServer:
                     return
                 except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
                     count_timed_out()
-                    raise ApiError(
-                        504,
-                        f"The request did not finish within this server's limit of {timeout:g} s.",
-                        error_type="server_error",
-                        code="request_timeout",
-                    ) from None
+                    raise request_timed_out(timeout) from None
                 yield item
 
     # ---- generation --------------------------------------------------------------------------
@@ -522,12 +527,7 @@ class ApiServer:
             return await self.client.embed(**options, timeout=timeout)
         except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11)
             count_timed_out()
-            raise ApiError(
-                504,
-                f"The request did not finish within this server's limit of {timeout:g} s.",
-                error_type="server_error",
-                code="request_timeout",
-            ) from None
+            raise request_timed_out(timeout) from None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generation(request, "chat", "chatcmpl", self._chat)
