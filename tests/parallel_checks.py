@@ -80,3 +80,18 @@ def killed_worker_fails_the_next_step(config, message: str) -> None:
         engine.close()
     assert not os.path.exists(engine.executor.runtime_dir)
     assert worker_processes() == []
+
+
+def shared_prefix_case():
+    """Six prompts sharing a 40-token prefix, every other one owing prompt logprobs, 40 greedy tokens each:
+    with a 14-block pool, the split engines' preemption, prefix-caching and prompt-logprob case."""
+    from engine_core.sampling_params import SamplingParams
+
+    gen = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, 512, (40,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (3, 9, 20, 5, 14, 30)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prompt_logprobs=2 if i % 2 else None)
+        for i in range(len(prompts))
+    ]
+    return prompts, params

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
@@ -23,6 +22,7 @@ from tests.parallel_checks import (
     compare_runs,
     killed_worker_fails_the_next_step,
     random_prompts,
+    shared_prefix_case,
     tiny_model,
     worker_processes,
 )
@@ -108,13 +108,7 @@ def test_preemption_prefix_caching_and_prompt_logprobs(tiny_llama):
     flight), prompts sharing a prefix (cache hits), and prompt logprobs (the last stage sends back their
     rows too): the tokens equal the single-rank engine's exactly, and so do the prompt logprobs' tokens
     and ranks."""
-    gen = torch.Generator().manual_seed(2)
-    prefix = torch.randint(3, 512, (40,), generator=gen).tolist()
-    prompts = [prefix + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (3, 9, 20, 5, 14, 30)]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prompt_logprobs=2 if i % 2 else None)
-        for i in range(len(prompts))
-    ]
+    prompts, params = shared_prefix_case()
     results, stats = [], []
     for pp in (1, 2):
         config = EngineConfig(

@@ -17,19 +17,18 @@ import time
 
 import psutil
 import pytest
-import torch
 
 from engine_core import protocol
 from engine_core.config import EngineConfig
 from engine_core.default_model import ensure_default_gguf
 from engine_core.engine import EngineCore
-from engine_core.sampling_params import SamplingParams
 from tests.engine_process import EngineProcess
 from tests.helpers import golden_prompts, greedy_with_first_logprobs, run_engine
 from tests.parallel_checks import (
     compare_runs,
     killed_worker_fails_the_next_step,
     random_prompts,
+    shared_prefix_case,
     tiny_model,
     worker_processes,
 )
@@ -89,13 +88,7 @@ def test_preemption_prefix_caching_and_prompt_logprobs(tiny_llama):
     """A KV pool too small for every request at once (preemption, recompute), prompts sharing a prefix
     (cache hits), and prompt logprobs (the LM head on prompt rows, which the worker must join too): the
     tokens equal TP=1's exactly."""
-    gen = torch.Generator().manual_seed(2)
-    prefix = torch.randint(3, 512, (40,), generator=gen).tolist()
-    prompts = [prefix + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (3, 9, 20, 5, 14, 30)]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, prompt_logprobs=2 if i % 2 else None)
-        for i in range(len(prompts))
-    ]
+    prompts, params = shared_prefix_case()
     results, stats = [], []
     for tp in (1, 2):
         engine = EngineCore(
