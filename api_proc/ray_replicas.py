@@ -3,12 +3,14 @@
 ZeroMQ + msgspec stay the data path; Ray does placement, liveness and clean-up. Each replica is one
 local process of `pagoda serve` (started and restarted by the launcher like an engine process, and
 named like one) that is a Ray driver for its replica:
-- it creates the replica's placement group, one STRICT_PACK bundle holding every rank's share
-  (`--ray-cpus-per-rank` CPUs per rank, or one GPU per rank on CUDA), and fails start-up after
-  `--ray-placement-timeout` with the resources asked for and those the cluster has;
-- it starts the engine core there as an actor (engine_core/ray_engine.py), which connects back to the
-  tokenizer process over tcp with per-launch CURVE keys (tensor/pipeline-parallel ranks are the
-  actor's own processes, on the node the bundle reserved);
+- it creates the replica's placement group, a bundle per tensor/pipeline-parallel rank
+  (`--ray-cpus-per-rank` CPUs, or one GPU on CUDA), STRICT_PACK on one node (PACK under pipeline
+  parallel, whose stages may go to other nodes), and fails start-up after `--ray-placement-timeout`
+  with the resources asked for and those the cluster has;
+- it starts the engine core in bundle 0 as an actor (engine_core/ray_engine.py), which connects back to
+  the tokenizer process over tcp with per-launch CURVE keys, and starts the other ranks as actors in
+  the other bundles (engine_core/parallel/ray_ranks.py: shared memory with the ranks on its node, tcp
+  with CURVE to the others);
 - it reports "ready" when the actor has loaded, then holds the actor's run reference and checks it
   every 0.25 s: an actor that dies (`ray.kill`, a killed process, a lost node) ends this process with
   exit 1 within a second, and the launcher fails the replica's requests and restarts it, in a fresh
@@ -43,6 +45,7 @@ from engine_core.zmq_security import EngineLinkKeys
 logger = logging.getLogger("pagoda.ray")
 _WATCH_S = 0.25  # how often the driver checks its actor
 _STOP_GRACE_S = 5.0
+_ORPHAN_GRACE_S = 2.0  # for an actor to close its engine when `pagoda serve` is gone
 
 
 @dataclass(frozen=True)
@@ -72,17 +75,24 @@ def engine_link_addrs(num_replicas: int, host: str) -> list[tuple[str, str]]:
     return addrs
 
 
-def replica_bundle(config: EngineConfig, cpus_per_rank: int) -> dict[str, float]:
-    """The one bundle of a replica's placement group: every rank's CPUs, and a GPU per rank on CUDA."""
-    ranks = config.num_ranks
-    bundle: dict[str, float] = {"CPU": float(cpus_per_rank * ranks)}
+def replica_bundles(config: EngineConfig, cpus_per_rank: int) -> list[dict[str, float]]:
+    """The bundles of a replica's placement group, one per rank (bundle r: rank r; rank 0 is the engine
+    actor): `cpus_per_rank` CPUs each, and a GPU each on CUDA."""
+    bundle: dict[str, float] = {"CPU": float(cpus_per_rank)}
     if config.device.startswith("cuda"):
-        bundle["GPU"] = float(ranks)
-    return bundle
+        bundle["GPU"] = 1.0
+    return [dict(bundle) for _ in range(config.num_ranks)]
+
+
+def placement_strategy(config: EngineConfig) -> str:
+    """STRICT_PACK (one node) unless pipeline parallel: then PACK, so that stages may go to other nodes
+    when one node cannot hold them all (a tensor-parallel group is best kept on one node, where it
+    all-reduces through shared memory or NVLink; Ray packs as tightly as the nodes allow)."""
+    return "PACK" if config.pipeline_parallel_size > 1 else "STRICT_PACK"
 
 
 def actor_config(config: EngineConfig, cpus_per_rank: int) -> EngineConfig:
-    """The replica's config as its actor runs it: GPUs counted from the first Ray gave it (Ray sets
+    """The replica's config as its actors run it: each rank's GPU is the one Ray gave it (Ray sets
     CUDA_VISIBLE_DEVICES), and `cpus_per_rank` torch threads per rank instead of core pinning (Ray
     reserves CPUs but does not say which)."""
     import dataclasses
@@ -109,6 +119,7 @@ class _ReplicaDriver:
         self.replica = replica
         self.group = None
         self.actor = None
+        self.running = None  # the actor's `run` reference, once it runs
         self._lock = threading.Lock()
         ray.init(
             address=settings.address,
@@ -118,21 +129,23 @@ class _ReplicaDriver:
             runtime_env={"env_vars": pagoda_environment()},
         )
 
-    def place(self, bundle: dict[str, float]) -> None:
+    def place(self, bundles: list[dict[str, float]], strategy: str) -> None:
         from ray.util.placement_group import placement_group
 
-        self.group = placement_group([bundle], strategy="STRICT_PACK")
+        self.group = placement_group(bundles, strategy=strategy)
         ready, _ = self.ray.wait([self.group.ready()], timeout=self.settings.placement_timeout)
         if not ready:
             available = {k: v for k, v in self.ray.available_resources().items() if k in ("CPU", "GPU")}
             total = {k: v for k, v in self.ray.cluster_resources().items() if k in ("CPU", "GPU")}
+            where = "on one node" if strategy == "STRICT_PACK" else "on the cluster"
             raise PlacementFailed(
-                f"engine replica {self.replica or 0}: Ray could not place {bundle} on one node within "
-                f"{self.settings.placement_timeout:g}s (--ray-placement-timeout); the cluster has {total} "
-                f"in all, {available} available"
+                f"engine replica {self.replica or 0}: Ray could not place {_bundles_text(bundles)} {where} "
+                f"within {self.settings.placement_timeout:g}s (--ray-placement-timeout); the cluster has "
+                f"{total} in all, {available} available"
             )
 
     def start(self, config: EngineConfig, input_addr: str, output_addr: str, keys: EngineLinkKeys, bundle: dict):
+        """The engine actor (rank 0) in bundle 0; it starts the other ranks in the others."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from engine_core.ray_engine import EngineActor
@@ -157,17 +170,27 @@ class _ReplicaDriver:
                 return True
         return False
 
-    def remove(self) -> None:
-        """Kill the actor (with its ranks) and remove the placement group; idempotent."""
+    def remove(self, grace_s: float = 0.0) -> None:
+        """Kill the actor (with its ranks) and remove the placement group; idempotent. With `grace_s`, a
+        running actor is first asked to stop, and given that long to close its engine (which removes the
+        parallel group's files and stops the ranks) before it is killed."""
         from ray.util.placement_group import remove_placement_group
 
         with self._lock:
             actor, self.actor = self.actor, None
             group, self.group = self.group, None
         if actor is not None:
+            if grace_s and self.running is not None:
+                with contextlib.suppress(Exception):
+                    actor.stop.remote()
+                    self.ray.wait([self.running], timeout=grace_s)
             self.ray.kill(actor)
         if group is not None:
             remove_placement_group(group)
+
+
+def _bundles_text(bundles: list[dict[str, float]]) -> str:
+    return f"{bundles[0]}" if len(bundles) == 1 else f"{len(bundles)} bundles of {bundles[0]}"
 
 
 class _DriverLink(ParentLink):
@@ -181,7 +204,7 @@ class _DriverLink(ParentLink):
     def orphaned(self) -> None:
         if self.driver_ref:
             try:
-                self.driver_ref[0].remove()
+                self.driver_ref[0].remove(grace_s=_ORPHAN_GRACE_S)
             except Exception:
                 logger.exception("removing the replica's actor")
         super().orphaned()
@@ -211,16 +234,18 @@ def run_ray_replica(
     try:
         driver = _ReplicaDriver(settings, replica)
         driver_ref.append(driver)
-        bundle = replica_bundle(config, settings.cpus_per_rank)
-        driver.place(bundle)
-        actor = driver.start(actor_config(config, settings.cpus_per_rank), input_addr, output_addr, link_keys, bundle)
+        bundles = replica_bundles(config, settings.cpus_per_rank)
+        driver.place(bundles, placement_strategy(config))
+        actor = driver.start(
+            actor_config(config, settings.cpus_per_rank), input_addr, output_addr, link_keys, bundles[0]
+        )
         loaded = actor.load.remote()
         if not driver.wait(loaded, stop):
             return
         info = driver.ray.get(loaded)
         if link is not None:
             link.send(Report.READY, **info)
-        running = actor.run.remote()
+        running = driver.running = actor.run.remote()
         if driver.wait(running, stop):
             driver.ray.get(running)  # (raises what ended the actor)
             return
@@ -281,6 +306,11 @@ def run_ray_head(parent_conn: Connection) -> None:
     # A session directory of its own (short: Ray puts unix sockets there), not /tmp/ray's shared
     # "session_latest", which another cluster on this machine may be using.
     temp_dir = tempfile.mkdtemp(prefix="pagoda-ray-", dir="/tmp")
+    # The cluster's processes (the engine actors) make their temporary files, such as a parallel
+    # group's directory, inside the cluster's directory: removed with it even after a kill -9 that
+    # leaves none of them to clean up.
+    os.environ["TMPDIR"] = os.path.join(temp_dir, "tmp")
+    os.mkdir(os.environ["TMPDIR"])
     link = _HeadLink(parent_conn, temp_dir)
     stop = threading.Event()
     link.watch(lambda command, info: stop.set())
@@ -310,7 +340,9 @@ class _HeadLink(ParentLink):
 
 
 def kill_descendants() -> None:
-    """SIGKILL every process below this one (children first listed, then theirs: all collected first)."""
+    """SIGKILL every process below this one (children first listed, then theirs: all collected first)
+    but Python's resource trackers: once the processes they serve are gone they unlink the shared memory
+    those registered (an engine's step ring), then exit by themselves."""
     found: list[int] = []
     pending = [os.getpid()]
     while pending:
@@ -321,8 +353,17 @@ def kill_descendants() -> None:
                 found += children
                 pending += children
     for pid in found:
+        if _is_resource_tracker(pid):
+            continue
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+def _is_resource_tracker(pid: int) -> bool:
+    try:
+        return b"multiprocessing.resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def node_ip() -> str:

@@ -139,14 +139,7 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="include prompts and messages in the per-request log lines (off: users' data)",
     )
-    # Also accepted before the command (`pagoda --log-format json serve`); SUPPRESS keeps that value.
-    g.add_argument(
-        "--log-format",
-        choices=["text", "json"],
-        default=argparse.SUPPRESS,
-        help="text lines, or one JSON object per line, from every process (default: text)",
-    )
-    g.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR (default: INFO)")
+    add_log_format_args(g)
     g.add_argument(
         "--otlp-traces-endpoint",
         default=None,
@@ -188,34 +181,52 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="seconds a request may take end to end before it is aborted (504; default: none)",
     )
-    g.add_argument(
+    add_connection_args(g, "per API worker")
+
+
+def add_connection_args(group, scope: str) -> None:
+    """The client-connection limits `pagoda serve` and `pagoda router` share (enforced by
+    api_proc/http_guard.py): `scope` says what the connection cap counts."""
+    group.add_argument(
         "--header-timeout",
         type=_seconds_or_off,
         default=30.0,
         help="seconds a connection has to send a complete request head, from opening or from its "
         "first byte after a finished request (else 408 and closed; 0 = off)",
     )
-    g.add_argument(
+    group.add_argument(
         "--body-timeout",
         type=_seconds_or_off,
         default=30.0,
         help="seconds a request body may go without a byte arriving; after that first grace it must also "
         "average 1 KiB/s (else 408 and closed; 0 = off)",
     )
-    g.add_argument(
+    group.add_argument(
         "--keepalive-timeout",
         type=_seconds,
         default=75.0,
         help="seconds an idle keep-alive connection stays open (raise it above a load balancer's idle "
         "timeout, e.g. 620 behind Google Cloud's)",
     )
-    g.add_argument(
+    group.add_argument(
         "--max-connections",
         type=_count_or_off,
         default=1024,
-        help="open connections per API worker; at the cap the longest-idle connection is closed for a "
-        "new one, or the new one gets 503 when all are busy (0 = no cap)",
+        help=f"open connections {scope}; at the cap the longest-idle connection is closed for a new one, "
+        "or the new one gets 503 when all are busy (0 = no cap)",
     )
+
+
+def add_log_format_args(group) -> None:
+    """--log-format and --log-level, also accepted before the command (`pagoda --log-format json serve`):
+    SUPPRESS keeps that value."""
+    group.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default=argparse.SUPPRESS,
+        help="text lines, or one JSON object per line, from every process (default: text)",
+    )
+    group.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR (default: INFO)")
 
 
 def add_serve_parser(subcommands) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import tempfile
 from pathlib import Path
 
@@ -63,9 +64,18 @@ def main() -> None:
     parser.add_argument("--baseline", action="append", default=[], metavar="NAME=URL")
     parser.add_argument("--model-name", default=None, help="model name the URL baselines serve")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="prompts' seed (default: a new one each run, printed: a baseline server that keeps running would "
+        "otherwise find a repeated run's prompts in its prefix cache, while Pagoda starts empty)",
+    )
     parser.add_argument("--server-args", default="", help='extra `pagoda serve` flags, e.g. "--max-num-seqs 32"')
     args = parser.parse_args()
-    requests = random_requests(args.num_prompts, args.input_len, args.output_len, seed=0)
+    seed = random.randrange(2**31) if args.seed is None else args.seed
+    print(f"prompts: seed {seed}", flush=True)
+    requests = random_requests(args.num_prompts, args.input_len, args.output_len, seed=seed)
     rows = {}
     server = PagodaServer(
         Path(tempfile.mkdtemp(prefix="pagoda-compare-")),

@@ -40,15 +40,14 @@ if wanted tests; then
 fi
 if wanted kernels; then
     step "kernel timings"
-    # As a module: run as a script, benchmarks/kernels.py would shadow the kernels package it imports.
-    timeout 90 python3 -m benchmarks.kernels --only ops --json "$OUT/kernels.json"
+    timeout 90 python3 -m benchmarks.kernel_ops --only ops --json "$OUT/kernels.json"
 fi
 if wanted quantized; then
     step "quantized GEMM: tests on the GPU, then Llama-3-8B linears against bf16 F.linear and the weight-read bound"
     timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_triton_quantized.py \
         tests/kernels/test_fp8_linear.py 2>&1 | tail -5
     echo "quantized tests exit $?" >"$OUT/tests_quantized.txt"
-    timeout 90 python3 -m benchmarks.kernels --only quantized --json "$OUT/quantized.json"
+    timeout 90 python3 -m benchmarks.kernel_ops --only quantized --json "$OUT/quantized.json"
 fi
 if wanted tokens; then
     step "greedy tokens: graphs, eager, torch reference (SmolLM2-135M shape, random weights, fp32)"

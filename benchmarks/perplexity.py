@@ -15,8 +15,7 @@ logits_all, and its logits go through a float64 log-softmax here.
     python -m benchmarks.perplexity --llama-cpp-python .venv-llamacpp/bin/python  # + llama.cpp rows
     python -m benchmarks.perplexity --only float32 int4 --window 512 --stride 256
 
-(Run it with -m from the repository root: as `python benchmarks/perplexity.py` the directory's own
-kernels.py would shadow the `kernels` package.)
+(Run it with -m from the repository root, or as `python benchmarks/perplexity.py` from there.)
 
 llama-cpp-python is not a dependency: install it in a venv of its own (make it once with
 `python -m venv .venv-llamacpp && CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"

@@ -1,4 +1,5 @@
-"""Offline throughput: Pagoda vs HF transformers `generate` (static batches) in the same run.
+"""Offline throughput: Pagoda vs HF transformers `generate` (static batches) in the same run, and
+with --vllm VENV vs vLLM's offline `LLM.generate` (a venv made by benchmarks/peers/vllm_cpu.sh).
 
 Workloads (random token-id prompts, ignore_eos so every request generates exactly its output length):
   a       64 requests x 128 prompt tokens -> 128 output tokens
@@ -10,18 +11,29 @@ Workloads (random token-id prompts, ignore_eos so every request generates exactl
     python benchmarks/throughput.py                 # everything (HF baselines take ~6 minutes)
     python benchmarks/throughput.py --skip-hf       # Pagoda only
     python benchmarks/throughput.py --only a single
+    python benchmarks/throughput.py --skip-hf --only b --vllm /tmp/vllm-peer
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from engine_core.llm import LLM
 from engine_core.sampling_params import SamplingParams
+
+try:  # run as a module (python -m benchmarks.throughput)
+    from benchmarks.offline_timing import timed_generate
+except ImportError:  # run as a script: its directory is on the path
+    from offline_timing import timed_generate  # type: ignore[no-redef]
 
 
 def workload_a(seed: int = 0):
@@ -37,15 +49,35 @@ def workload_b(seed: int = 0):
 def run_pagoda(llm: LLM, work) -> dict:
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
-    llm.generate(prompts[:2], [SamplingParams(temperature=0, max_tokens=4)] * 2, use_tqdm=False)  # warm-up
-    llm.reset_prefix_cache()  # the warm-up's prompts must not be cache hits in the timed run
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert out_tokens == sum(n for _, n in work), "every request must produce exactly its output length"
-    in_tokens = sum(len(p) for p, _ in work)
-    return {"seconds": elapsed, "output_tok_s": out_tokens / elapsed, "total_tok_s": (in_tokens + out_tokens) / elapsed}
+    return timed_generate(llm, prompts, params, [SamplingParams(temperature=0, max_tokens=4)] * 2, work)
+
+
+def run_vllm(venv: Path, model_dir: Path, work) -> dict:
+    """vLLM's offline LLM.generate on `work`, in its own venv, with the environment vllm_cpu.sh gives
+    its server (both cores bound to its OpenMP threads, libiomp5 and tcmalloc preloaded, 4 GiB KV)."""
+    preload = [str(venv / "lib" / "libiomp5.so")]
+    tcmalloc = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+    if tcmalloc.exists():
+        preload.insert(0, str(tcmalloc))
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{torch.get_num_threads() - 1}",
+        "LD_PRELOAD": ":".join(preload),
+    }
+    script = Path(__file__).parent / "peers" / "vllm_offline.py"
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(work, f)
+        f.flush()
+        done = subprocess.run(
+            [str(venv / "bin" / "python"), str(script), "--model", str(model_dir), "--workload", f.name],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM's offline run failed:\n{done.stderr[-3000:]}")
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT ") :])
 
 
 @torch.no_grad()
@@ -135,6 +167,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=["a", "b", "single", "bound"])
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--vllm", type=Path, default=None, metavar="VENV", help="also vLLM's offline LLM, from VENV")
     args = parser.parse_args()
 
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
@@ -160,6 +193,10 @@ def main() -> None:
             rows.append((f"({name}) output tok/s", ours["output_tok_s"], best["output_tok_s"]))
         else:
             rows.append((f"({name}) output tok/s", ours["output_tok_s"], None))
+        if args.vllm is not None:
+            theirs = run_vllm(args.vllm, llm.engine.model_dir, work)
+            print(f"[{name}] vllm offline: {theirs}", flush=True)
+            rows.append((f"({name}) output tok/s vs vLLM", ours["output_tok_s"], theirs["output_tok_s"]))
     if "single" in args.only:
         ours = single_stream(llm)
         single_decode = ours["decode_tok_s"]
@@ -177,7 +214,7 @@ def main() -> None:
         if single_decode is not None:
             rows.append(("single-stream / bound at 1", single_decode / bound[1], None))
 
-    print(f"\n{'metric':34} {'pagoda':>10} {'hf':>10} {'ratio':>7}")
+    print(f"\n{'metric':34} {'pagoda':>10} {'baseline':>10} {'ratio':>7}  (baseline: HF unless the row says vLLM)")
     for metric, ours, theirs in rows:
         ratio = f"{ours / theirs:6.2f}x" if theirs else ""
         theirs_text = f"{theirs:10.2f}" if theirs else f"{'':10}"

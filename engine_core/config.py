@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine_core.cpu_binding import check_spec as check_cpu_spec
@@ -109,6 +110,15 @@ class EngineConfig:
         speculative = SpeculativeConfig.parse(self.speculative_config, self.speculative_disable_batch_size)
         if speculative is not None and self.pipeline_parallel_size > 1:
             raise ValueError("speculative decoding and pipeline parallel do not combine yet")
+        if (
+            speculative is not None
+            and speculative.model is not None
+            and not Path(speculative.model).expanduser().exists()
+        ):
+            raise ValueError(
+                f"--speculative-config: the draft model {speculative.model!r} does not exist "
+                "(a Hugging Face model directory or a .gguf file)"
+            )
 
     @property
     def num_ranks(self) -> int:

@@ -27,6 +27,7 @@ from engine_core.zmq_security import EngineLinkKeys
 
 if TYPE_CHECKING:
     from engine_core.engine import EngineCore  # (imports torch: only in load(), in the child)
+    from engine_core.parallel.ranks import WorkerRanks
     from engine_core.pooling.engine import PoolingEngineCore
 
 logger = logging.getLogger(__name__)
@@ -107,13 +108,15 @@ class EngineCoreProc:
                 self._send(protocol.RequestRejected(request_id, message, param))
         self._send(protocol.StepOutputs(deltas, self.engine.stats(), time.time()))
 
-    def load(self, config: EngineConfig) -> None:
+    def load(self, config: EngineConfig, ranks: WorkerRanks | None = None) -> None:
+        """Build and warm up the engine (`ranks`: what starts its parallel ranks, if not child processes)."""
         from engine_core.engine import EngineCore, create_engine  # torch is imported here, in the child only
 
-        self.engine = create_engine(config)
+        self.engine = create_engine(config, ranks)
         self.engine.warm_up()
         # The grammar backend (xgrammar, tokenizer: ~3 s of CPU) loads in its thread from here on, after
-        # the warm-up rather than beside it: on 2 cores they would only slow each other's start.
+        # the warm-up rather than beside it (on 2 cores they would only slow each other's start), and at
+        # the lowest priority, so that it does not slow the first requests either.
         if isinstance(self.engine, EngineCore):
             self.engine.structured.start()
 

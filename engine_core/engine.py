@@ -12,12 +12,14 @@ import logging
 import time
 import weakref
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_core.config import EngineConfig
 from engine_core.cpu_binding import apply as apply_cores
 from engine_core.cpu_binding import assign as assign_cores
+from engine_core.host_memory import keep_freed_memory
 from engine_core.kv_cache import KVCacheManager
 from engine_core.loader import resolve_model
 from engine_core.model_config import ModelConfig
@@ -31,29 +33,53 @@ from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler, SchedulerOutput
 from engine_core.speculative.config import SpeculativeConfig
-from engine_core.speculative.proposer import Proposer
+from engine_core.speculative.draft import DraftProposer
+from engine_core.speculative.proposer import NgramProposer, Proposer
 from engine_core.speculative.stats import SpecDecodeCounters
 from engine_core.structured_output import StructuredOutputManager
 from engine_core.validation import ParamError, check_token_ids
 
+if TYPE_CHECKING:
+    from engine_core.parallel.ranks import WorkerRanks
+
 logger = logging.getLogger(__name__)
 
 
-def create_engine(config: EngineConfig) -> EngineCore | PoolingEngineCore:
+def create_engine(config: EngineConfig, ranks: WorkerRanks | None = None) -> EngineCore | PoolingEngineCore:
     """The engine `config` asks for: a `PoolingEngineCore` for an embedding model (`--runner pooling`, or
-    an encoder under `auto`), else the generating `EngineCore`."""
+    an encoder under `auto`), else the generating `EngineCore` (its parallel ranks started by `ranks`:
+    child processes unless the Ray backend gives its own)."""
     model_dir = resolve_model(config.model)
     model_cfg = ModelConfig.from_dir(model_dir)
     if runs_pooling(config, model_cfg.architecture):
         return PoolingEngineCore(config, model_dir, model_cfg)
-    return EngineCore(config)
+    return EngineCore(config, ranks)
+
+
+def _proposer(
+    config: SpeculativeConfig | None, max_model_len: int, runner: ModelRunner, kv: KVCacheManager
+) -> Proposer | None:
+    """The proposer of the speculative method `config` names (None: no speculation)."""
+    if config is None:
+        return None
+    if config.method == "ngram":
+        return NgramProposer(config, max_model_len)
+    assert runner.draft is not None
+    limit = runner.draft.model_cfg.max_position_embeddings
+    if limit < max_model_len:
+        raise ValueError(
+            f"--speculative-config: the draft model's context ({limit} tokens) is shorter than max_model_len "
+            f"({max_model_len}): pass --max-model-len {limit} or less"
+        )
+    return DraftProposer(config, max_model_len, runner, kv)
 
 
 class EngineCore:
     pooling = False  # (a PoolingEngineCore's is True)
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, ranks: WorkerRanks | None = None):
         started = time.monotonic()
+        keep_freed_memory()  # before the model loads (engine_core/host_memory.py says why then)
         self.config = config
         cores = assign_cores(config.cpu_threads_bind, 1)  # a replica gets its own group from the launcher
         apply_cores(cores[0] if cores is not None else None, config.num_threads)
@@ -61,23 +87,31 @@ class EngineCore:
         self.model_dir = resolve_model(config.model)
         self.model_cfg = ModelConfig.from_dir(self.model_dir)
         self.executor = None
+        self.speculative = SpeculativeConfig.parse(config.speculative_config, config.speculative_disable_batch_size)
+        draft_model = self.speculative.model if self.speculative is not None else None  # (draft_model only)
         if config.num_ranks > 1:
-            from engine_core.parallel.executor import ParallelExecutor, rank_config
+            from engine_core.parallel.executor import ParallelExecutor
 
             check_model_splits(self.model_cfg, config.tensor_parallel_size, config.pipeline_parallel_size)
-            self.executor = ParallelExecutor(config, str(self.model_dir))
+            self.executor = ParallelExecutor(config, str(self.model_dir), ranks=ranks)
             # The workers are stopped when this engine is closed or collected, whichever comes first.
             self._finalizer = weakref.finalize(self, self.executor.close)
             try:
+                executor = self.executor
                 self.runner = ModelRunner(
-                    rank_config(config, 0), self.model_dir, self.model_cfg, self.executor.group, self.executor.pipe
+                    executor.rank_config(config, 0),
+                    self.model_dir,
+                    self.model_cfg,
+                    executor.group,
+                    executor.pipe,
+                    draft_model,
                 )
             except BaseException:
                 self.executor.close()
                 raise
             self.runner.followers = self.executor
         else:
-            self.runner = ModelRunner(config, self.model_dir, self.model_cfg)
+            self.runner = ModelRunner(config, self.model_dir, self.model_cfg, draft_model=draft_model)
         # Steps started and not yet finished, oldest first: one per pipeline stage at most (one without
         # pipeline parallel, finished in the step that starts it).
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
@@ -98,8 +132,7 @@ class EngineCore:
                 self.runner.enable_decode_graphs(self.max_model_len)
             else:  # (the workers would have to capture the same graphs, collectives included, in step)
                 logger.info("CUDA graphs are not used under tensor or pipeline parallel: decode steps run eager")
-        self.speculative = SpeculativeConfig.parse(config.speculative_config, config.speculative_disable_batch_size)
-        self.proposer = None if self.speculative is None else Proposer(self.speculative, self.max_model_len)
+        self.proposer = _proposer(self.speculative, self.max_model_len, self.runner, self.kv_manager)
         self.spec_counters = (
             None if self.speculative is None else SpecDecodeCounters(self.speculative.num_speculative_tokens)
         )

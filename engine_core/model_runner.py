@@ -38,9 +38,9 @@ from engine_core.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logp
 from engine_core.protocol import TokenLogprobs
 from engine_core.quantization import resolve_method
 from engine_core.request import Request
-from engine_core.sampler import SamplingBatch, sample
 from engine_core.scheduler import SchedulerOutput
-from engine_core.speculative.verify import accepted, sampler_views
+from engine_core.speculative.draft_model import DraftModel
+from engine_core.speculative.verify import verify
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
@@ -110,9 +110,12 @@ class ModelRunner:
         model_cfg: ModelConfig,
         group: TPGroup = SINGLE,
         pipe: PipeLink | None = None,
+        draft_model: str | None = None,
     ):
         """`group`: the tensor-parallel group this runner is a rank of (its shard of the model and KV);
-        `pipe`: its link to the other pipeline stages (None: it runs every layer)."""
+        `pipe`: its link to the other pipeline stages (None: it runs every layer); `draft_model`: the path
+        of a speculative draft model this runner (rank 0's) runs beside the target, with its own KV pool
+        of as many blocks (engine_core/speculative/draft_model.py)."""
         configure_kernels(
             config.int8_activations
         )  # which kernels this process may use (PAGODA_DISABLE_*), before any runs
@@ -146,6 +149,11 @@ class ModelRunner:
             self.weight_bytes / 2**20,
             _rank_description(group, self.stage),
         )
+        self.draft = (
+            None
+            if draft_model is None
+            else DraftModel(draft_model, model_dir, model_cfg, self.dtype, self.device, self.block_size)
+        )
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
         self.followers: Followers | None = None  # set by the parallel executor on rank 0
         self.kv_cache: torch.Tensor | None = None
@@ -156,6 +164,8 @@ class ModelRunner:
 
     def _num_blocks(self) -> int:
         per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype, self.num_kv_heads, self.num_layers)
+        if self.draft is not None:  # every block exists in both pools
+            per_block += self.draft.kv_bytes_per_block()
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.config.kv_cache_memory is not None:
@@ -195,11 +205,15 @@ class ModelRunner:
         for layer_index, attn in enumerate(self.model.attention_layers()):
             attn.key_cache = self.kv_cache[layer_index, 0]
             attn.value_cache = self.kv_cache[layer_index, 1]
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
 
     def release_kv_cache(self) -> None:
         for attn in self.model.attention_layers():
             attn.key_cache = attn.value_cache = None
         self.kv_cache = None
+        if self.draft is not None:
+            self.draft.release_kv_cache()
 
     # ---- CUDA graphs ----------------------------------------------------------------------------
     def enable_decode_graphs(self, max_model_len: int, capture: bool = True) -> None:
@@ -247,12 +261,16 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.broadcast_step(step, rows)
         graphs = self.decode_graphs
+        inputs = None
         if graphs is not None and step.num_decodes == len(requests) and graphs.padded_size(len(requests)):
             hidden = graphs.run(
                 step.token_ids, step.positions, step.slot_mapping, step.seq_lens, [r.block_ids for r in requests]
             )
         else:
-            hidden = self.model(*self.to_device(step))
+            inputs = self.to_device(step)
+            hidden = self.model(*inputs)
+        if self.draft is not None:  # the draft's K/V for every token the target computes, in the same slots
+            self.draft.model(*(inputs or self.to_device(step)))
         pending = PendingStep(requests, counts, sampling, proposals, wanted, rows, len(step.token_ids), hidden)
         if self.pipe is not None:
             self.pipe.send_activations(hidden)
@@ -281,19 +299,22 @@ class ModelRunner:
         assert hidden is not None
         logits = self.model.compute_logits(hidden[torch.from_numpy(pending.rows.sample_rows).to(self.device)])
         assert logits is not None  # (rank 0 gets the gathered logits)
-        # One sampler row per logits row: a request, or a request at one of its proposals.
-        drafts = [pending.proposals.get(r.request_id, []) for r, _ in pending.sampling]
-        views = [view for (r, _), d in zip(pending.sampling, drafts, strict=True) for view in sampler_views(r, d)]
-        out = sample(logits, SamplingBatch.from_requests(views, self.model_cfg.vocab_size))
-        sampled, logprobs, row = {}, {}, 0
-        for (request, _), proposed in zip(pending.sampling, drafts, strict=True):
-            draws = out.token_ids[row : row + 1 + len(proposed)]
-            kept = accepted(draws, proposed)
-            sampled[request.request_id] = kept
-            if request.params.logprobs is not None:
-                logprobs[request.request_id] = [lp for lp in out.logprobs[row : row + len(kept)] if lp is not None]
-            row += 1 + len(proposed)
+        # One logits row per request, or per proposal plus one of a request that verifies proposals.
+        requests = [r for r, _ in pending.sampling]
+        drafts = [pending.proposals.get(r.request_id, []) for r in requests]
+        sampled, logprobs = verify(logits, requests, drafts, self.model_cfg.vocab_size)
         return StepResult(sampled, logprobs, prompt_logprobs)
+
+    @torch.inference_mode()
+    def draft_logits(self, requests: list[Request], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """The draft model's logits [B, V] for one token per request (`token_ids` at `positions`, whose
+        K/V it writes into the request's slots, which must exist): one step of proposing."""
+        assert self.draft is not None
+        step = _prepare_single(requests, token_ids, positions, self.block_size)
+        hidden = self.draft.model(*self.to_device(step))
+        logits = self.draft.model.compute_logits(hidden)
+        assert logits is not None
+        return logits
 
     def _receive_final_rows(self, rows: LogitsRows, num_tokens: int) -> torch.Tensor | None:
         """The final hidden states of a step's LM-head rows, from the last pipeline stage, in place in a
@@ -370,13 +391,15 @@ class ModelRunner:
 
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        seq_lens, block_tables, num_decodes, query_start_loc = _attention_rows(step)
         meta = AttentionMetadata(
             slot_mapping=to(step.slot_mapping),
-            num_decodes=step.num_decodes,
-            seq_lens=to(step.seq_lens),
-            max_decode_seq_len=int(step.seq_lens[: step.num_decodes].max(initial=0)),
-            block_tables=to(step.block_tables),
-            query_start_loc=to(step.query_start_loc),
+            num_decodes=num_decodes,
+            seq_lens=to(seq_lens),
+            max_decode_seq_len=int(seq_lens[:num_decodes].max(initial=0)),
+            block_tables=to(block_tables),
+            query_start_loc=to(query_start_loc),
+            prefills_from_start=bool((seq_lens[num_decodes:] == np.diff(query_start_loc)).all()),
         )
         return to(step.token_ids), to(step.positions), meta
 
@@ -393,6 +416,29 @@ class StepInputs:
     num_decodes: int
     query_start_loc: np.ndarray  # [P+1] over the prefill sequences
     last_token_index: list[int]  # [B] row of each sequence's last token in the flat batch
+
+
+# Query chunks of at most this many tokens attend as that many decodes (see `_attention_rows`).
+_SHORT_CHUNK_TOKENS = 16
+
+
+def _attention_rows(step: StepInputs) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+    """(seq_lens, block_tables, num_decodes, query_start_loc) for attention. When every query chunk in
+    the step is short (a speculative verification: the last token and its proposals; a prompt's short
+    tail), each of its tokens attends as a decode of its own: the same block table, the context up to
+    itself (its K/V and its predecessors' are in the cache before attention runs, so that is causal
+    attention). The decode kernel then serves the whole step, instead of the prefill path gathering each
+    chunk's whole context from the cache (a verification step cost 1.4x a plain decode step that way)."""
+    nd = step.num_decodes
+    q_lens = np.diff(step.query_start_loc)
+    if len(q_lens) == 0 or q_lens.max() > _SHORT_CHUNK_TOKENS:
+        return step.seq_lens, step.block_tables, nd, step.query_start_loc
+    counts = np.concatenate([np.ones(nd, dtype=np.int64), q_lens])
+    num_tokens = int(counts.sum())
+    last_row = np.repeat(np.cumsum(counts) - 1, counts)  # each token's sequence's last row
+    seq_lens = np.repeat(step.seq_lens, counts) - (last_row - np.arange(num_tokens))
+    block_tables = np.repeat(step.block_tables, counts, axis=0)
+    return seq_lens, block_tables, num_tokens, np.zeros(1, dtype=np.int64)
 
 
 def _prepare(
@@ -429,6 +475,26 @@ def _prepare(
         num_decodes,
         query_start_loc=np.concatenate(([0], np.cumsum(prefill_counts))),
         last_token_index=(np.cumsum(counts) - 1).tolist(),
+    )
+
+
+def _prepare_single(requests: list[Request], token_ids: list[int], positions: list[int], block_size: int) -> StepInputs:
+    """The flat inputs of a step that computes one token per request (a batch of decodes)."""
+    max_blocks = max(len(r.block_ids) for r in requests)
+    block_tables = np.zeros((len(requests), max_blocks), dtype=np.int64)
+    for i, request in enumerate(requests):
+        block_tables[i, : len(request.block_ids)] = request.block_ids
+    position = np.asarray(positions, dtype=np.int64)
+    rows = np.arange(len(requests))
+    return StepInputs(
+        np.asarray(token_ids, dtype=np.int64),
+        position,
+        block_tables[rows, position // block_size] * block_size + position % block_size,
+        position + 1,
+        block_tables,
+        num_decodes=len(requests),
+        query_start_loc=np.zeros(1, dtype=np.int64),
+        last_token_index=rows.tolist(),
     )
 
 

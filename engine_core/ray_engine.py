@@ -3,10 +3,10 @@ creates, watches and removes it).
 
 The actor holds an `EngineCoreProc` that connects back to the tokenizer process over tcp with CURVE
 (`EngineLinkKeys`, handed over in the constructor), then works exactly as the engine process does:
-`load` builds and warms up the engine (its tensor/pipeline-parallel ranks start as this process's
-children, on the same machine: the replica's placement group reserves their CPUs or GPUs), `run` is the
-busy loop until `stop` (a second call, hence a threaded actor) or a Shutdown. Ray is not imported here:
-the backend wraps this class with `ray.remote`.
+`load` builds and warms up the engine (it is rank 0 of a tensor/pipeline-parallel replica, in bundle 0
+of the replica's placement group; the other ranks start as Ray actors in the other bundles:
+engine_core/parallel/ray_ranks.py), `run` is the busy loop until `stop` (a second call, hence a threaded
+actor) or a Shutdown. Ray is not imported here: the backend wraps this class with `ray.remote`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,12 @@ class EngineActor:
         """Build and warm up the engine; what the launcher logs as "ready"."""
         started = time.monotonic()
         try:
-            self.proc.load(self.config)
+            ranks = None
+            if self.config.num_ranks > 1:
+                from engine_core.parallel.ray_ranks import RayRanks
+
+                ranks = RayRanks()
+            self.proc.load(self.config, ranks)
         except Exception as exc:
             self._fail(exc)
             raise

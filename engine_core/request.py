@@ -76,6 +76,9 @@ class Request:
         # Speculative decoding: tokens proposed for its next step (engine_core/speculative), and how its
         # proposals have fared (it stops being proposed for when they rarely hold).
         self.spec_token_ids: list[int] = []
+        # [len(spec_token_ids), V]: the distributions a draft model sampled them from (None: point masses,
+        # as n-gram proposals and greedy drafts are), for rejection sampling (speculative/verify.py)
+        self.spec_draft_probs: torch.Tensor | None = None
         self.spec_proposed = 0
         self.spec_accepted = 0
         if params.prompt_logprobs is not None:

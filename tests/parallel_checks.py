@@ -68,7 +68,7 @@ def killed_worker_fails_the_next_step(config, message: str) -> None:
     try:
         engine.add_request("a", list(range(5, 30)), SamplingParams(max_tokens=20, ignore_eos=True))
         engine.step()
-        worker = engine.executor.workers[0].process
+        worker = engine.executor.ranks.workers[0].process
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(5)
         started = time.monotonic()

@@ -9,7 +9,7 @@ import sys
 from api_proc.auth import AuthPolicy, read_keys
 from api_proc.router.policies import POLICIES
 from api_proc.router.settings import RouterSettings, backend_urls
-from api_proc.serve_settings import _count_or_off, _positive, _seconds, _seconds_or_off
+from api_proc.serve_settings import _positive, _seconds, _seconds_or_off, add_connection_args, add_log_format_args
 from engine_core.config import parse_size
 
 
@@ -103,32 +103,8 @@ def add_router_parser(subcommands) -> None:
     g.add_argument("--api-key-file", default=None, help="file with one API key per line ('#' comments)")
     g.add_argument("--protect-probes", action="store_true", help="the router's /health and /metrics need a key too")
     g.add_argument("--max-body-size", default="32MiB", help="largest request body (413 above)")
-    g.add_argument(
-        "--body-timeout",
-        type=_seconds_or_off,
-        default=30.0,
-        help="seconds a request body may go without a byte arriving (408; 0 = off)",
-    )
-    g.add_argument(
-        "--header-timeout",
-        type=_seconds_or_off,
-        default=30.0,
-        help="seconds a connection has to send a complete request head (408; 0 = off)",
-    )
-    g.add_argument(
-        "--keepalive-timeout", type=_seconds, default=75.0, help="seconds an idle client connection stays open"
-    )
-    g.add_argument(
-        "--max-connections",
-        type=_count_or_off,
-        default=1024,
-        help="open client connections; at the cap the longest-idle one is closed, or a new one gets 503 "
-        "when all are busy (0 = no cap)",
-    )
-    g = router.add_argument_group("logging")
-    # Also accepted before the command (`pagoda --log-level DEBUG router`); SUPPRESS keeps that value.
-    g.add_argument("--log-format", choices=["text", "json"], default=argparse.SUPPRESS, help="text or json lines")
-    g.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR (default: INFO)")
+    add_connection_args(g, "from clients")
+    add_log_format_args(router.add_argument_group("logging"))
     router.set_defaults(func=cmd_router)
 
 

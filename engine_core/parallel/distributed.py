@@ -162,46 +162,72 @@ def init_groups(
     rank: int,
     tensor_parallel_size: int,
     pipeline_parallel_size: int,
-    store_path: str,
+    store: str | dist.Store,
     device: torch.device,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    shm_paths: list[str] | None = None,
+    shm_paths: list[str | None] | None = None,
     peers_alive: Callable[[], bool] | None = None,
+    bind_host: str | None = None,
 ) -> tuple[TPGroup, PipeLink | None]:
     """Join the groups of global rank `rank` among `tensor_parallel_size x pipeline_parallel_size`
-    ranks meeting at the file `store_path` (blocks until all have): rank r is tensor-parallel rank
-    r % T of stage r // T. Returns its stage's tensor-parallel group and, with more than one stage, the
-    link to the other stages. `shm_paths`: each stage's shared-memory all-reduce file (CPU), whose
-    waits give up once `peers_alive` says a peer is gone."""
+    ranks meeting at `store` (blocks until all have): rank r is tensor-parallel rank r % T of stage
+    r // T. Returns its stage's tensor-parallel group and, with more than one stage, the link to the
+    other stages. `store`: a file on one machine, or rank 0's TCPStore (its address on the other ranks:
+    tcp://host:port) when the ranks span machines, where gloo binds `bind_host` (this rank's node
+    address, which the others reach). `shm_paths`: each stage's shared-memory all-reduce file (CPU;
+    None for a stage that is not on one machine), whose waits give up once `peers_alive` says a peer
+    is gone."""
     from engine_core.parallel.pipeline import PipeLink
 
     world = tensor_parallel_size * pipeline_parallel_size
-    store = dist.FileStore(store_path, world)
     timeout = timedelta(seconds=timeout_s)
+    store = open_store(store, world, timeout) if isinstance(store, str) else store
     stage, tp_rank = divmod(rank, tensor_parallel_size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     pipe = None
     if pipeline_parallel_size > 1:
-        pg = _process_group(dist.PrefixStore("pipe/", store), rank, world, device, timeout)
+        pg = _process_group(dist.PrefixStore("pipe/", store), rank, world, device, timeout, bind_host)
         pipe = PipeLink(Stage(stage, pipeline_parallel_size), tensor_parallel_size, rank, pg)
     if tensor_parallel_size == 1:
         return TPGroup(), pipe
     tp_store = dist.PrefixStore(f"stage{stage}/", store)
-    pg = _process_group(tp_store, tp_rank, tensor_parallel_size, device, timeout)
+    pg = _process_group(tp_store, tp_rank, tensor_parallel_size, device, timeout, bind_host)
     shm = None
-    if shm_paths is not None and device.type == "cpu":
-        shm = ShmAllReduce(shm_paths[stage], tp_rank, tensor_parallel_size, peers_alive or (lambda: True), timeout_s)
+    shm_path = shm_paths[stage] if shm_paths is not None else None
+    if shm_path is not None and device.type == "cpu":
+        shm = ShmAllReduce(shm_path, tp_rank, tensor_parallel_size, peers_alive or (lambda: True), timeout_s)
     return TPGroup(tp_rank, tensor_parallel_size, pg, shm), pipe
 
 
-def _process_group(store, rank: int, size: int, device: torch.device, timeout: timedelta):
-    """NCCL on CUDA, gloo on the CPU: a group object of its own (no default group: nothing global)."""
+def open_store(address: str, world: int, timeout: timedelta) -> dist.Store:
+    """A rank's view of where the group meets: tcp://host:port is rank 0's TCPStore, anything else a
+    file on this machine."""
+    if address.startswith("tcp://"):
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        return dist.TCPStore(host, int(port), world, False, timeout)
+    return dist.FileStore(address, world)
+
+
+def host_store(host: str, world: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[dist.Store, str]:
+    """Rank 0's TCPStore on `host` (a free port), and the address the other ranks open it at."""
+    store = dist.TCPStore(host, 0, world, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, f"tcp://{host}:{store.port}"
+
+
+def _process_group(store, rank: int, size: int, device: torch.device, timeout: timedelta, bind_host: str | None):
+    """NCCL on CUDA, gloo on the CPU: a group object of its own (no default group: nothing global).
+    Gloo binds `bind_host` when given (across machines; else the address this host name resolves to)."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
+    if bind_host is None:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    gloo_options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    gloo_options._timeout = timeout
+    gloo_options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    return dist.ProcessGroupGloo(store, rank, size, gloo_options)
 
 
 # What a model being built is split over (see `building_for`).

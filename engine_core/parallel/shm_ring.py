@@ -103,7 +103,7 @@ class _Fence:
         self._lock.acquire()
 
 
-def _process_gone(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
     """Whether process `pid` has exited (a zombie not yet reaped by its parent counts as gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -269,7 +269,7 @@ class RingWriter:
         if control[layout.reader(r, _R_STATE)] == _CLOSED:
             return True
         pid = control[layout.reader(r, _R_PID)]
-        return pid != 0 and _process_gone(pid)
+        return pid != 0 and process_gone(pid)
 
     def _describe(self, readers: list[int]) -> str:
         words = []
@@ -278,7 +278,7 @@ class RingWriter:
             if state == _DETACHED:
                 words.append(f"reader {r} (never attached)")
             else:
-                status = "process gone" if _process_gone(pid) else "closed its end" if state == _CLOSED else "alive"
+                status = "process gone" if process_gone(pid) else "closed its end" if state == _CLOSED else "alive"
                 words.append(f"reader {r} (pid {pid}, {status})")
         return ", ".join(words)
 
@@ -420,7 +420,7 @@ class RingReader:
                 if len(frames) == 2:
                     self._big.append(frames)
             return
-        if closed_before or _process_gone(self._writer_pid):
+        if closed_before or process_gone(self._writer_pid):
             self._fence()  # the flag (or the death) before the last look
             if not arrived():
                 ending = "closed the ring" if closed_before else f"(pid {self._writer_pid}) died"

@@ -14,14 +14,15 @@ Nothing here imports torch at module level: a worker pins its CPU threads before
 from __future__ import annotations
 
 import logging
-import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 from engine_core import cpu_binding
 from engine_core.config import EngineConfig
+from engine_core.host_memory import keep_freed_memory
 from engine_core.lifecycle import ParentLink, Report, init_child_process
 
 logger = logging.getLogger(__name__)
@@ -37,11 +38,18 @@ class WorkerSpec:
     rank: int  # global: tensor-parallel rank rank % T of stage rank // T
     tensor_parallel_size: int
     pipeline_parallel_size: int
-    store_path: str  # where the groups meet
-    shm_paths: list[str] | None  # each stage's shared-memory all-reduce file (CPU)
-    ring_spec: bytes  # msgpack of the broadcast ring's RingSpec
+    store: str  # where the groups meet: a file (all ranks on one machine) or tcp://host:port (rank 0's)
+    # Each stage's shared-memory all-reduce file (CPU; None for a stage not wholly on rank 0's machine).
+    shm_paths: list[str | None] | None
+    # How the steps arrive: the shared-memory ring (msgpack of its RingSpec, and this rank's reader
+    # index) on rank 0's machine, else over tcp (msgpack of a TcpFeedSpec).
+    ring_spec: bytes | None
+    ring_index: int
+    tcp_feed: bytes | None
     cores: tuple[int, ...] | None  # CPU cores to pin to (None: not pinned)
     runtime_dir: str  # the group's directory, removed by whoever outlives the other
+    leader_pid: int  # rank 0's process: the shared-memory waits give up once it is gone
+    bind_host: str | None  # the address gloo binds when the ranks span machines (this rank's node's)
 
 
 def run_worker(spec: WorkerSpec, parent_conn: Connection) -> None:
@@ -55,57 +63,75 @@ def run_worker(spec: WorkerSpec, parent_conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         cpu_binding.apply(spec.cores, spec.config.num_threads)
-        _serve(spec, link)
+        serve(spec, on_joining=lambda: link.send(Report.READY, phase="joining"))
     except Exception:
         logger.exception("parallel rank %d failed", spec.rank)
         raise SystemExit(1) from None
 
 
-def _serve(spec: WorkerSpec, link: ParentLink) -> None:
+def serve(spec: WorkerSpec, on_joining: Callable[[], None]) -> None:
+    """Join the groups (`on_joining` just before: rank 0 waits for it), load this rank's share of the
+    model, then follow rank 0's steps until it says stop (or its ring closes). Whatever starts the rank
+    (a child process here, a Ray actor in engine_core/parallel/ray_ranks.py) runs this."""
     import msgspec
     import torch
 
     from engine_core.model_config import ModelConfig
     from engine_core.model_runner import ModelRunner
-    from engine_core.parallel import step_message
     from engine_core.parallel.distributed import init_groups
-    from engine_core.parallel.shm_ring import RingClosed, RingPeerGone, RingReader, RingSpec
+    from engine_core.parallel.shm_ring import RingReader, RingSpec, process_gone
+    from engine_core.parallel.tcp_feed import TcpFeedReader, TcpFeedSpec
 
+    keep_freed_memory()  # before the model loads, as rank 0 does (engine_core/host_memory.py)
     config = spec.config
     torch.manual_seed(config.seed)
-    link.send(Report.READY, phase="joining")  # rank 0 waits for this (or our death) before it joins
-    parent = os.getppid()  # rank 0: while it lives, the group does
-    group, pipe = init_groups(
-        spec.rank,
-        spec.tensor_parallel_size,
-        spec.pipeline_parallel_size,
-        spec.store_path,
-        config.torch_device(),
-        shm_paths=spec.shm_paths,
-        peers_alive=lambda: os.getppid() == parent,
-    )
+    # Connected before the groups: rank 0 may send its first step as soon as every rank has joined.
+    reader: RingReader | TcpFeedReader
+    if spec.tcp_feed is not None:
+        reader = TcpFeedReader(msgspec.msgpack.decode(spec.tcp_feed, type=TcpFeedSpec))
+    else:
+        assert spec.ring_spec is not None
+        reader = RingReader(msgspec.msgpack.decode(spec.ring_spec, type=RingSpec), spec.ring_index)
     try:
-        runner = ModelRunner(config, Path(spec.model_dir), ModelConfig.from_dir(spec.model_dir), group, pipe)
-        reader = RingReader(msgspec.msgpack.decode(spec.ring_spec, type=RingSpec), spec.rank - 1)
+        on_joining()
+        group, pipe = init_groups(
+            spec.rank,
+            spec.tensor_parallel_size,
+            spec.pipeline_parallel_size,
+            spec.store,
+            config.torch_device(),
+            shm_paths=spec.shm_paths,
+            peers_alive=lambda: not process_gone(spec.leader_pid),  # (rank 0 lives: the group does)
+            bind_host=spec.bind_host,
+        )
         try:
-            while True:
-                try:
-                    buffer = reader.read(timeout_s=_READ_POLL_S)
-                except TimeoutError:
-                    continue
-                except (RingClosed, RingPeerGone):
-                    return  # rank 0 closed the ring or is gone: nothing more will come
-                message = step_message.decode(buffer)
-                if message == step_message.STOP:
-                    return
-                if message == step_message.HEAD:
-                    runner.follow_head()
-                else:
-                    assert isinstance(message, step_message.StepMessage)
-                    runner.follow(message.step, message.rows)
+            runner = ModelRunner(config, Path(spec.model_dir), ModelConfig.from_dir(spec.model_dir), group, pipe)
+            _follow(reader, runner)
         finally:
-            reader.close()
+            group.close()
+            if pipe is not None:
+                pipe.close()
     finally:
-        group.close()
-        if pipe is not None:
-            pipe.close()
+        reader.close()
+
+
+def _follow(reader, runner) -> None:
+    """Run each step rank 0 sends, until it says stop or its ring closes."""
+    from engine_core.parallel import step_message
+    from engine_core.parallel.shm_ring import RingClosed, RingPeerGone
+
+    while True:
+        try:
+            buffer = reader.read(timeout_s=_READ_POLL_S)
+        except TimeoutError:
+            continue
+        except (RingClosed, RingPeerGone):
+            return  # rank 0 closed the ring or is gone: nothing more will come
+        message = step_message.decode(buffer)
+        if message == step_message.STOP:
+            return
+        if message == step_message.HEAD:
+            runner.follow_head()
+        else:
+            assert isinstance(message, step_message.StepMessage)
+            runner.follow(message.step, message.rows)

@@ -9,11 +9,22 @@ while they equal the draws, then the first draw that differs (or x_k when all he
 - sampling: a proposal is a point mass q = δ(d), for which rejection sampling (accept with probability
   min(1, p(d) / q(d)) = p(d), else draw from (p - q)+ normalised, i.e. from p without d) is the same as
   drawing x ~ p and keeping d when x = d, else x. Every kept token is distributed exactly as the target's.
+
+A draft model that samples (temperature > 0) proposes d_j from its own distribution q_j, which it keeps
+(`Request.spec_draft_probs`); such a request is verified by rejection sampling proper: d_j is kept with
+probability min(1, p_j(d_j) / q_j(d_j)); the first one rejected is replaced by a draw from the normalised
+(p_j - q_j)+; when all hold, one more token comes from row k + 1 (`rejection_sample`). Its uniforms and
+draws come from the request's own generator, so a seeded request is reproducible. A greedy draft is a
+point mass again.
 """
 
 from __future__ import annotations
 
+import torch
+
+from engine_core.protocol import TokenLogprobs
 from engine_core.request import Request
+from engine_core.sampler import SamplingBatch, distributions, gather_logprobs, sample
 
 
 class DraftPosition:
@@ -61,8 +72,8 @@ def grammar_prefix(grammar, proposals: list[int]) -> list[int]:
     for index, token in enumerate(proposals):
         if not matcher.accept_token(token):
             return proposals[:index]
-        if matcher.is_terminated():  # complete: nothing may follow
-            return proposals[: index + 1]
+        if matcher.is_terminated():  # it took its stop token: no row may follow it, so the target draws it
+            return proposals[:index]
     return proposals
 
 
@@ -81,3 +92,65 @@ def accepted(draws: list[int], drafts: list[int]) -> list[int]:
     while kept < len(drafts) and draws[kept] == drafts[kept]:
         kept += 1
     return drafts[:kept] + [draws[kept]]
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator) -> list[int]:
+    """The tokens a request keeps of proposals `drafts` drawn from the rows of `q` [k, V], given the
+    target's distributions `p` [k + 1, V] (row j: the token after drafts[:j]); `generator` (None: torch's
+    global one) gives every uniform and draw."""
+    for j, token in enumerate(drafts):
+        if torch.rand((), generator=generator) * q[j, token] < p[j, token]:  # kept w.p. min(1, p/q)
+            continue
+        residual = (p[j] - q[j]).clamp_(min=0.0)
+        return drafts[:j] + [draw(residual if residual.sum() > 0 else p[j], generator)]
+    return drafts + [draw(p[len(drafts)], generator)]
+
+
+def draw(weights: torch.Tensor, generator) -> int:
+    """One index drawn with probability proportional to `weights` (CPU, float32): the exponential race."""
+    noise = torch.empty(weights.shape, dtype=weights.dtype).exponential_(generator=generator)
+    return int((weights / noise).argmax())
+
+
+def verify(
+    logits: torch.Tensor, requests: list[Request], proposals: list[list[int]], vocab_size: int
+) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+    """Each request's new tokens (and their packed logprobs, when asked for) from its logits rows: one row
+    per proposal plus one, the requests' rows one after another in `requests` order."""
+    # (request, its proposals, its first row): point masses (n-gram, greedy) or drafts sampled from q
+    point_masses: list[tuple[Request, list[int], int]] = []
+    rejecting: list[tuple[Request, list[int], int]] = []
+    row = 0
+    for request, drafts in zip(requests, proposals, strict=True):
+        sampled_draft = bool(drafts) and request.spec_draft_probs is not None and request.params.temperature > 0
+        (rejecting if sampled_draft else point_masses).append((request, drafts, row))
+        row += 1 + len(drafts)
+    sampled: dict[str, list[int]] = {}
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    if point_masses:
+        rows = [first + j for _, drafts, first in point_masses for j in range(1 + len(drafts))]
+        views = [view for request, drafts, _ in point_masses for view in sampler_views(request, drafts)]
+        out = sample(logits if not rejecting else logits[rows], SamplingBatch.from_requests(views, vocab_size))
+        offset = 0
+        for request, drafts, _ in point_masses:
+            kept = accepted(out.token_ids[offset : offset + 1 + len(drafts)], drafts)
+            sampled[request.request_id] = kept
+            if request.params.logprobs is not None:
+                logprobs[request.request_id] = _present(out.logprobs[offset : offset + len(kept)])
+            offset += 1 + len(drafts)
+    for request, drafts, first in rejecting:
+        views = sampler_views(request, drafts)
+        rows_of = logits[first : first + 1 + len(drafts)]
+        assert request.spec_draft_probs is not None
+        p = distributions(rows_of, SamplingBatch.from_requests(views, vocab_size)).cpu()
+        kept = rejection_sample(p, request.spec_draft_probs[: len(drafts)].cpu(), drafts, request.generator)
+        sampled[request.request_id] = kept
+        if request.params.logprobs is not None:
+            token_ids = torch.tensor(kept, dtype=torch.int64, device=logits.device)
+            batch = SamplingBatch.from_requests(views[: len(kept)], vocab_size)
+            logprobs[request.request_id] = _present(gather_logprobs(rows_of[: len(kept)], token_ids, batch))
+    return sampled, logprobs
+
+
+def _present(logprobs: list[TokenLogprobs | None]) -> list[TokenLogprobs]:
+    return [lp for lp in logprobs if lp is not None]

@@ -123,6 +123,14 @@ def available() -> bool:
 _workspace = torch.empty(0)
 
 
+def _int64(index: torch.Tensor) -> torch.Tensor:
+    """`index` as contiguous int64, itself when it is already (the usual case): two attribute reads
+    instead of two dispatched torch ops, which add up over every layer's calls."""
+    if index.dtype == torch.int64 and index.is_contiguous():
+        return index
+    return index.to(torch.int64).contiguous()
+
+
 def _scratch(numel: int) -> torch.Tensor:
     """A float32 scratch buffer reused across calls (grown when too small): no allocation per layer."""
     global _workspace
@@ -149,16 +157,17 @@ def paged_decode_attention(
         return reference(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len)
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
-    query = query.contiguous()
-    block_tables = block_tables.to(torch.int64).contiguous()
-    seq_lens = seq_lens.to(torch.int64).contiguous()
+    if not query.is_contiguous():
+        query = query.contiguous()
+    block_tables = _int64(block_tables)
+    seq_lens = _int64(seq_lens)
     max_len = block_tables.shape[1] * block_size
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    threads = min(torch.get_num_threads(), batch)
-    if batch * longest < 2048:  # too little work to pay for starting a thread
+    threads = torch.get_num_threads()  # (fewer sequences than threads: each is split between them)
+    if batch * longest < 256:  # too little work to pay for waking a thread (from 256 keys on, two win)
         threads = 1
     out = torch.empty_like(query)
-    workspace = _scratch(threads * num_heads * max_len)
+    workspace = _scratch(threads * ((num_heads + 2) * (max_len + 8) + 2 * num_heads + 2))  # see paged_attention.c
     lib["paged_decode_attention_f32"](
         query.data_ptr(),
         key_cache.data_ptr(),
@@ -199,7 +208,7 @@ def varlen_attention(
     if sliding_window is not None and not causal:
         raise ValueError("a sliding window applies to causal attention only")
     tokens, num_heads, head_dim = query.shape
-    cu_seqlens = query_start_loc.to(torch.int64).contiguous()
+    cu_seqlens = _int64(query_start_loc)
     starts = cu_seqlens.tolist()  # (host arithmetic: tensor ops on a few numbers cost more than the lists)
     lens = [end - start for start, end in itertools.pairwise(starts)]
     num_seqs = len(lens)
@@ -259,7 +268,7 @@ def rotary_embedding(
         from kernels.torch_ref.layers import rotary_embedding as reference
 
         return reference(positions, query, key, cos_sin_cache, is_neox_style)
-    positions = positions.to(torch.int64).contiguous()
+    positions = _int64(positions)
     lib["rotary_embedding_f32"](
         positions.data_ptr(),
         query.data_ptr(),
@@ -294,7 +303,7 @@ def reshape_and_cache(
         from kernels.torch_ref.attention import reshape_and_cache as reference
 
         return reference(key, value, key_cache, value_cache, slot_mapping)
-    slot_mapping = slot_mapping.to(torch.int64).contiguous()
+    slot_mapping = _int64(slot_mapping)
     lib["reshape_and_cache_f32"](
         key.data_ptr(),
         value.data_ptr(),

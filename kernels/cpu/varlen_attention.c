@@ -111,10 +111,14 @@ static void run_job(const Args *a, int64_t seq, int64_t kv_head, float *kt, floa
     const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
     const int64_t ld = round_up(len, COLS);
     if (len <= 0) return;
-    /* keys transposed, padded with zeros to a whole score tile */
-    for (int64_t j = 0; j < len; j++) {
-        const float *k_row = a->k + (start + j) * a->stride_k + kv_head * d;
-        for (int64_t x = 0; x < d; x++) kt[x * ld + j] = k_row[x];
+    /* keys transposed, padded with zeros to a whole score tile; 16 keys at a time, so that each row of kt
+     * is written a cache line at a time (key by key, the stores' stride of ld floats missed the cache
+     * for every element: a fifth of a 512-token prompt's attention time) */
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const int64_t count = len - j0 < 16 ? len - j0 : 16;
+        const float *k_rows = a->k + (start + j0) * a->stride_k + kv_head * d;
+        for (int64_t x = 0; x < d; x++)
+            for (int64_t j = 0; j < count; j++) kt[x * ld + j0 + j] = k_rows[j * a->stride_k + x];
     }
     for (int64_t x = 0; x < d; x++)
         for (int64_t j = len; j < ld; j++) kt[x * ld + j] = 0.f;

@@ -58,7 +58,10 @@ def test_echo_with_logprobs_lists_the_prompt_tokens_first(client, tokenizer, ref
     for i in range(1, len(ids)):
         assert abs(logprobs.token_logprobs[i] - ref[i - 1, ids[i]].item()) < 1e-4
         assert logprobs.tokens[i] in logprobs.top_logprobs[i] and len(logprobs.top_logprobs[i]) in (2, 3)
-    assert logprobs.token_logprobs[len(ids) :] == generated.logprobs.token_logprobs
+    # The same tokens; their logprobs agree to rounding only, since the echoed request's prompt may be
+    # computed by another kernel (prefix cache hit or not) than the first request's.
+    assert logprobs.tokens[len(ids) :] == generated.logprobs.tokens
+    assert logprobs.token_logprobs[len(ids) :] == pytest.approx(generated.logprobs.token_logprobs, abs=1e-4)
     assert logprobs.text_offset[len(ids)] == len(TEXT)  # the generated tokens' offsets follow the prompt
     assert echoed.model_extra["prompt_logprobs"] is not None  # echo with logprobs implies them, as in vLLM
 

@@ -138,6 +138,31 @@ def _running(server: PagodaServer) -> float:
     )
 
 
+def test_a_pipeline_over_two_nodes_answers_as_one_engine_and_a_dead_rank_ends_it_cleanly(
+    tmp_path, cluster, start_server
+):
+    """Two stages on two one-CPU nodes: rank 1 is a Ray actor on the other node, which gets its steps over
+    tcp with CURVE and meets rank 0 at its TCPStore; the answers equal a single engine's. SIGKILL of that
+    rank is noticed while idle and, this being the only replica, ends the server with exit 1 naming the
+    rank, leaving no actor and no placement group."""
+    server = ray_server(tmp_path, cluster, "--pipeline-parallel-size", "2")
+    try:
+        actors = alive_actors()
+        assert sorted(a["ActorClassName"] for a in actors) == ["EngineActor", "RankActor"]
+        assert len({a["Address"]["NodeID"] for a in actors}) == 2  # one stage per node
+        assert len(live_placement_groups()) == 1
+        assert "2 ranks (tensor parallel 1 x pipeline parallel 2; gloo, on 2 machines)" in server.log()
+        through_ray = complete_all(server, PROMPTS[:16], max_tokens=8)
+        rank = next(a for a in actors if a["ActorClassName"] == "RankActor")
+        os.kill(rank["Pid"], signal.SIGKILL)
+        assert server.process.wait(timeout=60) == 1
+        assert "WorkerDied: rank 1 (pipeline stage 2, tensor-parallel rank 0) (Ray actor on node" in server.log()
+    finally:
+        server.stop()
+    assert wait_until(lambda: alive_actors() == [] and live_placement_groups() == [], 10.0, 0.2)
+    assert complete_all(start_server(), PROMPTS[:16], max_tokens=8) == through_ray
+
+
 def test_a_placement_the_cluster_cannot_satisfy_fails_start_up_naming_the_resources(tmp_path, cluster):
     started = time.monotonic()
     run = subprocess.run(
@@ -179,9 +204,12 @@ def test_kill_9_of_the_server_leaves_no_actor_and_no_placement_group(tmp_path, c
 
 
 def test_a_local_cluster_goes_with_the_server_even_after_kill_9(tmp_path):
-    """No --ray-address: the server's own cluster (pagoda-ray and Ray's processes below it) and its
-    actors all go within 2 s of kill -9."""
-    server = PagodaServer(tmp_path, "--distributed-executor-backend", "ray", ready_timeout=300)
+    """No --ray-address, tensor parallel 2: both ranks are actors on this node (sharing memory), and the
+    server's own cluster (pagoda-ray and Ray's processes below it) and its actors all go within 2 s of
+    kill -9."""
+    server = PagodaServer(
+        tmp_path, "--distributed-executor-backend", "ray", "--tensor-parallel-size", "2", ready_timeout=300
+    )
     reply = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0).completions.create(
         model=MODEL_NAME, prompt="Hello", max_tokens=2, temperature=0
     )

@@ -36,10 +36,12 @@ def test_the_delay_is_capped_and_zero_restarts_means_down_for_good():
 
 def test_each_replica_gets_its_own_cores_and_gpus():
     """Replica i: the i-th core group, and on CUDA the GPUs from i x tensor_parallel_size (each of its
-    ranks one more: engine_core/parallel/executor.py rank_config)."""
+    ranks one more: engine_core/parallel/ranks.py ProcessRanks.rank_config)."""
     from api_proc.engine_replicas import replica_configs
     from engine_core.config import EngineConfig
-    from engine_core.parallel.executor import rank_config
+    from engine_core.parallel.ranks import ProcessRanks
+
+    rank_config = ProcessRanks().rank_config
 
     configs = replica_configs(EngineConfig(cpu_threads_bind="0|1", device="cuda:1", tensor_parallel_size=2), 2)
     assert [c.cpu_threads_bind for c in configs] == ["0", "1"]

@@ -12,6 +12,7 @@ import pytest
 
 from engine_core import LLM, SamplingParams, StructuredOutputsParams
 from engine_core.json_schema_support import unsupported_feature
+from engine_core.structured_output import LOAD_NICENESS
 
 EOS = 2
 PERSON = {
@@ -107,15 +108,33 @@ def test_regex_choice_and_grammar_outputs_always_match(llm):
 def test_json_object_and_logprobs_under_a_mask(llm):
     params = SamplingParams(
         temperature=1.0,
-        seed=7,
+        seed=0,
         max_tokens=120,
         logprobs=2,
         structured_outputs=StructuredOutputsParams(json_object=True),
     )
     out = llm.chat(ASK, params, use_tqdm=False)[0].outputs[0]
-    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)  # (this seed ends at ~50 tokens)
+    assert out.finish_reason == "stop" and isinstance(json.loads(out.text), dict)  # (this seed ends at 55 tokens)
     assert len(out.logprobs) == len(out.token_ids)  # raw logprobs, as without a constraint
     assert all(entry[token].logprob <= 0.0 for token, entry in zip(out.token_ids, out.logprobs, strict=True))
+
+
+def test_logprobs_under_a_grammar_are_the_models_own(llm):
+    """The grammar masks what may be drawn, not the reported logprobs: at the first generated position the
+    constrained request's top logprobs are the unconstrained one's (the same prompt, the same raw logits),
+    although the grammar allows only a few of those tokens there (masked and renormalised they would
+    differ)."""
+    free = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    constrained_params = SamplingParams(
+        temperature=0, max_tokens=1, logprobs=5, structured_outputs=StructuredOutputsParams(json=PERSON)
+    )
+    (plain,) = llm.chat([ASK], free, use_tqdm=False)
+    (masked,) = llm.chat([ASK], constrained_params, use_tqdm=False)
+    top = lambda out: {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}  # noqa: E731
+    # (The constrained entry also holds its own token, which the grammar chose; approximately equal: the
+    # second run's prompt comes from the prefix cache, by another attention path.)
+    plain_top, masked_top = top(plain), top(masked)
+    assert {t: masked_top.get(t) for t in plain_top} == pytest.approx(plain_top, abs=1e-3)
 
 
 def test_free_requests_greedy_tokens_unchanged_by_constrained_neighbours(llm):
@@ -216,6 +235,20 @@ def test_grammars_are_compiled_once_and_matchers_freed(llm):
     assert request.grammar is not None
     engine.abort_request("kept")
     assert request.grammar is None  # finishing (here: aborting) drops the matcher at once
+
+
+def test_the_start_up_load_runs_at_the_lowest_priority_and_a_request_need_not_wait_for_it(default_model_dir):
+    """The server starts the backend's load once it is ready, at the lowest priority (so that the first
+    requests keep both cores); a constrained request sent at once is compiled all the same."""
+    fresh = LLM(str(default_model_dir), kv_cache_memory="128MiB")
+    structured = fresh.engine.structured
+    structured.start()
+    out = fresh.generate("x", constrained(1, seed=3, max_tokens=24, choice=["yes", "no"]), use_tqdm=False)
+    assert out[0].outputs[0].text in ("yes", "no")
+    assert structured.loader is not None
+    structured.loader.join(60)
+    assert structured.load_niceness == LOAD_NICENESS
+    assert structured.backend() is structured.backend()  # one backend, whichever thread loaded it
 
 
 @pytest.mark.parametrize("option", [{"min_tokens": 20}, {"ignore_eos": True}])

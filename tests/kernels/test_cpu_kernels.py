@@ -26,7 +26,8 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
     assert result.stdout.strip() == "True", result.stderr
 
 
-@pytest.mark.parametrize("head_dim,block_size,groups", SHAPES)
+# (+ head sizes that are not a multiple of 64: the vector path's V pass does the last 8 to 56 dims apart)
+@pytest.mark.parametrize("head_dim,block_size,groups", SHAPES + [(96, 16, 2), (40, 16, 3)])
 @pytest.mark.parametrize("sliding_window", [None, 20])
 def test_compiled_cpu_decode_attention_matches_reference(head_dim, block_size, groups, sliding_window):
     reference = ref_attention.paged_decode_attention
@@ -40,6 +41,26 @@ def test_compiled_cpu_decode_attention_matches_reference(head_dim, block_size, g
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
     one = cpu.paged_decode_attention(q[3:4], kc, vc, bt[3:4], lens[3:4], head_dim**-0.5, sliding_window)
     torch.testing.assert_close(one, ref[3:4], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 4])
+@pytest.mark.parametrize("sliding_window", [None, 100])
+def test_fewer_sequences_than_threads_split_each_sequence_and_merge_exactly(threads, sliding_window):
+    """One stream (batch 1) or a few: each sequence's tokens are divided between the threads and the
+    parts' softmaxes merged. Lengths from one part holding every token to parts of a few blocks."""
+    reference = ref_attention.paged_decode_attention
+    gen = torch.Generator().manual_seed(threads)
+    seq_lens = [2500, 9, 700][: threads - 1] if threads > 2 else [2100]
+    kc, vc, bt, _, _ = scatter_to_cache(seq_lens, 16, 3, 64, gen)
+    q = torch.randn(len(seq_lens), 9, 64, generator=gen)
+    lens = torch.tensor(seq_lens)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = cpu.paged_decode_attention(q, kc, vc, bt, lens, 0.125, sliding_window)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(ours, reference(q, kc, vc, bt, lens, 0.125, sliding_window), atol=2e-5, rtol=1e-4)
 
 
 def _fused_qkv(tokens, num_heads, num_kv_heads, head_dim, gen):

@@ -10,12 +10,10 @@ mins, int8 per channel) at 1, 16 and 256 rows, against the dense `F.linear` in t
 CUDA) and against the weight-read bound: the packed weight's bytes (data, scales, mins) divided by the
 copy bandwidth, the least time any weight-only kernel can take while the weights do not fit in cache.
 
-    python -m benchmarks.kernels                   # shapes for the device found: Llama-3-8B on CUDA,
+    python -m benchmarks.kernel_ops                   # shapes for the device found: Llama-3-8B on CUDA,
                                                    # SmolLM2-135M on the CPU
-    python -m benchmarks.kernels --json out.json   # also save the rows
-    python -m benchmarks.kernels --only quantized  # one table: ops or quantized
-
-(As a module, from the repository root: run as a script, this file would shadow the `kernels` package.)
+    python -m benchmarks.kernel_ops --json out.json   # also save the rows
+    python -m benchmarks.kernel_ops --only quantized  # one table: ops or quantized
 """
 
 from __future__ import annotations
