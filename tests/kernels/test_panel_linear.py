@@ -135,3 +135,15 @@ def test_a_linear_with_a_fused_activation_keeps_onednn():
     assert layer.panels is None and layer.packed is not None
     x = torch.randn(3, 32)
     assert torch.allclose(layer(x), F.gelu(F.linear(x, w, bias)), atol=1e-5)
+
+
+def test_avx2_and_avx512_builds_give_the_same_bits(variant_libraries):
+    """Both sum each output over k in order with one FMA per term, whatever the tile: a model's tokens
+    do not depend on which of the two a machine has (the scalar build, without FMA, rounds otherwise)."""
+    if "avx2" not in variant_libraries:
+        pytest.skip("this machine has no AVX-512 to compare AVX2 with")
+    w, bias, x = _case(960, 576, 29, 8)
+    panels = PanelWeight.pack(w)
+    assert torch.equal(
+        cpu._panel_linear(variant_libraries["avx2"], x, panels, bias), kernels.panel_linear(x, panels, bias)
+    )
