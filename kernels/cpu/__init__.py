@@ -72,14 +72,17 @@ build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # ker
 def _build(name: str) -> Path:
     source_path = _DIR / f"{name}.c"
     flags = _COMMON_FLAGS + _LIBRARIES[name]
-    key = hashlib.sha256(
-        source_path.read_bytes() + " ".join(flags).encode() + platform.machine().encode() + _cpu_signature()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found")
+    key = hashlib.sha256(  # (another compiler, or CC set to one with other flags, builds its own copy)
+        source_path.read_bytes()
+        + " ".join([compiler, *flags]).encode()
+        + platform.machine().encode()
+        + _cpu_signature()
     ).hexdigest()[:16]
     target = build_dir / f"{name}-{key}.so"
     if not target.exists():
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            raise RuntimeError("no C compiler found")
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
