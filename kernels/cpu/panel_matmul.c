@@ -74,7 +74,11 @@ typedef float vecu __attribute__((vector_size(VW * 4), aligned(4)));
                 for (int r = 0; r < R; r++) acc[r][v] += s[r] * b;                                                \
             }                                                                                                     \
         }                                                                                                         \
-        for (int r = 0; r < R; r++) store(acc[r], bias, y + r * N, width);                                       \
+        for (int r = 0; r < R; r++) {                                                                             \
+            vec out[VPT]; /* (a copy: the accumulators' own address would keep them in memory) */                 \
+            for (int v = 0; v < VPT; v++) out[v] = acc[r][v];                                                     \
+            store(out, bias, y + r * N, width);                                                                   \
+        }                                                                                                         \
     }
 
 /* y[0:width] = acc (+ bias), one vector at a time: copies of the accumulators, never their address,
