@@ -512,13 +512,13 @@ def panel_linear(x: torch.Tensor, weight: panels.PanelWeight, bias: torch.Tensor
 
 def _panel_linear(lib, x: torch.Tensor, weight: panels.PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
     k, n = weight.in_features, weight.out_features
-    rows = x.reshape(-1, k)
+    rows = x if x.dim() == 2 else x.reshape(-1, k)  # (the model's calls are 2-D: no reshape op)
     if not rows.is_contiguous():
         rows = rows.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     m = rows.shape[0]
+    out = torch.empty((m, n) if x.dim() == 2 else (*x.shape[:-1], n), dtype=torch.float32)
     if m:
         threads = torch.get_num_threads() if m * k * n >= _THREADED_WORK else 1
         lib["panel_linear_f32"](
