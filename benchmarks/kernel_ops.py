@@ -13,7 +13,12 @@ copy bandwidth, the least time any weight-only kernel can take while the weights
     python -m benchmarks.kernel_ops                   # shapes for the device found: Llama-3-8B on CUDA,
                                                    # SmolLM2-135M on the CPU
     python -m benchmarks.kernel_ops --json out.json   # also save the rows
-    python -m benchmarks.kernel_ops --only quantized  # one table: ops or quantized
+    python -m benchmarks.kernel_ops --only quantized  # one table: ops, quantized or dense
+
+The dense table (CPU only) times one pass over a whole model's float32 projections, each layer its own
+copy of the weights as in a real step (so they stream from memory, not from cache): the panel matmul
+the engine uses (kernels/panels.py) against oneDNN's packed matmul, the path it replaced
+(`PAGODA_DISABLE_PANEL_LINEAR=1`), and MKL's F.linear, at decode and prefill row counts.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ CPU_SHAPE = Shape(9, 3, 64, 576, 1536, tokens=1024, decode_batch=16, context=102
 # down projection of Llama-3-8B on CUDA; SmolLM2-135M's fused QKV, gate/up and down on the CPU.
 GPU_LINEARS = [("qkv", 4096, 12288), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 CPU_LINEARS = [("qkv", 576, 960), ("gate_up", 576, 3072), ("down", 1536, 576)]
+# The dense table: SmolLM2-135M's four projections (QKV, output, gate/up, down) in each of its 30 layers.
+DENSE_LAYER = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)]
+DENSE_LAYERS = 30
+DENSE_ROWS = (1, 4, 16, 64, 512, 2048)
 QUANTIZED_ROWS = (1, 16, 256)  # decode, batched decode, prefill-sized
 QUANTIZED_FORMATS = [(4, 128, True), (8, -1, False)]  # (bits, group size, with mins): GPTQ/AWQ-like, per-channel
 
@@ -269,6 +278,58 @@ def quantized_table(linears: list[tuple[str, int, int]], dtype, device, bandwidt
     return rows
 
 
+def dense_table(bandwidth: float) -> list[dict]:
+    """CPU float32: a model's projections (DENSE_LAYERS copies of DENSE_LAYER) through the panel matmul,
+    oneDNN's packed matmul and F.linear, once per pass; print and return rows."""
+    from kernels.panels import PanelWeight
+
+    if not torch.backends.mkldnn.is_available():
+        print("\ndense: this torch has no oneDNN; skipped")
+        return []
+    layers = [[torch.randn(n, k) * k**-0.5 for _, k, n in DENSE_LAYER] for _ in range(DENSE_LAYERS)]
+    panels = [[PanelWeight.pack(w) for w in layer] for layer in layers]
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in layer] for layer in layers]
+    weight_bytes = DENSE_LAYERS * sum(4 * k * n for _, k, n in DENSE_LAYER)
+    fn = implementation("panel_linear", torch.device("cpu"))
+    print(
+        f"\ndense: {DENSE_LAYERS} layers x {len(DENSE_LAYER)} float32 projections ({weight_bytes / 2**20:.0f} MiB), "
+        f"panels ({fn.__module__}.{fn.__name__}) against oneDNN packed and F.linear, {torch.get_num_threads()} threads"
+    )
+    header = f"{'rows':>5} {'panels ms':>9} {'oneDNN ms':>9} {'MKL ms':>8} {'oneDNN/panels':>13} {'MKL/panels':>10}"
+    header += f" {'GB/s':>5}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+
+    def one_pass(matmul, weights, inputs) -> Callable[[], None]:
+        def run() -> None:
+            for layer in weights:
+                for (_, k, _), w in zip(DENSE_LAYER, layer, strict=True):
+                    matmul(inputs[k], w)
+
+        return run
+
+    def onednn_matmul(x, w):
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    cpu = torch.device("cpu")
+    for m in DENSE_ROWS:
+        inputs = {k: torch.randn(m, k) for k in {k for _, k, _ in DENSE_LAYER}}
+        seconds = 0.2 if m < 512 else 1.0
+        ours = timed(one_pass(fn, panels, inputs), cpu, seconds)
+        packed = timed(one_pass(onednn_matmul, onednn, inputs), cpu, seconds)
+        mkl = timed(one_pass(torch.nn.functional.linear, layers, inputs), cpu, seconds)
+        row = {"rows": m, "panels_ms": ours * 1e3, "onednn_ms": packed * 1e3, "mkl_ms": mkl * 1e3}
+        row |= {"onednn_over_panels": packed / ours, "mkl_over_panels": mkl / ours, "gb_s": weight_bytes / ours / 1e9}
+        rows.append(row)
+        print(
+            f"{m:>5} {row['panels_ms']:>9.2f} {row['onednn_ms']:>9.2f} {row['mkl_ms']:>8.2f} "
+            f"{row['onednn_over_panels']:>12.2f}x {row['mkl_over_panels']:>9.2f}x {row['gb_s']:>5.1f}"
+        )
+    print(f"(the weights' read bound at the copy bandwidth: {weight_bytes / bandwidth * 1e3:.2f} ms per pass)")
+    return rows
+
+
 def fp8_table(linears: list[tuple[str, int, int]], dtype, device, bandwidth: float) -> list[dict]:
     """CUDA only: the FP8 linear (torch._scaled_mm, per-token activation scales) against F.linear in
     `dtype` and its weight-read bound. (On the CPU an FP8 weight is dequantized per call: nothing to time.)"""
@@ -297,7 +358,9 @@ def fp8_table(linears: list[tuple[str, int, int]], dtype, device, bandwidth: flo
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=None, help="save the rows here")
-    parser.add_argument("--only", choices=["ops", "quantized"], default=None, help="run one table (default: both)")
+    parser.add_argument(
+        "--only", choices=["ops", "quantized", "dense"], default=None, help="run one table (default: all)"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -308,11 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, {dtype}, "
         f"copy bandwidth {bandwidth / 1e9:.0f} GB/s"
     )
-    rows = [] if args.only == "quantized" else ops_table(shape, dtype, device, bandwidth)
+    rows = ops_table(shape, dtype, device, bandwidth) if args.only in (None, "ops") else []
     linears = GPU_LINEARS if device.type == "cuda" else CPU_LINEARS
-    quantized = [] if args.only == "ops" else quantized_table(linears, dtype, device, bandwidth)
-    if args.only != "ops" and device.type == "cuda":
+    quantized = quantized_table(linears, dtype, device, bandwidth) if args.only in (None, "quantized") else []
+    if args.only in (None, "quantized") and device.type == "cuda":
         quantized += fp8_table(linears, dtype, device, bandwidth)
+    dense = dense_table(bandwidth) if args.only in (None, "dense") and device.type == "cpu" else []
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -322,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                     "copy_gb_s": bandwidth / 1e9,
                     "rows": rows,
                     "quantized": quantized,
+                    "dense": dense,
                 },
                 indent=2,
             )

@@ -20,6 +20,7 @@ VARIABLES = {
     "PAGODA_DISABLE_CPU_KERNELS": "1 = the plain torch kernels on the CPU instead of the compiled C ones",
     "PAGODA_DISABLE_TRITON": "1 = the plain torch kernels on CUDA instead of Triton (the GPU check's reference)",
     "PAGODA_DISABLE_ONEDNN_LINEAR": "1 = plain F.linear on the CPU instead of oneDNN's packed weights",
+    "PAGODA_DISABLE_PANEL_LINEAR": "1 = oneDNN's packed weights for CPU float32 linears, not the C panel matmul",
 }
 
 
@@ -53,6 +54,10 @@ def export_log_settings(level: str, log_format: str) -> None:
 
 def onednn_linear_disabled() -> bool:
     return _flag("PAGODA_DISABLE_ONEDNN_LINEAR")
+
+
+def panel_linear_disabled() -> bool:
+    return _flag("PAGODA_DISABLE_PANEL_LINEAR")
 
 
 def configure_kernels(int8_activations: bool = False) -> None:

@@ -253,11 +253,11 @@ def fill_dummy_weights(model, seed: int = 0) -> None:
 
 
 def _pack_linears(model) -> None:
-    """Hand CPU float32 linear weights to oneDNN's packed layout (see layers/linear.py). A tied LM
-    head keeps its plain weight too: it is also the embedding table."""
+    """Repack CPU float32 linear weights for the CPU's matmul (see layers/linear.py); a tied LM head's
+    weight is also the embedding table."""
     from engine_core.layers.linear import Linear
 
     tied = getattr(model, "embed_tokens", 0) is None
     for name, module in model.named_modules():
         if isinstance(module, Linear):
-            module.pack_for_cpu(keep_weight=tied and name.endswith("lm_head"))
+            module.pack_for_cpu(tied_embedding=tied and name.endswith("lm_head"))

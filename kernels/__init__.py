@@ -19,8 +19,10 @@ from pathlib import Path
 import torch
 
 from kernels import fp8 as _fp8
+from kernels import panels as _panels
 from kernels import quantized as _quantized
 from kernels.fp8 import Fp8Weight as Fp8Weight  # (re-exported, like PackedWeight)
+from kernels.panels import PanelWeight as PanelWeight
 from kernels.quantized import PackedWeight as PackedWeight  # (re-exported: the model layers hold one)
 from kernels.torch_ref import attention as _attn
 from kernels.torch_ref import layers as _layers
@@ -36,6 +38,7 @@ _TORCH: dict[str, Callable] = {
     "rotary_embedding": _layers.rotary_embedding,
     "quantized_linear": _quantized.reference_linear,
     "fp8_linear": _fp8.reference_linear,
+    "panel_linear": _panels.reference_linear,
 }
 _CUDA_NATIVE: dict[str, Callable] = {"fp8_linear": _fp8.scaled_mm_linear}  # torch's cuBLASLt FP8 GEMM
 _CPU_COMPILED = {
@@ -44,6 +47,7 @@ _CPU_COMPILED = {
     "rotary_embedding",
     "reshape_and_cache",
     "quantized_linear",
+    "panel_linear",
 }
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
 
@@ -90,6 +94,11 @@ def implementation(name: str, device: torch.device) -> Callable:
     return _resolve(name, device.type)
 
 
+def compiled(name: str, device: torch.device) -> bool:
+    """Whether `name` runs a compiled or Triton kernel on `device` rather than the torch reference."""
+    return implementation(name, device) is not _TORCH[name]
+
+
 def _dispatching(name: str) -> Callable:
     def call(first: torch.Tensor, *args, **kwargs):
         return implementation(name, first.device)(first, *args, **kwargs)
@@ -109,10 +118,15 @@ silu_and_mul = _dispatching("silu_and_mul")
 rotary_embedding = _dispatching("rotary_embedding")
 quantized_linear = _dispatching("quantized_linear")  # (x, PackedWeight, bias=None): see kernels/quantized.py
 fp8_linear = _dispatching("fp8_linear")  # (x, Fp8Weight, bias=None): see kernels/fp8.py
+panel_linear = _dispatching("panel_linear")  # (x, PanelWeight, bias=None): float32 on the CPU, kernels/panels.py
 
 
-def embedding_rows(weight: PackedWeight | Fp8Weight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Rows `ids` of a quantized weight, dequantized: the embedding lookup of a tied, quantized LM head."""
+def embedding_rows(
+    weight: PackedWeight | Fp8Weight | PanelWeight, ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows `ids` of a packed weight, in `dtype`: the embedding lookup of a tied LM head stored packed."""
+    if isinstance(weight, PanelWeight):
+        return weight.rows(ids).to(dtype)
     if isinstance(weight, Fp8Weight):
         return weight.rows(ids, dtype)
     return _quantized.embedding_rows(weight, ids, dtype)

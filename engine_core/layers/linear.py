@@ -6,9 +6,14 @@ MKL streams such weights up to 1.9x faster for a single decode token (576->3072:
 here), while narrowing projections (1536->576) are faster in the usual layout. Large batches run at the
 same speed either way. Merged layers (QKV, gate+up) make one matmul out of several small ones.
 
-After loading, `pack_for_cpu` hands float32 CPU weights to oneDNN in its own blocked layout (packed
-once, valid for any batch size): here 1.3x faster than MKL on the plain weight at one token and up
-to 2.7x at 16. The plain weight is then released, unless another module reads it too.
+After loading, `pack_for_cpu` repacks float32 CPU weights once, valid for any batch size, and releases
+the plain weight:
+- into panels of 16 output columns (kernels/panels.py) for the compiled C matmul: 1.2-1.5x faster
+  than oneDNN's packed matmul from 1 to 64 rows, level with it at prefill sizes (docs/decode-speed.md).
+  A tied LM head's embedding rows are read from its panels;
+- into oneDNN's blocked layout where the C kernels are off, and for a linear with a fused activation
+  (oneDNN applies it as it writes the output): 1.3x faster than MKL on the plain weight at one token
+  and up to 2.7x at 16. A tied LM head then keeps its plain weight too, for the embedding lookup.
 
 A quantized linear holds a `kernels.PackedWeight` (integer weights with group scales) or a
 `kernels.Fp8Weight` (FP8 on CUDA) instead (see engine_core/quantization). While a
@@ -39,10 +44,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from engine_core.environment import onednn_linear_disabled
+from engine_core.environment import onednn_linear_disabled, panel_linear_disabled
 from engine_core.parallel.distributed import TPGroup, building_group
 from engine_core.parallel.sharding import AttentionHeads, Span, split_rows, split_vocab
 from kernels.fp8 import Fp8Weight
+from kernels.panels import PanelWeight
 from kernels.quantized import PackedWeight
 
 _deferred = False  # inside deferred_weights(): linears are built without weight storage
@@ -161,6 +167,7 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(_weight(in_features, out_features, dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.panels: PanelWeight | None = None  # the weight in the C matmul's panels, once packed
         self.packed: torch.Tensor | None = None  # oneDNN's layout of the weight, once packed
         self.quantized: PackedWeight | Fp8Weight | None = None  # the quantized weight, which replaces `weight`
         self._quantized_linear = kernels.quantized_linear  # the kernel op for `quantized`'s type
@@ -195,25 +202,29 @@ class Linear(nn.Module):
         total = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
         if self.quantized is not None:
             return total + self.quantized.nbytes()
+        if self.panels is not None:
+            total += self.panels.nbytes()
         if self.packed is not None:
-            return total + self.packed.numel() * self.packed.element_size()
+            total += self.packed.numel() * self.packed.element_size()
         if not self.weight.is_meta:
             total += self.weight.numel() * self.weight.element_size()
         return total
 
-    def pack_for_cpu(self, keep_weight: bool = False) -> bool:
-        """Use oneDNN's packed layout from now on (float32 on the CPU only); True if packed."""
+    def pack_for_cpu(self, tied_embedding: bool = False) -> bool:
+        """Use the panels or oneDNN's packed layout from now on (float32 on the CPU only); True if packed.
+        `tied_embedding`: the weight is also the embedding table (a tied LM head)."""
         weight = self.weight
-        if (
-            self.quantized is not None
-            or weight.device.type != "cpu"
-            or weight.dtype != torch.float32
-            or not _onednn_usable()
-        ):
+        if self.quantized is not None or weight.device.type != "cpu" or weight.dtype != torch.float32:
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
-        if not keep_weight:  # the packed copy replaces it: no second copy of the weights in memory
-            self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
+        if self.activation is None and kernels.compiled("panel_linear", weight.device) and not panel_linear_disabled():
+            self.panels = PanelWeight.pack(weight)  # (the embedding lookup reads its rows: no plain copy)
+        elif _onednn_usable():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
+            if tied_embedding:  # oneDNN's layout cannot be read by row: keep the plain weight too
+                return True
+        else:
+            return False
+        self.weight = nn.Parameter(torch.empty(0, dtype=weight.dtype), requires_grad=False)
         return True
 
     def checkpoint_slices(self, part: int | None, kind: str) -> tuple[slice, ...] | None:
@@ -241,6 +252,8 @@ class Linear(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None:
             return self._quantized_linear(x, self.quantized, bias)
+        if self.panels is not None:
+            return kernels.panel_linear(x, self.panels, bias)
         if self.packed is not None:
             return self._packed_matmul(x, bias, "none", "")
         return F.linear(x, self.weight, bias)

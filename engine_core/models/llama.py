@@ -175,8 +175,9 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         if self.embed_tokens is not None:
             return self.embed_tokens[input_ids]
         assert self.lm_head is not None  # (tied: the LM head's weight is the table; the first stage embeds)
-        if self.lm_head.quantized is not None:  # a tied, quantized LM head: dequantize just these rows
-            return kernels.embedding_rows(self.lm_head.quantized, input_ids, self.lm_head.weight.dtype)
+        packed = self.lm_head.quantized or self.lm_head.panels  # (a tied LM head stored packed: just these rows)
+        if packed is not None:
+            return kernels.embedding_rows(packed, input_ids, self.lm_head.weight.dtype)
         return self.lm_head.weight[input_ids]
 
     def forward(

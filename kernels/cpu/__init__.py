@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import panels
 from kernels.quantized import PackedWeight, reference_linear
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ _LIBRARIES = {
     "varlen_attention": [*_FAST_MATH, "-fopenmp"],
     "elementwise": ["-fno-fast-math", "-ffp-contract=off"],
     "quantized_matmul": ["-fopenmp"],
+    "panel_matmul": ["-fopenmp"],
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -59,6 +61,7 @@ _SIGNATURES = {
     "quantized_q8_unit": [],
     "quantized_q8_workspace": [_I64] * 5,
     "quantized_batch_workspace": [_I64] * 3,
+    "panel_linear_f32": [_POINTER] * 4 + [_I64] * 4,
 }
 _RESULTS = {"quantized_q8_unit": _I64, "quantized_q8_workspace": _I64, "quantized_batch_workspace": _I64}
 _lib: dict[str, Callable[..., None]] = {}  # C function name -> the ctypes function
@@ -69,14 +72,17 @@ build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # ker
 def _build(name: str) -> Path:
     source_path = _DIR / f"{name}.c"
     flags = _COMMON_FLAGS + _LIBRARIES[name]
-    key = hashlib.sha256(
-        source_path.read_bytes() + " ".join(flags).encode() + platform.machine().encode() + _cpu_signature()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found")
+    key = hashlib.sha256(  # (another compiler, or CC set to one with other flags, builds its own copy)
+        source_path.read_bytes()
+        + " ".join([compiler, *flags]).encode()
+        + platform.machine().encode()
+        + _cpu_signature()
     ).hexdigest()[:16]
     target = build_dir / f"{name}-{key}.so"
     if not target.exists():
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            raise RuntimeError("no C compiler found")
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
@@ -494,3 +500,35 @@ def _tiled_matmul(lib, rows: torch.Tensor, packed: PackedWeight, bias, out: torc
             torch.mm(rows, w.t(), out=out[:, start:stop])
         else:
             torch.addmm(b, rows, w.t(), out=out[:, start:stop])
+
+
+def panel_linear(x: torch.Tensor, weight: panels.PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `kernels.panels.reference_linear` (float32 on the CPU: kernels/cpu/panel_matmul.c)."""
+    lib = _load()
+    if lib is None or x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
+        return panels.reference_linear(x, weight, bias)
+    return _panel_linear(lib, x, weight, bias)
+
+
+def _panel_linear(lib, x: torch.Tensor, weight: panels.PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    k, n = weight.in_features, weight.out_features
+    rows = x if x.dim() == 2 else x.reshape(-1, k)  # (the model's calls are 2-D: no reshape op)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    m = rows.shape[0]
+    out = torch.empty((m, n) if x.dim() == 2 else (*x.shape[:-1], n), dtype=torch.float32)
+    if m:
+        threads = torch.get_num_threads() if m * k * n >= _THREADED_WORK else 1
+        lib["panel_linear_f32"](
+            rows.data_ptr(),
+            weight.data.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            m,
+            k,
+            n,
+            threads,
+        )
+    return out

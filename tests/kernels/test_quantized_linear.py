@@ -16,11 +16,6 @@ row is off by far more):
 
 from __future__ import annotations
 
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -35,6 +30,7 @@ from kernels.quantized import (
     reference_linear,
     unpack,
 )
+from tests.kernels import isa_variants
 
 U = 2.0**-24
 
@@ -331,48 +327,15 @@ def test_cpu_dispatch_runs_the_c_kernel():
 # ---- the other instruction sets of the same source --------------------------------------------------
 
 
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def _variants() -> list[tuple[str, list[str]]]:
-    """The instruction sets this machine can run besides the one -march=native picks (AVX2 with and
-    without VNNI when it has AVX-512), and the scalar code."""
-    flags = _cpu_flags() if Path("/proc/cpuinfo").exists() else set()
-    variants = [("scalar", ["-mno-avx512f", "-mno-avxvnni", "-mno-avx2", "-mno-fma", "-mno-avx"])]
-    if "avx512f" in flags and {"avx2", "fma"} <= flags:
-        variants.append(("avx2", ["-mno-avx512f", "-mno-avxvnni"]))
-        if "avx_vnni" in flags:
-            variants.append(("avx-vnni", ["-mno-avx512f"]))
-    return variants
-
-
 @pytest.fixture(scope="module")
 def variant_libraries(tmp_path_factory):
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    built = {}
-    for name, extra in _variants():
-        target = tmp_path_factory.mktemp(name) / "quantized_matmul.so"
-        source = Path(cpu.__file__).parent / "quantized_matmul.c"
-        flags = [*cpu._COMMON_FLAGS, *cpu._LIBRARIES["quantized_matmul"], *extra]
-        subprocess.run([compiler, *flags, str(source), "-o", str(target), "-lm"], check=True, capture_output=True)
-        lib = ctypes.CDLL(str(target))
-        functions = {}
-        for symbol in cpu._SIGNATURES:
-            if hasattr(lib, symbol):
-                fn = getattr(lib, symbol)
-                fn.argtypes, fn.restype = cpu._SIGNATURES[symbol], cpu._RESULTS.get(symbol)
-                functions[symbol] = fn
-        built[name] = functions
-    return built
+    return {
+        name: isa_variants.build("quantized_matmul", tmp_path_factory.mktemp(name), extra)
+        for name, extra in isa_variants.variants()
+    }
 
 
-@pytest.mark.parametrize("variant", [name for name, _ in _variants()])
+@pytest.mark.parametrize("variant", [name for name, _ in isa_variants.variants()])
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("k,group", [(96, 64), (100, 32), (576, -1), (512, 128)])

@@ -1,0 +1,51 @@
+"""Float32 weights in panels of 16 output columns: the layout of the CPU's dense linear.
+
+A weight `W [N, K]` is stored as `data [Np / 16, K, 16]` (Np: N rounded up to 32 with zero rows):
+panel p holds output columns 16p..16p+15, one 64-byte line of them for each input column k. The C
+kernel (kernels/cpu/panel_matmul.c) then reads each weight once per step as a few sequential
+streams, which is what decode's handful of rows needs (why, and the measurements:
+docs/decode-speed.md). It is packed once at load time and replaces the plain weight; a tied LM head's
+embedding lookup reads its rows from the panels (`rows`), so no second copy is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+PANEL = 16  # output columns per panel
+PAD = 32  # N is padded to a multiple of this: a kernel tile covers two panels
+
+
+@dataclass
+class PanelWeight:
+    out_features: int  # N
+    in_features: int  # K
+    data: torch.Tensor  # float32 [Np / 16, K, 16]
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor) -> PanelWeight:
+        """Panels of `weight [N, K]` (float32; any strides)."""
+        n, k = weight.shape
+        padded = F.pad(weight.detach(), (0, 0, 0, (-n) % PAD))
+        return cls(n, k, padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous())
+
+    def unpack(self) -> torch.Tensor:
+        """The weight `[N, K]` again."""
+        return self.data.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """`W[ids]`: an embedding lookup in a tied LM head's panels (a strided gather per row)."""
+        flat = ids.reshape(-1)
+        picked = self.data[flat // PANEL, :, flat % PANEL]  # [len(ids), K]
+        return picked.reshape(*ids.shape, self.in_features)
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+def reference_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) through the unpacked weight: the reference, and the path without the C kernel."""
+    return F.linear(x, weight.unpack(), bias)

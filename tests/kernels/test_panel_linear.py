@@ -1,0 +1,149 @@
+"""The CPU's dense float32 linear on panel-packed weights (kernels/panels.py, kernels/cpu/panel_matmul.c)
+against float64, at every tile shape of every instruction set this machine can run, and the layer
+that uses it (engine_core/layers/linear.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from engine_core.layers.linear import Linear
+from kernels import cpu
+from kernels.panels import PanelWeight
+from tests.kernels import isa_variants
+
+U = 2.0**-24  # float32's unit roundoff
+# Every tile height and its remainders (AVX-512: 8 rows, AVX2: 6 from 4 rows on, 3 below, scalar: 2),
+# and row counts past a chunk of x (~1 MiB of rows: 170 rows of 1,536 columns).
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 64, 400]
+# (N, K): ragged N (the last tile partly or wholly padding), K of 1 and odd ones, SmolLM2's shapes.
+SHAPES = [(1, 1), (17, 7), (33, 96), (100, 1536), (960, 576)]
+
+
+def _case(n: int, k: int, m: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
+
+
+def _assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Within float32's error bound for sums of K products, from the float64 result."""
+    exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    magnitude = F.linear(x.double().abs(), w.double().abs()) + (0 if bias is None else bias.double().abs())
+    bound = 2 * (x.shape[-1] + 1) * U * magnitude + 1e-30
+    assert y.dtype == torch.float32 and y.shape == exact.shape
+    assert ((y.double() - exact).abs() <= bound).all(), float(((y.double() - exact).abs() / bound).max())
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_packing_round_trips_and_rows_are_the_weights_rows(n, k):
+    w = _case(n, k, 0, n * k)[0]
+    panels = PanelWeight.pack(w)
+    assert panels.data.shape == (-(-n // 32) * 2, k, 16)
+    assert torch.equal(panels.unpack(), w)
+    ids = torch.randint(0, n, (3, 5), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(panels.rows(ids), w[ids])
+    assert torch.equal(kernels.embedding_rows(panels, ids, torch.float32), w[ids])
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_matches_float64_at_every_tile_shape(m, n, k):
+    w, bias, x = _case(n, k, m, m * 1000 + n + k)
+    panels = PanelWeight.pack(w)
+    _assert_close_to_exact(kernels.panel_linear(x, panels), x, w, None)
+    _assert_close_to_exact(kernels.panel_linear(x, panels, bias), x, w, bias)
+
+
+@pytest.fixture(scope="module")
+def variant_libraries(tmp_path_factory):
+    return {
+        name: isa_variants.build("panel_matmul", tmp_path_factory.mktemp(name), extra)
+        for name, extra in isa_variants.variants()
+    }
+
+
+@pytest.mark.parametrize("variant", [name for name, _ in isa_variants.variants()])
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k", [(17, 7), (100, 1536), (960, 576)])
+def test_other_instruction_sets_match_float64(variant_libraries, variant, m, n, k):
+    w, bias, x = _case(n, k, m, m * 1000 + n + k + 1)
+    y = cpu._panel_linear(variant_libraries[variant], x, PanelWeight.pack(w), bias)
+    _assert_close_to_exact(y, x, w, bias)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count():
+    """Each output is one thread's sum over k in order, whatever tile its row falls in: a request's
+    tokens do not change with what it is batched with."""
+    w, bias, x = _case(960, 576, 23, 5)
+    panels = PanelWeight.pack(w)
+    batch = kernels.panel_linear(x, panels, bias)
+    alone = torch.cat([kernels.panel_linear(x[i : i + 1], panels, bias) for i in range(len(x))])
+    assert torch.equal(batch, alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.panel_linear(x, panels, bias), batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_inputs_of_any_layout_and_rank():
+    w, bias, x = _case(100, 96, 12, 6)
+    panels = PanelWeight.pack(w)
+    strided = torch.randn(96, 12).t()  # not contiguous
+    _assert_close_to_exact(kernels.panel_linear(strided, panels, bias), strided, w, bias)
+    three_d = x.reshape(3, 4, 96)
+    y = kernels.panel_linear(three_d, panels, bias)
+    assert y.shape == (3, 4, 100)
+    assert torch.equal(y.reshape(12, 100), kernels.panel_linear(x, panels, bias))
+    assert kernels.panel_linear(x[:0], panels).shape == (0, 100)
+
+
+def test_the_compiled_kernel_is_what_runs():
+    """A build failure must not fall back to the (unpacking) reference silently."""
+    assert cpu.available(), "the C kernels must build on this machine"
+    assert kernels.compiled("panel_linear", torch.device("cpu"))
+
+
+def _loaded_linear(n: int, k: int, **kwargs) -> tuple[Linear, torch.Tensor, torch.Tensor]:
+    layer = Linear(k, n, bias=True, dtype=torch.float32, **kwargs)
+    w, bias, _ = _case(n, k, 0, 7)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(bias)
+    return layer, w, bias
+
+
+def test_a_packed_linear_computes_from_panels_alone():
+    layer, w, bias = _loaded_linear(100, 64)
+    assert layer.pack_for_cpu(tied_embedding=True)
+    assert layer.panels is not None and layer.packed is None
+    assert layer.weight.numel() == 0  # no second copy, even as a tied embedding table: rows come from panels
+    assert layer.weight_bytes() == layer.panels.nbytes() + 100 * 4
+    x = torch.randn(5, 64)
+    _assert_close_to_exact(layer(x), x, w, bias)
+
+
+def test_a_linear_with_a_fused_activation_keeps_onednn():
+    """oneDNN applies the activation as it writes the output (BERT's GELU); the panels do not."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch")
+    layer, w, bias = _loaded_linear(64, 32, activation="gelu")
+    assert layer.pack_for_cpu()
+    assert layer.panels is None and layer.packed is not None
+    x = torch.randn(3, 32)
+    assert torch.allclose(layer(x), F.gelu(F.linear(x, w, bias)), atol=1e-5)
+
+
+def test_avx2_and_avx512_builds_give_the_same_bits(variant_libraries):
+    """Both sum each output over k in order with one FMA per term, whatever the tile: a model's tokens
+    do not depend on which of the two a machine has (the scalar build, without FMA, rounds otherwise)."""
+    if "avx2" not in variant_libraries:
+        pytest.skip("this machine has no AVX-512 to compare AVX2 with")
+    w, bias, x = _case(960, 576, 29, 8)
+    panels = PanelWeight.pack(w)
+    assert torch.equal(
+        cpu._panel_linear(variant_libraries["avx2"], x, panels, bias), kernels.panel_linear(x, panels, bias)
+    )
