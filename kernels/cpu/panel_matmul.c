@@ -77,15 +77,15 @@ typedef float vecu __attribute__((vector_size(VW * 4), aligned(4)));
         for (int r = 0; r < R; r++) {                                                                             \
             vec out[VPT]; /* (a copy: the accumulators' own address would keep them in memory) */                 \
             for (int v = 0; v < VPT; v++) out[v] = acc[r][v];                                                     \
-            store(out, bias, y + r * N, width);                                                                   \
+            store(out, VPT, bias, y + r * N, width);                                                                   \
         }                                                                                                         \
     }
 
 /* y[0:width] = acc (+ bias), one vector at a time: copies of the accumulators, never their address,
  * which would keep them in memory instead of registers. */
-static inline __attribute__((always_inline)) void store(const vec acc[VPT], const float *restrict bias,
+static inline __attribute__((always_inline)) void store(const vec *acc, const int count, const float *restrict bias,
                                                         float *restrict y, int64_t width) {
-    for (int v = 0; v < VPT; v++) {
+    for (int v = 0; v < count; v++) {
         vec t = acc[v];
         const int64_t c0 = v * VW;
         if (width >= c0 + VW) {
@@ -123,21 +123,8 @@ TILE(8)
 #define STORE_ROW(r)                                                                                  \
     if (rows_ > r) {                                                                                    \
         const vec acc[2] = {(vec)c##r##0, (vec)c##r##1};                                              \
-        store_panel(acc, bias, y + r * N, width);                                                    \
+        store(acc, 2, bias, y + r * N, width);                                                        \
     }
-static inline __attribute__((always_inline)) void store_panel(const vec acc[2], const float *restrict bias,
-                                                              float *restrict y, int64_t width) {
-    for (int v = 0; v < 2; v++) {
-        vec t = acc[v];
-        const int64_t c0 = v * VW;
-        if (width >= c0 + VW) {
-            if (bias != NULL) t += *(const vecu *)(bias + c0);
-            *(vecu *)(y + c0) = t;
-        } else {
-            for (int64_t c = c0; c < width; c++) y[c] = t[c - c0] + (bias != NULL ? bias[c] : 0.f);
-        }
-    }
-}
 #define PANEL_TILE(R)                                                                                          \
     static void panel_tile_##R(const float *restrict x, int64_t K, const float *restrict p,                    \
                                const float *restrict bias, float *restrict y, int64_t N, int64_t width) {      \

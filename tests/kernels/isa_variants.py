@@ -51,3 +51,8 @@ def build(library: str, directory: Path, extra: list[str]) -> dict:
             fn.argtypes, fn.restype = argtypes, cpu._RESULTS.get(symbol)
             functions[symbol] = fn
     return functions
+
+
+def build_all(library: str, tmp_path_factory) -> dict[str, dict]:
+    """`build` for every variant: {variant name: its C functions by name} (a module fixture's value)."""
+    return {name: build(library, tmp_path_factory.mktemp(name), extra) for name, extra in variants()}

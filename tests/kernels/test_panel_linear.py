@@ -58,10 +58,7 @@ def test_matches_float64_at_every_tile_shape(m, n, k):
 
 @pytest.fixture(scope="module")
 def variant_libraries(tmp_path_factory):
-    return {
-        name: isa_variants.build("panel_matmul", tmp_path_factory.mktemp(name), extra)
-        for name, extra in isa_variants.variants()
-    }
+    return isa_variants.build_all("panel_matmul", tmp_path_factory)
 
 
 @pytest.mark.parametrize("variant", [name for name, _ in isa_variants.variants()])

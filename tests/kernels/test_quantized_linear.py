@@ -329,10 +329,7 @@ def test_cpu_dispatch_runs_the_c_kernel():
 
 @pytest.fixture(scope="module")
 def variant_libraries(tmp_path_factory):
-    return {
-        name: isa_variants.build("quantized_matmul", tmp_path_factory.mktemp(name), extra)
-        for name, extra in isa_variants.variants()
-    }
+    return isa_variants.build_all("quantized_matmul", tmp_path_factory)
 
 
 @pytest.mark.parametrize("variant", [name for name, _ in isa_variants.variants()])
