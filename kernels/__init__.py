@@ -49,6 +49,9 @@ _CPU_COMPILED = {
     "quantized_linear",
     "panel_linear",
 }
+# Ops that exist for the CPU alone: a CUDA linear keeps its plain weight for cuBLAS and never holds
+# panels, so there is no Triton kernel to resolve (a CUDA tensor would get the reference).
+_CPU_ONLY = {"panel_linear"}
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
 
 
@@ -79,7 +82,7 @@ def _triton(name: str) -> Callable:
 
 @functools.cache
 def _resolve(name: str, device_type: str) -> Callable:
-    if device_type == "cuda" and _enabled["cuda"]:
+    if device_type == "cuda" and _enabled["cuda"] and name not in _CPU_ONLY:
         return _CUDA_NATIVE[name] if name in _CUDA_NATIVE else _triton(name)
     if device_type == "cpu" and name in _CPU_COMPILED and _enabled["cpu"]:
         from kernels import cpu
@@ -96,7 +99,7 @@ def implementation(name: str, device: torch.device) -> Callable:
 
 def compiled(name: str, device: torch.device) -> bool:
     """Whether `name` runs a compiled or Triton kernel on `device` rather than the torch reference."""
-    return implementation(name, device) is not _TORCH[name]
+    return _resolve(name, device.type) is not _TORCH[name]
 
 
 def _dispatching(name: str) -> Callable:

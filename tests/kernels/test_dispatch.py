@@ -19,9 +19,10 @@ from tests.helpers import run_engine
 pytest.importorskip("triton")
 
 NAMES = sorted(kernels._TORCH)
+CUDA_NAMES = sorted(set(kernels._TORCH) - kernels._CPU_ONLY)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", CUDA_NAMES)
 def test_cuda_kernel_has_the_reference_signature(name):
     """Each op's CUDA kernel is Triton's, or torch's own where it has a better one (FP8 GEMMs)."""
     cuda_fn, reference = kernels._resolve.__wrapped__(name, "cuda"), kernels._TORCH[name]
@@ -51,8 +52,19 @@ def test_model_on_triton_kernels_gives_the_torch_tokens(tiny_model, monkeypatch)
     config = EngineConfig(model=str(tiny_model), max_num_batched_tokens=40, num_kv_blocks=48, max_model_len=256)
     expected = run_engine(EngineCore(config), prompts, params)
 
-    monkeypatch.setattr(kernels, "implementation", lambda name, device: kernels._triton(name))
+    on_cpu = kernels.implementation  # (the CPU-only ops, the float32 panel linear, stay where they are)
+    monkeypatch.setattr(
+        kernels,
+        "implementation",
+        lambda name, device: on_cpu(name, device) if name in kernels._CPU_ONLY else kernels._triton(name),
+    )
     assert run_engine(EngineCore(config), prompts, params) == expected
     engine = EngineCore(config)
     engine.runner.enable_decode_graphs(engine.max_model_len, capture=False)  # padded decode batches
     assert run_engine(engine, prompts, params) == expected
+
+
+@pytest.mark.parametrize("name", sorted(kernels._CPU_ONLY))
+def test_a_cpu_only_op_on_cuda_tensors_is_the_reference(name):
+    """No Triton kernel to find: a CUDA tensor gets the torch reference, never an AttributeError."""
+    assert kernels._resolve.__wrapped__(name, "cuda") is kernels._TORCH[name]
