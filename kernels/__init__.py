@@ -2,7 +2,8 @@
 
 Every op has a plain torch implementation (`kernels.torch_ref`), the reference in tests and the
 fallback everywhere. On the CPU, ops with a compiled C kernel (`kernels.cpu`) use it when it builds.
-On CUDA every op has a Triton kernel with the same signature (`kernels.triton`), imported the first
+On CUDA every op but the CPU-only ones (`_CPU_ONLY`: the float32 panel linear, whose weights only
+the CPU path packs) has a Triton kernel with the same signature (`kernels.triton`), imported the first
 time a CUDA tensor asks for one, so CPU processes never load Triton; FP8 linears use torch's own CUDA
 kernel instead (`torch._scaled_mm`, kernels/fp8.py). `configure` turns the compiled
 C kernels or Triton off (the torch path is then used: the reference the GPU check compares against)
