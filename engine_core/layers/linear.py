@@ -8,10 +8,11 @@ same speed either way. Merged layers (QKV, gate+up) make one matmul out of sever
 
 After loading, `pack_for_cpu` repacks float32 CPU weights once, valid for any batch size, and releases
 the plain weight:
-- into panels of 16 output columns (kernels/panels.py) for the compiled C matmul: 1.2-1.5x faster
-  than oneDNN's packed matmul from 1 to 64 rows, level with it at prefill sizes (docs/decode-speed.md).
-  A tied LM head's embedding rows are read from its panels;
-- into oneDNN's blocked layout where the C kernels are off, and for a linear with a fused activation
+- into panels of 16 output columns (kernels/panels.py) for the compiled C matmul: against oneDNN's
+  packed matmul in one run, 1.36x as fast at one row, 1.02-1.20x at 4-64, level at prefill sizes
+  (docs/decode-speed.md). A tied LM head's embedding rows are read from its panels;
+- into oneDNN's blocked layout where the C kernels are off or PAGODA_DISABLE_PANEL_LINEAR=1, and for a
+  linear with a fused activation
   (oneDNN applies it as it writes the output): 1.3x faster than MKL on the plain weight at one token
   and up to 2.7x at 16. A tied LM head then keeps its plain weight too, for the embedding lookup.
 

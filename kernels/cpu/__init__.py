@@ -512,6 +512,8 @@ def panel_linear(x: torch.Tensor, weight: panels.PanelWeight, bias: torch.Tensor
 
 def _panel_linear(lib, x: torch.Tensor, weight: panels.PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
     k, n = weight.in_features, weight.out_features
+    if x.shape[-1] != k:  # (the C kernel would read past the rows)
+        raise ValueError(f"panel_linear: input has {x.shape[-1]} features, the weight takes {k}")
     rows = x if x.dim() == 2 else x.reshape(-1, k)  # (the model's calls are 2-D: no reshape op)
     if not rows.is_contiguous():
         rows = rows.contiguous()

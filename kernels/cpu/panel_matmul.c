@@ -5,9 +5,9 @@
  * Why its own layout: decode multiplies a few rows by every weight of the model, so a step is the time
  * to stream the weights once. Panels make that one sequential read per tile of output columns, each
  * k step a whole cache line of each panel, and a tile covers two panels, two streams for the hardware
- * prefetchers. oneDNN's packed matmul reads the same weights ~1.3-1.5x slower from 1 to 64 rows on
- * this machine kind; from ~512 rows on the two are level (docs/decode-speed.md), so one copy of the
- * weights serves decode and prefill.
+ * prefetchers. Against oneDNN's packed matmul on this machine kind (same run, a model's weights
+ * streamed): 1.36x as fast at one row, 1.02-1.20x at 4-64 rows, level within the noise from 512 rows
+ * on (docs/decode-speed.md), so one copy of the weights serves decode and prefill.
  *
  * A tile is ROWS rows x 32 columns of accumulators held in registers (16 zmm with AVX-512, 12 ymm
  * with AVX2), the k loop unrolled 8 times. With many rows, a chunk of ~1 MiB of x stays in L2 while

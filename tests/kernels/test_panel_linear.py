@@ -96,6 +96,8 @@ def test_inputs_of_any_layout_and_rank():
     assert y.shape == (3, 4, 100)
     assert torch.equal(y.reshape(12, 100), kernels.panel_linear(x, panels, bias))
     assert kernels.panel_linear(x[:0], panels).shape == (0, 100)
+    with pytest.raises(ValueError, match="95 features"):
+        kernels.panel_linear(x[:, :95], panels)
 
 
 def test_the_compiled_kernel_is_what_runs():
