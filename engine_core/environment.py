@@ -21,6 +21,7 @@ VARIABLES = {
     "PAGODA_DISABLE_TRITON": "1 = the plain torch kernels on CUDA instead of Triton (the GPU check's reference)",
     "PAGODA_DISABLE_ONEDNN_LINEAR": "1 = plain F.linear on the CPU instead of oneDNN's packed weights",
     "PAGODA_DISABLE_PANEL_LINEAR": "1 = oneDNN's packed weights for CPU float32 linears, not the C panel matmul",
+    "PAGODA_DISABLE_FUSED_DECODE": "1 = CPU decode steps run layer by layer in torch, not as one C call per step",
 }
 
 
@@ -58,6 +59,10 @@ def onednn_linear_disabled() -> bool:
 
 def panel_linear_disabled() -> bool:
     return _flag("PAGODA_DISABLE_PANEL_LINEAR")
+
+
+def fused_decode_disabled() -> bool:
+    return _flag("PAGODA_DISABLE_FUSED_DECODE")
 
 
 def configure_kernels(int8_activations: bool = False) -> None:

@@ -25,6 +25,7 @@ from engine_core.layers.linear import Linear, MergedLinear
 from engine_core.layers.rotary import RotaryEmbedding
 from engine_core.model_config import ModelConfig
 from engine_core.models.checkpoint import CheckpointLoading
+from engine_core.models.fused_decode import FusedDecodeSeat
 from engine_core.parallel.distributed import building_group, building_stage
 from engine_core.parallel.sharding import AttentionHeads, Span
 from engine_core.quantization.assembly import LinearAssembler
@@ -156,10 +157,15 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if self.stage.is_last else None
+        self.fused_decode = FusedDecodeSeat()  # (CPU decode steps: every layer in one C call)
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """This stage's layers."""
+        # (cast: nn.ModuleList is not generic, its items are typed as any Module)
+        return [cast(LlamaDecoderLayer, self.layers[i]) for i in self.layer_range]
 
     def attention_layers(self) -> list[Attention]:
-        # (cast: nn.ModuleList is not generic, its items are typed as any Module)
-        return [cast(LlamaDecoderLayer, self.layers[i]).self_attn.attn for i in self.layer_range]
+        return [layer.self_attn.attn for layer in self.decoder_layers()]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.parallel:
@@ -194,7 +200,19 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
             hidden, residual = self.embed(input_ids), None
         else:
             hidden, residual = activations[0], activations[1]
-        for i in self.layer_range:
+        fused = self.fused_decode.decoder_for(self, meta, hidden)
+        if fused is not None:
+            assert isinstance(meta, AttentionMetadata)
+            hidden, residual = fused(
+                positions,
+                hidden,
+                residual,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.max_decode_seq_len,
+            )
+        for i in self.layer_range if fused is None else ():
             hidden, residual = self.layers[i](positions, hidden, residual, meta)
         assert residual is not None  # (every stage holds a layer)
         if self.norm is None:

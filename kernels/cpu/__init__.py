@@ -48,6 +48,7 @@ _LIBRARIES = {
     "elementwise": ["-fno-fast-math", "-ffp-contract=off"],
     "quantized_matmul": ["-fopenmp"],
     "panel_matmul": ["-fopenmp"],
+    "decoder": ["-fopenmp"],  # (calls the others' kernels through pointers: its own flags are its own ops')
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -62,8 +63,15 @@ _SIGNATURES = {
     "quantized_q8_workspace": [_I64] * 5,
     "quantized_batch_workspace": [_I64] * 3,
     "panel_linear_f32": [_POINTER] * 4 + [_I64] * 4,
+    "decode_layers_f32": [_POINTER, _POINTER, _I64, _POINTER],
+    "decoder_scratch_floats": [_POINTER, _I64, _I64, _I64],
 }
-_RESULTS = {"quantized_q8_unit": _I64, "quantized_q8_workspace": _I64, "quantized_batch_workspace": _I64}
+_RESULTS = {
+    "decoder_scratch_floats": _I64,
+    "quantized_q8_unit": _I64,
+    "quantized_q8_workspace": _I64,
+    "quantized_batch_workspace": _I64,
+}
 _lib: dict[str, Callable[..., None]] = {}  # C function name -> the ctypes function
 _failed = False
 build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # kernels.configure sets it

@@ -1,0 +1,105 @@
+"""The fused CPU decode path of the Llama family: a decode step's layers as one C call.
+
+A step whose tokens are all single-token decodes runs `kernels.cpu.decoder.FusedDecoder` over this
+stage's layers instead of the layer-by-layer forward, when every projection is a float32 panel matmul
+(no quantized weights), there is no tensor parallel (its all-reduces sit between the layers' ops), and
+`PAGODA_DISABLE_FUSED_DECODE` is not set. Prefill and mixed steps keep the layer-by-layer forward, whose
+small ops are a small share of those steps. docs/decode-speed.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+import kernels
+from engine_core.environment import fused_decode_disabled
+from engine_core.layers.attention import AttentionMetadata
+from kernels.cpu.decoder import FusedDecoder, LayerTensors, Shape
+
+if TYPE_CHECKING:
+    from engine_core.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+class FusedDecodeSeat:
+    """Holds a model's `FusedDecoder`, built on the first decode step and again if the KV caches move."""
+
+    def __init__(self) -> None:
+        self.enabled = True  # (benchmarks and tests switch it off to run the layer-by-layer forward)
+        self._decoder: FusedDecoder | None = None
+        self._built_for: tuple[int, int] | None = None  # the caches' addresses it was built for
+
+    def decoder_for(self, model: LlamaForCausalLM, meta: object, hidden: torch.Tensor) -> FusedDecoder | None:
+        """The fused decoder to run this step with, or None for the layer-by-layer forward."""
+        if (
+            not self.enabled
+            or not isinstance(meta, AttentionMetadata)
+            or meta.num_decodes != hidden.shape[0]
+            or hidden.device.type != "cpu"
+            or hidden.dtype != torch.float32
+        ):
+            return None
+        attention = model.attention_layers()
+        first, last = attention[0], attention[-1]
+        if first.key_cache is None or last.value_cache is None:
+            return None
+        key = (first.key_cache.data_ptr(), last.value_cache.data_ptr())
+        if key != self._built_for:
+            self._built_for, self._decoder = key, _build(model)
+        return self._decoder
+
+
+def _build(model: LlamaForCausalLM) -> FusedDecoder | None:
+    if fused_decode_disabled() or model.tp.parallel or not kernels.compiled("panel_linear", torch.device("cpu")):
+        return None
+    layers = model.decoder_layers()
+    tensors = [t for t in map(_layer_tensors, layers) if t is not None]
+    if len(tensors) != len(layers):
+        return None
+    attention = layers[0].self_attn
+    cfg = model.cfg
+    shape = Shape(
+        hidden=cfg.hidden_size,
+        num_heads=attention.num_heads,
+        num_kv_heads=attention.num_kv_heads,
+        head_dim=attention.head_dim,
+        intermediate=cfg.intermediate_size,
+        eps=cfg.rms_norm_eps,
+        sliding_window=attention.attn.sliding_window,
+    )
+    try:
+        return FusedDecoder(shape, tensors, attention.rotary.cos_sin_cache, attention.rotary.is_neox_style)  # type: ignore[arg-type]
+    except (ValueError, RuntimeError) as exc:
+        logger.info("decode steps run layer by layer: %s", exc)
+        return None
+
+
+def _layer_tensors(layer: LlamaDecoderLayer) -> LayerTensors | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, o, gate_up, down = (p.panels for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    if qkv is None or o is None or gate_up is None or down is None:
+        return None  # (quantized, or the plain/oneDNN path: the fused path reads panels only)
+    if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
+        return None
+    key_cache, value_cache = attn.attn.key_cache, attn.attn.value_cache
+    if key_cache is None or value_cache is None:
+        return None
+    q_norm, k_norm = attn.q_norm, attn.k_norm
+    return LayerTensors(
+        input_norm=layer.input_layernorm.weight,
+        post_norm=layer.post_attention_layernorm.weight,
+        qkv=qkv,
+        o=o,
+        gate_up=gate_up,
+        down=down,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        qkv_bias=attn.qkv_proj.bias,
+        o_bias=attn.o_proj.bias,
+        q_norm=None if q_norm is None else q_norm.weight,
+        k_norm=None if k_norm is None else k_norm.weight,
+    )

@@ -1,0 +1,188 @@
+/* A whole decode step of a Llama-family model's decoder layers in one call, float32, CPU.
+ *
+ * Called once per decode step instead of ~17 torch ops and ctypes calls per layer: between two
+ * projections, each of those ops found its Python, dispatcher and tensor bookkeeping evicted from the
+ * caches by the weights the projection streamed, and paid for it (docs/decode-speed.md: the small ops
+ * of a one-stream step took a fifth of it, though each costs 1-10 us when timed alone).
+ *
+ * The projections, rotary embedding, KV-cache write and attention are the other libraries' kernels,
+ * reached through the function pointers in `Model` (each keeps the compiler flags it is built with);
+ * this file does the residual adds, the RMSNorms and SiLU-and-mul between them. A row's results do
+ * not depend on the batch it is in: each is computed from that row alone, in a fixed order.
+ * Built and loaded at run time by kernels/cpu/__init__.py; driven by kernels/cpu/decoder.py.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef void (*LinearFn)(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t K,
+                         int64_t N, int64_t threads);
+typedef int (*AttentionFn)(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
+                           const int64_t *seq_lens, float *out, float *workspace, int64_t batch, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                           int64_t max_len, int64_t window, float scale, int64_t num_threads);
+typedef void (*RotaryFn)(const int64_t *positions, float *q, float *k, const float *cos_sin, int64_t num_tokens,
+                         int64_t num_q_heads, int64_t num_k_heads, int64_t head_dim, int64_t rot, int64_t q_stride,
+                         int64_t k_stride, int64_t is_neox);
+typedef void (*CacheFn)(const float *key, const float *value, float *key_cache, float *value_cache,
+                        const int64_t *slot_mapping, int64_t num_tokens, int64_t row, int64_t key_stride,
+                        int64_t value_stride);
+
+/* One decoder layer's weights (projections as kernels/panels.py packs them) and KV cache. */
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    const float *q_norm, *k_norm;        /* [head_dim], or NULL (only Qwen3 has them) */
+    const float *qkv, *qkv_bias;         /* [(Hq + 2 Hkv) D, hidden]; bias or NULL */
+    const float *o, *o_bias;             /* [hidden, Hq D] */
+    const float *gate_up, *down;         /* [2 I, hidden], [hidden, I] */
+    float *key_cache, *value_cache;      /* [blocks, block_size, Hkv, D] */
+} Layer;
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t block_size, window, rot, is_neox;
+    float eps, scale;
+    const float *cos_sin; /* [max_position, rot] */
+    LinearFn linear;
+    AttentionFn attention;
+    RotaryFn rotary;
+    CacheFn cache;
+} Model;
+
+typedef struct {
+    int64_t batch, max_blocks, threads, attention_threads, has_residual;
+    const int64_t *positions, *slot_mapping, *block_tables, *seq_lens; /* [batch], [batch, max_blocks] */
+    float *hidden;   /* [batch, hidden]: the layers' input, then their output */
+    float *residual; /* [batch, hidden]: the residual stream (read only if has_residual) */
+    float *scratch;  /* decoder_scratch_floats(...) floats */
+} Step;
+
+/* Below this many elements an element-wise pass runs on one thread: waking the others costs more. */
+#define THREADED_ELEMENTS 16384
+
+/* y = x * w / sqrt(mean(x^2) + eps), HF's formula (the sum accumulated in double). */
+static inline void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
+    double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) sum += (double)x[i] * x[i];
+    const float inv = 1.0f / sqrtf((float)(sum / n) + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * inv);
+}
+
+/* residual += x (unless `first`, where residual = x); y = rms_norm(residual). Row by row. */
+static void add_rms_norm(float *x_in, float *residual, const float *w, float *y, int64_t rows, int64_t n,
+                         float eps, int first, int64_t threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * n >= THREADED_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        float *res = residual + r * n;
+        const float *x = x_in + r * n;
+        if (first) {
+            memcpy(res, x, sizeof(float) * n);
+        } else {
+            for (int64_t i = 0; i < n; i++) res[i] = x[i] + res[i];
+        }
+        rms_norm_row(res, w, y + r * n, n, eps);
+    }
+}
+
+/* Per-head RMSNorm of `heads` heads of `dim` at row stride `stride`, in place (Qwen3's q/k norms). */
+static void head_norms(float *x, const float *w, int64_t rows, int64_t heads, int64_t dim, int64_t stride,
+                       float eps) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) rms_norm_row(x + r * stride + h * dim, w, x + r * stride + h * dim, dim, eps);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* e^x for x in [-87, 88] (clamped): Cody-Waite range reduction and the Cephes degree-5 polynomial,
+ * within 2 ulp of expf (the decode attention kernel's, without its x <= 0 restriction). */
+static inline __m256 exp_clamped(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    /* (n = 128 at x = 88 would overflow the exponent field: split 2^n into two factors) */
+    const __m256i half = _mm256_srai_epi32(_mm256_cvtps_epi32(n), 1);
+    const __m256i rest = _mm256_sub_epi32(_mm256_cvtps_epi32(n), half);
+    const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
+}
+#endif
+
+/* out[r] = silu(gate[r]) * up[r], with gate and up the halves of gu's row r ([rows, 2 n]). */
+static void silu_and_mul(const float *gu, float *out, int64_t rows, int64_t n, int64_t threads) {
+#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * n >= THREADED_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gu + r * 2 * n, *up = gate + n;
+        float *y = out + r * n;
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= n; i += 8) {
+            const __m256 g = _mm256_loadu_ps(gate + i);
+            const __m256 e = exp_clamped(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < n; i++) y[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+static int64_t attention_workspace(const Model *m, int64_t max_len, int64_t threads) {
+    /* as kernels/cpu/paged_attention.c asks, plus one for its rounding to even */
+    return threads * ((m->num_heads + 2) * (max_len + 8) + 2 * m->num_heads + 2) + 2;
+}
+
+int64_t decoder_scratch_floats(const Model *m, int64_t batch, int64_t max_blocks, int64_t attention_threads) {
+    const int64_t q = m->num_heads * m->head_dim, qkv = q + 2 * m->num_kv_heads * m->head_dim;
+    return batch * (m->hidden + qkv + 2 * q + 3 * m->intermediate) +
+           attention_workspace(m, max_blocks * m->block_size, attention_threads);
+}
+
+/* Runs `num_layers` layers on a batch of single-token decodes; step->hidden then holds the last
+ * layer's output and step->residual the residual stream (the final norm is the caller's). */
+void decode_layers_f32(const Model *m, const Layer *layers, int64_t num_layers, const Step *s) {
+    const int64_t B = s->batch, H = m->hidden, D = m->head_dim, I = m->intermediate, T = s->threads;
+    const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
+    float *normed = s->scratch;          /* [B, H] */
+    float *qkv = normed + B * H;         /* [B, qkv_size] */
+    float *query = qkv + B * qkv_size;   /* [B, q_size]: attention takes contiguous queries */
+    float *attended = query + B * q_size; /* [B, q_size] */
+    float *gu = attended + B * q_size;   /* [B, 2 I] */
+    float *act = gu + B * 2 * I;         /* [B, I] */
+    float *workspace = act + B * I;
+    const int64_t max_len = s->max_blocks * m->block_size;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const Layer *w = layers + l;
+        add_rms_norm(s->hidden, s->residual, w->input_norm, normed, B, H, m->eps, l == 0 && !s->has_residual, T);
+        m->linear(normed, w->qkv, w->qkv_bias, qkv, B, H, qkv_size, T);
+        if (w->q_norm != NULL) {
+            head_norms(qkv, w->q_norm, B, m->num_heads, D, qkv_size, m->eps);
+            head_norms(qkv + q_size, w->k_norm, B, m->num_kv_heads, D, qkv_size, m->eps);
+        }
+        m->rotary(s->positions, qkv, qkv + q_size, m->cos_sin, B, m->num_heads, m->num_kv_heads, D, m->rot, qkv_size,
+                  qkv_size, m->is_neox);
+        m->cache(qkv + q_size, qkv + q_size + kv_size, w->key_cache, w->value_cache, s->slot_mapping, B, kv_size,
+                 qkv_size, qkv_size);
+        for (int64_t b = 0; b < B; b++) memcpy(query + b * q_size, qkv + b * qkv_size, sizeof(float) * q_size);
+        m->attention(query, w->key_cache, w->value_cache, s->block_tables, s->seq_lens, attended, workspace, B,
+                     m->num_heads, m->num_kv_heads, D, m->block_size, s->max_blocks, max_len, m->window, m->scale,
+                     s->attention_threads);
+        m->linear(attended, w->o, w->o_bias, normed, B, q_size, H, T); /* (normed is free again) */
+        add_rms_norm(normed, s->residual, w->post_norm, normed, B, H, m->eps, 0, T);
+        m->linear(normed, w->gate_up, NULL, gu, B, H, 2 * I, T);
+        silu_and_mul(gu, act, B, I, T);
+        m->linear(act, w->down, NULL, s->hidden, B, I, H, T);
+    }
+}

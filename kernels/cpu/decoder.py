@@ -1,0 +1,239 @@
+"""A decode step's decoder layers as one C call (kernels/cpu/decoder.c): the fused CPU decode path.
+
+`FusedDecoder` is built once from a Llama-family model's tensors (projections packed as panels, norms,
+KV caches, the rotary table) and then runs every layer of a batch of single-token decodes per call.
+It computes what the layer-by-layer torch forward computes (the same panel matmul, rotary, cache write
+and attention kernels; RMSNorm and SiLU-and-mul in C), to float rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+
+from kernels import cpu
+from kernels.panels import PanelWeight
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        (name, _P)
+        for name in (
+            "input_norm",
+            "post_norm",
+            "q_norm",
+            "k_norm",
+            "qkv",
+            "qkv_bias",
+            "o",
+            "o_bias",
+            "gate_up",
+            "down",
+            "key_cache",
+            "value_cache",
+        )
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((name, _I64) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate")),
+        *((name, _I64) for name in ("block_size", "window", "rot", "is_neox")),
+        ("eps", _F32),
+        ("scale", _F32),
+        *((name, _P) for name in ("cos_sin", "linear", "attention", "rotary", "cache")),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        *((name, _I64) for name in ("batch", "max_blocks", "threads", "attention_threads", "has_residual")),
+        *((name, _P) for name in ("positions", "slot_mapping", "block_tables", "seq_lens")),
+        *((name, _P) for name in ("hidden", "residual", "scratch")),
+    ]
+
+
+@dataclass
+class LayerTensors:
+    """One decoder layer as the fused path reads it (float32, contiguous, on the CPU)."""
+
+    input_norm: torch.Tensor  # [hidden]
+    post_norm: torch.Tensor  # [hidden]
+    qkv: PanelWeight  # [(Hq + 2 Hkv) D, hidden]
+    o: PanelWeight  # [hidden, Hq D]
+    gate_up: PanelWeight  # [2 I, hidden]
+    down: PanelWeight  # [hidden, I]
+    key_cache: torch.Tensor  # [blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [D] (Qwen3's per-head norms: both or neither)
+    k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class Shape:
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    sliding_window: int | None = None
+
+
+def _ptr(t: torch.Tensor | PanelWeight | None) -> int | None:
+    if t is None:
+        return None
+    return t.data.data_ptr() if isinstance(t, PanelWeight) else t.data_ptr()
+
+
+def _address(lib, name: str) -> int | None:
+    return ctypes.cast(lib[name], ctypes.c_void_p).value
+
+
+class FusedDecoder:
+    def __init__(self, shape: Shape, layers: list[LayerTensors], cos_sin_cache: torch.Tensor, is_neox: bool = True):
+        lib = cpu._load()
+        if lib is None:
+            raise RuntimeError("the CPU kernels are not available")
+        self._lib = lib
+        self._check(shape, layers, cos_sin_cache)
+        self._keep = (layers, cos_sin_cache)  # (the C side holds raw pointers into these)
+        self.shape = shape
+        self.block_size = layers[0].key_cache.shape[1]
+        self._model = _Model(
+            hidden=shape.hidden,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            intermediate=shape.intermediate,
+            block_size=self.block_size,
+            window=shape.sliding_window or 0,
+            rot=cos_sin_cache.shape[1],
+            is_neox=int(is_neox),
+            eps=shape.eps,
+            scale=shape.head_dim**-0.5,
+            cos_sin=cos_sin_cache.data_ptr(),
+            linear=_address(lib, "panel_linear_f32"),
+            attention=_address(lib, "paged_decode_attention_f32"),
+            rotary=_address(lib, "rotary_embedding_f32"),
+            cache=_address(lib, "reshape_and_cache_f32"),
+        )
+        self._layers = (_Layer * len(layers))(
+            *(
+                _Layer(
+                    input_norm=_ptr(t.input_norm),
+                    post_norm=_ptr(t.post_norm),
+                    q_norm=_ptr(t.q_norm),
+                    k_norm=_ptr(t.k_norm),
+                    qkv=_ptr(t.qkv),
+                    qkv_bias=_ptr(t.qkv_bias),
+                    o=_ptr(t.o),
+                    o_bias=_ptr(t.o_bias),
+                    gate_up=_ptr(t.gate_up),
+                    down=_ptr(t.down),
+                    key_cache=_ptr(t.key_cache),
+                    value_cache=_ptr(t.value_cache),
+                )
+                for t in layers
+            )
+        )
+        self.num_layers = len(layers)
+        self.cache_pointers = (layers[0].key_cache.data_ptr(), layers[-1].value_cache.data_ptr())
+
+    @staticmethod
+    def _check(shape: Shape, layers: list[LayerTensors], cos_sin: torch.Tensor) -> None:
+        """The C code reads raw pointers: refuse anything but the exact layouts it assumes."""
+        h, d, i = shape.hidden, shape.head_dim, shape.intermediate
+        q, kv = shape.num_heads * d, shape.num_kv_heads * d
+        if not layers:
+            raise ValueError("no layers")
+
+        def plain(t: torch.Tensor | None, *size: int) -> bool:
+            return t is None or (
+                t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == size
+            )
+
+        def panels(p: PanelWeight, n: int, k: int) -> bool:
+            return (
+                p.out_features == n and p.in_features == k and p.data.is_contiguous() and p.data.dtype == torch.float32
+            )
+
+        cache_shape = tuple(layers[0].key_cache.shape)
+        for n, t in enumerate(layers):
+            ok = (
+                plain(t.input_norm, h)
+                and plain(t.post_norm, h)
+                and plain(t.q_norm, d)
+                and plain(t.k_norm, d)
+                and (t.q_norm is None) == (t.k_norm is None)
+                and panels(t.qkv, q + 2 * kv, h)
+                and panels(t.o, h, q)
+                and panels(t.gate_up, 2 * i, h)
+                and panels(t.down, h, i)
+                and plain(t.qkv_bias, q + 2 * kv)
+                and plain(t.o_bias, h)
+                and len(cache_shape) == 4
+                and cache_shape[2:] == (shape.num_kv_heads, d)
+                and plain(t.key_cache, *cache_shape)
+                and plain(t.value_cache, *cache_shape)
+            )
+            if not ok:
+                raise ValueError(f"layer {n}: a tensor's shape, dtype or layout is not the fused decode path's")
+        if not plain(cos_sin, *cos_sin.shape) or cos_sin.dim() != 2 or cos_sin.shape[1] > d:
+            raise ValueError("the rotary table must be float32 [positions, rot <= head_dim]")
+
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over `hidden` [B, hidden] (B single-token decodes; `residual` None before the first
+        layer) -> (hidden, residual) after the last. The inputs are not modified."""
+        batch = hidden.shape[0]
+        if hidden.shape != (batch, self.shape.hidden) or hidden.dtype != torch.float32:
+            raise ValueError(
+                f"hidden states {tuple(hidden.shape)} {hidden.dtype}: want [batch, {self.shape.hidden}] float32"
+            )
+        positions, slot_mapping, block_tables, seq_lens = (
+            cpu._int64(t) for t in (positions, slot_mapping, block_tables, seq_lens)
+        )
+        if not (positions.numel() == slot_mapping.numel() == seq_lens.numel() == block_tables.shape[0] == batch):
+            raise ValueError("positions, slots, block tables and lengths must have one entry per sequence")
+        out = hidden.clone(memory_format=torch.contiguous_format)
+        stream = torch.empty_like(out) if residual is None else residual.clone(memory_format=torch.contiguous_format)
+        threads = torch.get_num_threads()
+        # (as kernels.cpu.paged_decode_attention decides: too few keys to pay for waking a thread)
+        attention_threads = 1 if batch * max_seq_len < 256 else threads
+        max_blocks = block_tables.shape[1]
+        scratch_size = cast(Callable[..., int], self._lib["decoder_scratch_floats"])  # (restype int64)
+        scratch = cpu._scratch(scratch_size(ctypes.byref(self._model), batch, max_blocks, attention_threads))
+        step = _Step(
+            batch=batch,
+            max_blocks=max_blocks,
+            threads=threads,
+            attention_threads=attention_threads,
+            has_residual=int(residual is not None),
+            positions=positions.data_ptr(),
+            slot_mapping=slot_mapping.data_ptr(),
+            block_tables=block_tables.data_ptr(),
+            seq_lens=seq_lens.data_ptr(),
+            hidden=out.data_ptr(),
+            residual=stream.data_ptr(),
+            scratch=scratch.data_ptr(),
+        )
+        if batch:
+            self._lib["decode_layers_f32"](ctypes.byref(self._model), self._layers, self.num_layers, ctypes.byref(step))
+        return out, stream

@@ -1,0 +1,141 @@
+"""The fused CPU decode path (kernels/cpu/decoder.c, engine_core/models/fused_decode.py): a decode step's
+layers in one C call compute what the layer-by-layer forward computes, on every architecture's tiny model.
+
+Each decode step of a real engine runs the fused path, then the layer-by-layer forward on the same inputs
+(which writes the same K/V to the same slots again), and the two outputs must agree to float rounding;
+greedy tokens must then equal HF's. Pure-decode steps only: prefill and mixed steps never take the path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_core.config import EngineConfig
+from engine_core.engine import EngineCore
+from engine_core.sampling_params import SamplingParams
+from kernels.cpu.decoder import FusedDecoder, LayerTensors, Shape
+from tests import tiny_models
+from tests.helpers import hf_greedy, run_engine
+
+
+def _engine(model_dir, **args) -> EngineCore:
+    return EngineCore(EngineConfig(model=str(model_dir), max_num_batched_tokens=64, num_kv_blocks=64, **args))
+
+
+class LayeredCheck:
+    """Wraps a model's fused decoder: after each fused call, the layers run one by one on the same
+    inputs, and both results are compared."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.calls = 0
+        self.batches: set[int] = set()
+        self.worst = 0.0
+        self._original = model.fused_decode.decoder_for
+
+    def __enter__(self) -> LayeredCheck:
+        def decoder_for(model, meta, hidden):
+            fused = self._original(model, meta, hidden)
+            if fused is None:
+                return None
+
+            def checked(positions, hidden, residual, *rest):
+                out = fused(positions, hidden, residual, *rest)
+                h, r = hidden.clone(), None if residual is None else residual.clone()
+                for i in model.layer_range:
+                    h, r = model.layers[i](positions, h, r, meta)
+                for got, want in zip(out, (h, r), strict=True):
+                    scale = want.abs().max().item() + 1e-6
+                    self.worst = max(self.worst, (got - want).abs().max().item() / scale)
+                self.calls += 1
+                self.batches.add(hidden.shape[0])
+                return out
+
+            return checked
+
+        self.model.fused_decode.decoder_for = decoder_for
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.fused_decode.decoder_for = self._original
+
+
+@pytest.mark.parametrize("name", list(tiny_models.ARCHITECTURES))
+def test_fused_decode_matches_the_layers_and_hf(tmp_path, name):
+    hf_model = tiny_models.build(name)
+    hf_model.save_pretrained(tmp_path / name)
+    gen = torch.Generator().manual_seed(2)
+    # One decoding alone first, then five at once (contexts past the sliding window and a block boundary).
+    single = [torch.randint(3, 512, (9,), generator=gen).tolist()]
+    batch = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 7, 16, 33, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine = _engine(tmp_path / name)
+    with LayeredCheck(engine.runner.model) as check:
+        tokens = run_engine(engine, single, params) + run_engine(engine, batch, params)
+    assert check.calls >= 2 * 23 and {1, 5} <= check.batches  # (the fused path really ran)
+    assert check.worst < 1e-4
+    assert tokens == [hf_greedy(hf_model, p, 24, stop_at_eos=False) for p in single + batch]
+
+
+def test_large_activations_saturate_silu_like_torch(tmp_path):
+    """Gates of +-hundreds: silu(g) -> g and -> -0 (the vector exp is clamped, and its 2^n split so that
+    e^88 does not overflow the exponent)."""
+    hf_model = tiny_models.build("llama")
+    with torch.no_grad():
+        for layer in hf_model.model.layers:
+            layer.mlp.gate_proj.weight.mul_(40.0)
+    hf_model.save_pretrained(tmp_path / "big")
+    prompts = [[5, 17, 300, 41, 9], [7] * 20]
+    engine = _engine(tmp_path / "big")
+    with LayeredCheck(engine.runner.model) as check:
+        run_engine(engine, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert check.calls and check.worst < 1e-4
+
+
+def test_switched_off_by_the_environment(tmp_path, monkeypatch):
+    tiny_models.build("llama").save_pretrained(tmp_path / "m")
+    monkeypatch.setenv("PAGODA_DISABLE_FUSED_DECODE", "1")
+    engine = _engine(tmp_path / "m")
+    with LayeredCheck(engine.runner.model) as check:
+        run_engine(engine, [[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert check.calls == 0
+
+
+def test_the_decoder_refuses_layouts_it_cannot_read():
+    """The C code reads raw pointers: a wrong shape or dtype is refused before it gets there."""
+    from kernels.panels import PanelWeight
+
+    h, heads, kv_heads, d, inter = 64, 4, 2, 16, 128
+    shape = Shape(hidden=h, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, intermediate=inter, eps=1e-5)
+
+    def layer(**changes) -> LayerTensors:
+        tensors = dict(
+            input_norm=torch.ones(h),
+            post_norm=torch.ones(h),
+            qkv=PanelWeight.pack(torch.randn((heads + 2 * kv_heads) * d, h)),
+            o=PanelWeight.pack(torch.randn(h, heads * d)),
+            gate_up=PanelWeight.pack(torch.randn(2 * inter, h)),
+            down=PanelWeight.pack(torch.randn(h, inter)),
+            key_cache=torch.zeros(4, 16, kv_heads, d),
+            value_cache=torch.zeros(4, 16, kv_heads, d),
+        )
+        return LayerTensors(**{**tensors, **changes})
+
+    cos_sin = torch.zeros(128, d)
+    FusedDecoder(shape, [layer()], cos_sin)  # (the right layouts are accepted)
+    for bad in (
+        dict(input_norm=torch.ones(h, dtype=torch.float64)),
+        dict(down=PanelWeight.pack(torch.randn(h, inter + 1))),
+        dict(key_cache=torch.zeros(4, 16, kv_heads + 1, d)),
+        dict(value_cache=torch.zeros(4, 16, kv_heads, d).transpose(0, 1)),
+        dict(q_norm=torch.ones(d)),  # (without k_norm)
+    ):
+        with pytest.raises(ValueError, match="layer 0"):
+            FusedDecoder(shape, [layer(**bad)], cos_sin)
+    decoder = FusedDecoder(shape, [layer()], cos_sin)
+    ids = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="hidden states"):
+        decoder(ids, torch.zeros(2, h + 1), None, ids, torch.zeros(2, 1, dtype=torch.int64), ids + 1, 1)
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        decoder(ids, torch.zeros(2, h), None, ids[:1], torch.zeros(2, 1, dtype=torch.int64), ids + 1, 1)
