@@ -10,7 +10,9 @@ Drives a real `EngineCore` on the default SmolLM2 (fp32) in this process and spl
   outputs       EngineCore._apply (tokens appended, stop checks, deltas) + msgspec encoding of the
                 StepOutputs message + its send on a ZeroMQ PUSH socket (what core_proc does per step)
   other         the step's remaining wall time (engine.step bookkeeping)
-The forward's op classes: linear (every `Linear` call), attention (the attention layer: cache write
+The forward's op classes: fused layers (a decode step's decoder layers in one C call, the default
+for CPU decode steps: engine_core/models/fused_decode.py; `--layered` turns it off, so that the other
+classes split decode steps too), linear (every `Linear` call), attention (the attention layer: cache write
 and paged attention), norm/rotary/act (`kernels.rms_norm`, `fused_add_rms_norm`, `rotary_embedding`,
 `silu_and_mul`), other (embedding, splits and reshapes, Python between the ops). Calls per layer count
 those calls; "aten ops/layer" counts every torch op the forward dispatches (one pass, TorchDispatchMode).
@@ -25,6 +27,7 @@ within one run on this shared machine.
     python -m benchmarks.step_profile --threads 2
     python -m benchmarks.step_profile --cases 1 16 --steps 30
     python -m benchmarks.step_profile --cases 1 --context 640 --prefill 0   (the 512 -> 256 workload's mid-point)
+    python -m benchmarks.step_profile --threads 2 --layered   (decode steps layer by layer, split by op)
 (As a module, from the repository root, so that the packages it imports are found.)
 """
 
@@ -49,9 +52,10 @@ from engine_core.engine import EngineCore
 from engine_core.layers.attention import Attention
 from engine_core.layers.linear import Linear
 from engine_core.sampling_params import SamplingParams
+from kernels.cpu.decoder import FusedDecoder
 
 PHASES = ("schedule", "prepare", "to device", "forward", "logits", "sampling", "outputs", "other")
-OP_CLASSES = ("linear", "attention", "norm/rotary/act", "other")
+OP_CLASSES = ("fused layers", "linear", "attention", "norm/rotary/act", "other")
 _NORM_ROTARY_ACT = ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")
 
 
@@ -114,6 +118,7 @@ def instrumented(engine: EngineCore, timers: Timers) -> Iterator[None]:
             timers.in_forward = False
 
     model.forward = timers.wrap(forward, "forward")
+    timers.patch(FusedDecoder, "__call__", "fused layers", forward_only=True)
     timers.patch(Linear, "forward", "linear", forward_only=True)
     timers.patch(Attention, "forward", "attention", forward_only=True)
     for name in _NORM_ROTARY_ACT:
@@ -228,15 +233,16 @@ def _row(timers: Timers, total: float, layers: int, count: int) -> dict[str, flo
         "logits": s["logits"],
         "sampling": s["finish"] - s["logits"],
         "outputs": s["apply"] + s["send"],
+        "fused layers": s["fused layers"],
         "linear": s["linear"],
         "attention": s["attention"],
         "norm/rotary/act": s["norm/rotary/act"],
     }
     row["other"] = total - sum(row[p] for p in PHASES if p != "other")
-    row["op other"] = s["forward"] - s["linear"] - s["attention"] - s["norm/rotary/act"]
+    row["op other"] = s["forward"] - sum(s[name] for name in OP_CLASSES[:-1])
     row = {k: v / count for k, v in row.items()}
     forwards = max(timers.calls["forward"], 1)
-    for name in ("linear", "attention", "norm/rotary/act"):
+    for name in OP_CLASSES[:-1]:
         row[f"calls {name}"] = timers.calls[name] / forwards / layers
     return row
 
@@ -299,7 +305,7 @@ def print_table(rows: list[dict], threads: int) -> None:
     for r in rows:
         cells = [r["case"], ms(r["forward"])]
         for name in OP_CLASSES[:-1]:
-            cells.append(f"{ms(r[name])} ({r[f'calls {name}']:.0f})")
+            cells.append(f"{ms(r[name])} ({r[f'calls {name}']:.2g})")
         cells.append(ms(r["op other"]))
         cells.append(f"{r['aten/layer']:.0f}" if "aten/layer" in r else "")
         print("| " + " | ".join(cells) + " |")
@@ -337,8 +343,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each decoding request")
     parser.add_argument("--prefill", type=int, default=512, help="prefill length (0: skip)")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills")
+    parser.add_argument(
+        "--layered",
+        action="store_true",
+        help="decode layer by layer (PAGODA_DISABLE_FUSED_DECODE's path), to split it by op",
+    )
     args = parser.parse_args()
     engine = EngineCore(EngineConfig(num_threads=args.threads, kv_cache_memory=512 * 2**20))
+    engine.runner.model.fused_decode.enabled = not args.layered
     engine.warm_up()
     link = OutputLink()
     rows = []
