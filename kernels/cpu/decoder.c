@@ -144,9 +144,14 @@ static int64_t attention_workspace(const Model *m, int64_t max_len, int64_t thre
     return threads * ((m->num_heads + 2) * (max_len + 8) + 2 * m->num_heads + 2) + 2;
 }
 
+/* Buffers start on 64-byte boundaries (the attention workspace holds int64 offsets, and vector loads
+ * prefer whole cache lines). */
+static inline int64_t lines(int64_t floats) { return (floats + 15) & ~(int64_t)15; }
+
 int64_t decoder_scratch_floats(const Model *m, int64_t batch, int64_t max_blocks, int64_t attention_threads) {
     const int64_t q = m->num_heads * m->head_dim, qkv = q + 2 * m->num_kv_heads * m->head_dim;
-    return batch * (m->hidden + qkv + 2 * q + 3 * m->intermediate) +
+    return 16 + lines(batch * m->hidden) + lines(batch * qkv) + 2 * lines(batch * q) +
+           lines(batch * 2 * m->intermediate) + lines(batch * m->intermediate) +
            attention_workspace(m, max_blocks * m->block_size, attention_threads);
 }
 
@@ -155,13 +160,13 @@ int64_t decoder_scratch_floats(const Model *m, int64_t batch, int64_t max_blocks
 void decode_layers_f32(const Model *m, const Layer *layers, int64_t num_layers, const Step *s) {
     const int64_t B = s->batch, H = m->hidden, D = m->head_dim, I = m->intermediate, T = s->threads;
     const int64_t q_size = m->num_heads * D, kv_size = m->num_kv_heads * D, qkv_size = q_size + 2 * kv_size;
-    float *normed = s->scratch;          /* [B, H] */
-    float *qkv = normed + B * H;         /* [B, qkv_size] */
-    float *query = qkv + B * qkv_size;   /* [B, q_size]: attention takes contiguous queries */
-    float *attended = query + B * q_size; /* [B, q_size] */
-    float *gu = attended + B * q_size;   /* [B, 2 I] */
-    float *act = gu + B * 2 * I;         /* [B, I] */
-    float *workspace = act + B * I;
+    float *normed = s->scratch + ((16 - ((uintptr_t)s->scratch / sizeof(float)) % 16) % 16); /* [B, H] */
+    float *qkv = normed + lines(B * H);              /* [B, qkv_size] */
+    float *query = qkv + lines(B * qkv_size);        /* [B, q_size]: attention takes contiguous queries */
+    float *attended = query + lines(B * q_size);     /* [B, q_size] */
+    float *gu = attended + lines(B * q_size);        /* [B, 2 I] */
+    float *act = gu + lines(B * 2 * I);              /* [B, I] */
+    float *workspace = act + lines(B * I);
     const int64_t max_len = s->max_blocks * m->block_size;
     for (int64_t l = 0; l < num_layers; l++) {
         const Layer *w = layers + l;
