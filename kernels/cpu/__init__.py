@@ -85,6 +85,7 @@ def _build(name: str) -> Path:
         raise RuntimeError("no C compiler found")
     key = hashlib.sha256(  # (another compiler, or CC set to one with other flags, builds its own copy)
         source_path.read_bytes()
+        + b"".join(header.read_bytes() for header in sorted(_DIR.glob("*.h")))  # (what the sources include)
         + " ".join([compiler, *flags]).encode()
         + platform.machine().encode()
         + _cpu_signature()

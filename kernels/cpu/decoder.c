@@ -94,29 +94,16 @@ static void head_norms(float *x, const float *w, int64_t rows, int64_t heads, in
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "vector_exp.h"
 
-/* e^x for x in [-87, 88] (clamped): Cody-Waite range reduction and the Cephes degree-5 polynomial,
- * within 2 ulp of expf (the decode attention kernel's, without its x <= 0 restriction). */
+/* e^x for x in [-87, 88] (clamped), within 2 ulp of expf. */
 static inline __m256 exp_clamped(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    /* (n = 128 at x = 88 would overflow the exponent field: split 2^n into two factors) */
-    const __m256i half = _mm256_srai_epi32(_mm256_cvtps_epi32(n), 1);
-    const __m256i rest = _mm256_sub_epi32(_mm256_cvtps_epi32(n), half);
-    const __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
-    const __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, _mm256_set1_epi32(127)), 23));
-    return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
+    __m256 n;
+    const __m256 y = exp_mantissa(x, &n);
+    /* (n = 128 at x = 88 would overflow the exponent field: 2^n as two factors) */
+    const __m256i whole = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(whole, 1);
+    return _mm256_mul_ps(_mm256_mul_ps(y, exp2_integral(half)), exp2_integral(_mm256_sub_epi32(whole, half)));
 }
 #endif
 

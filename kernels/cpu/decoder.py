@@ -126,24 +126,8 @@ class FusedDecoder:
             rotary=_address(lib, "rotary_embedding_f32"),
             cache=_address(lib, "reshape_and_cache_f32"),
         )
-        self._layers = (_Layer * len(layers))(
-            *(
-                _Layer(
-                    input_norm=_ptr(t.input_norm),
-                    post_norm=_ptr(t.post_norm),
-                    q_norm=_ptr(t.q_norm),
-                    k_norm=_ptr(t.k_norm),
-                    qkv=_ptr(t.qkv),
-                    qkv_bias=_ptr(t.qkv_bias),
-                    o=_ptr(t.o),
-                    o_bias=_ptr(t.o_bias),
-                    gate_up=_ptr(t.gate_up),
-                    down=_ptr(t.down),
-                    key_cache=_ptr(t.key_cache),
-                    value_cache=_ptr(t.value_cache),
-                )
-                for t in layers
-            )
+        self._layers = (_Layer * len(layers))(  # (the struct's fields are LayerTensors' names)
+            *(_Layer(**{field[0]: _ptr(getattr(t, field[0])) for field in _Layer._fields_}) for t in layers)
         )
         self.num_layers = len(layers)
         self.cache_pointers = (layers[0].key_cache.data_ptr(), layers[-1].value_cache.data_ptr())

@@ -57,6 +57,8 @@ static void token_offsets(const Job *j, const int64_t *table, int64_t start, int
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+
+#include "vector_exp.h"
 #define HAVE_VECTOR_PATH 1
 
 /* r[i] = the sum of a[i]'s 8 lanes. */
@@ -67,23 +69,12 @@ static inline __m256 sum_each(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-/* e^x for x <= 0 (softmax after subtracting the max): Cody-Waite range reduction and a degree-5
- * polynomial (the Cephes coefficients), within 2 ulp of expf; below -87 it returns ~1e-38, not 0. */
+/* e^x for x <= 0 (softmax after subtracting the max), within 2 ulp of expf; below -87 it returns
+ * ~1e-38, not 0. */
 static inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+    __m256 n;
+    const __m256 y = exp_mantissa(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), &n);
+    return _mm256_mul_ps(y, exp2_integral(_mm256_cvtps_epi32(n)));
 }
 
 static inline float max_lane(__m256 v) {
