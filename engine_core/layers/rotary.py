@@ -31,6 +31,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor  # [max_position, rot]: cos, then sin (a buffer: nn.Module types it loosely)
+
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None, is_neox_style: bool = True
     ):

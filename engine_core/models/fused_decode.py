@@ -72,7 +72,7 @@ def _build(model: LlamaForCausalLM) -> FusedDecoder | None:
         sliding_window=attention.attn.sliding_window,
     )
     try:
-        return FusedDecoder(shape, tensors, attention.rotary.cos_sin_cache, attention.rotary.is_neox_style)  # type: ignore[arg-type]
+        return FusedDecoder(shape, tensors, attention.rotary.cos_sin_cache, attention.rotary.is_neox_style)
     except (ValueError, RuntimeError) as exc:
         logger.info("decode steps run layer by layer: %s", exc)
         return None

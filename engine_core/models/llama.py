@@ -201,7 +201,7 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         else:
             hidden, residual = activations[0], activations[1]
         fused = self.fused_decode.decoder_for(self, meta, hidden)
-        if fused is not None:
+        if fused is not None:  # (a CPU decode step: every layer in one C call)
             assert isinstance(meta, AttentionMetadata)
             hidden, residual = fused(
                 positions,
@@ -212,8 +212,9 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
                 meta.seq_lens,
                 meta.max_decode_seq_len,
             )
-        for i in self.layer_range if fused is None else ():
-            hidden, residual = self.layers[i](positions, hidden, residual, meta)
+        else:
+            for i in self.layer_range:
+                hidden, residual = self.layers[i](positions, hidden, residual, meta)
         assert residual is not None  # (every stage holds a layer)
         if self.norm is None:
             return torch.stack((hidden, residual))

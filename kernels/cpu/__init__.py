@@ -154,6 +154,13 @@ def _scratch(numel: int) -> torch.Tensor:
     return _workspace
 
 
+def decode_attention_threads(batch: int, longest: int) -> int:
+    """Threads for decode attention over `batch` sequences of at most `longest` keys: torch's count (fewer
+    sequences than threads: each is split between them), or one where there is too little work to pay for
+    waking a thread (from 256 keys on, two win)."""
+    return 1 if batch * longest < 256 else torch.get_num_threads()
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -178,9 +185,7 @@ def paged_decode_attention(
     seq_lens = _int64(seq_lens)
     max_len = block_tables.shape[1] * block_size
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    threads = torch.get_num_threads()  # (fewer sequences than threads: each is split between them)
-    if batch * longest < 256:  # too little work to pay for waking a thread (from 256 keys on, two win)
-        threads = 1
+    threads = decode_attention_threads(batch, longest)
     out = torch.empty_like(query)
     workspace = _scratch(threads * ((num_heads + 2) * (max_len + 8) + 2 * num_heads + 2))  # see paged_attention.c
     lib["paged_decode_attention_f32"](

@@ -107,14 +107,13 @@ class FusedDecoder:
         self._check(shape, layers, cos_sin_cache)
         self._keep = (layers, cos_sin_cache)  # (the C side holds raw pointers into these)
         self.shape = shape
-        self.block_size = layers[0].key_cache.shape[1]
         self._model = _Model(
             hidden=shape.hidden,
             num_heads=shape.num_heads,
             num_kv_heads=shape.num_kv_heads,
             head_dim=shape.head_dim,
             intermediate=shape.intermediate,
-            block_size=self.block_size,
+            block_size=layers[0].key_cache.shape[1],
             window=shape.sliding_window or 0,
             rot=cos_sin_cache.shape[1],
             is_neox=int(is_neox),
@@ -130,7 +129,6 @@ class FusedDecoder:
             *(_Layer(**{field[0]: _ptr(getattr(t, field[0])) for field in _Layer._fields_}) for t in layers)
         )
         self.num_layers = len(layers)
-        self.cache_pointers = (layers[0].key_cache.data_ptr(), layers[-1].value_cache.data_ptr())
 
     @staticmethod
     def _check(shape: Shape, layers: list[LayerTensors], cos_sin: torch.Tensor) -> None:
@@ -199,8 +197,7 @@ class FusedDecoder:
         out = hidden.clone(memory_format=torch.contiguous_format)
         stream = torch.empty_like(out) if residual is None else residual.clone(memory_format=torch.contiguous_format)
         threads = torch.get_num_threads()
-        # (as kernels.cpu.paged_decode_attention decides: too few keys to pay for waking a thread)
-        attention_threads = 1 if batch * max_seq_len < 256 else threads
+        attention_threads = cpu.decode_attention_threads(batch, max_seq_len)
         max_blocks = block_tables.shape[1]
         scratch_size = cast(Callable[..., int], self._lib["decoder_scratch_floats"])  # (restype int64)
         scratch = cpu._scratch(scratch_size(ctypes.byref(self._model), batch, max_blocks, attention_threads))
