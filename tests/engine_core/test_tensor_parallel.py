@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import psutil
 import pytest
 
+from api_proc.bench.local_server import alive, wait_until
 from engine_core import protocol
 from engine_core.config import EngineConfig
 from engine_core.default_model import ensure_default_gguf
@@ -147,11 +147,11 @@ def engine_process(tmp_path, tiny_llama, monkeypatch):
 
 
 def test_kill_9_of_the_engine_process_takes_its_worker_along(engine_process, tmp_path):
-    worker = engine_process.worker()
+    worker = engine_process.worker().pid
     os.kill(engine_process.process.pid, signal.SIGKILL)
-    started = time.monotonic()
-    worker.wait(timeout=2)  # raises psutil.TimeoutExpired if it outlives its parent by 2 s
-    assert time.monotonic() - started < 2
+    # Gone within 2 s of its parent. An exited worker stays a zombie until init reaps it, which a busy
+    # host's init may take seconds to do: `alive` counts a zombie as dead, as the other lifecycle tests do.
+    assert wait_until(lambda: not alive(worker), 2.0)
     assert _tp_dirs(tmp_path) == []  # the orphaned worker removed the group's directory
 
 
