@@ -47,6 +47,9 @@ _CPU_COMPILED = {
     "varlen_attention",
     "rotary_embedding",
     "reshape_and_cache",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
     "quantized_linear",
     "panel_linear",
 }

@@ -48,6 +48,7 @@ _LIBRARIES = {
     "elementwise": ["-fno-fast-math", "-ffp-contract=off"],
     "quantized_matmul": ["-fopenmp"],
     "panel_matmul": ["-fopenmp"],
+    "layer_ops": ["-fopenmp"],
     "decoder": ["-fopenmp"],  # (calls the others' kernels through pointers: its own flags are its own ops')
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -63,6 +64,9 @@ _SIGNATURES = {
     "quantized_q8_workspace": [_I64] * 5,
     "quantized_batch_workspace": [_I64] * 3,
     "panel_linear_f32": [_POINTER] * 4 + [_I64] * 4,
+    "rms_norm_f32": [_POINTER] * 3 + [_I64] * 5 + [_F32, _I64],
+    "add_rms_norm_f32": [_POINTER] * 5 + [_I64] * 2 + [_F32, _I64],
+    "silu_and_mul_f32": [_POINTER] * 2 + [_I64] * 3,
     "decode_layers_f32": [_POINTER, _POINTER, _I64, _POINTER],
     "decoder_scratch_floats": [_POINTER, _I64, _I64, _I64],
 }
@@ -548,3 +552,10 @@ def _panel_linear(lib, x: torch.Tensor, weight: panels.PanelWeight, bias: torch.
             threads,
         )
     return out
+
+
+# The norms and activation, dispatched to by name like the kernels above (imported last: that module
+# uses this one's loader).
+from kernels.cpu.layer_ops import fused_add_rms_norm as fused_add_rms_norm  # noqa: E402
+from kernels.cpu.layer_ops import rms_norm as rms_norm  # noqa: E402
+from kernels.cpu.layer_ops import silu_and_mul as silu_and_mul  # noqa: E402

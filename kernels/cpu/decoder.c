@@ -7,14 +7,12 @@
  *
  * The projections, rotary embedding, KV-cache write and attention are the other libraries' kernels,
  * reached through the function pointers in `Model` (each keeps the compiler flags it is built with);
- * this file does the residual adds, the RMSNorms and SiLU-and-mul between them. A row's results do
- * not depend on the batch it is in: each is computed from that row alone, in a fixed order.
+ * the residual adds, the RMSNorms and SiLU-and-mul between them are layer_math.h's (the standalone
+ * kernels' own math). A row's results do not depend on the batch it is in: each is computed from that
+ * row alone, in a fixed order.
  * Built and loaded at run time by kernels/cpu/__init__.py; driven by kernels/cpu/decoder.py.
  */
-#include <math.h>
-#include <omp.h>
-#include <stdint.h>
-#include <string.h>
+#include "layer_math.h"
 
 typedef void (*LinearFn)(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t K,
                          int64_t N, int64_t threads);
@@ -58,74 +56,6 @@ typedef struct {
     float *scratch;  /* decoder_scratch_floats(...) floats */
 } Step;
 
-/* Below this many elements an element-wise pass runs on one thread: waking the others costs more. */
-#define THREADED_ELEMENTS 16384
-
-/* y = x * w / sqrt(mean(x^2) + eps), HF's formula (the sum accumulated in double). */
-static inline void rms_norm_row(const float *x, const float *w, float *y, int64_t n, float eps) {
-    double sum = 0.0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++) sum += (double)x[i] * x[i];
-    const float inv = 1.0f / sqrtf((float)(sum / n) + eps);
-    for (int64_t i = 0; i < n; i++) y[i] = w[i] * (x[i] * inv);
-}
-
-/* residual += x (unless `first`, where residual = x); y = rms_norm(residual). Row by row. */
-static void add_rms_norm(float *x_in, float *residual, const float *w, float *y, int64_t rows, int64_t n,
-                         float eps, int first, int64_t threads) {
-#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * n >= THREADED_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++) {
-        float *res = residual + r * n;
-        const float *x = x_in + r * n;
-        if (first) {
-            memcpy(res, x, sizeof(float) * n);
-        } else {
-            for (int64_t i = 0; i < n; i++) res[i] = x[i] + res[i];
-        }
-        rms_norm_row(res, w, y + r * n, n, eps);
-    }
-}
-
-/* Per-head RMSNorm of `heads` heads of `dim` at row stride `stride`, in place (Qwen3's q/k norms). */
-static void head_norms(float *x, const float *w, int64_t rows, int64_t heads, int64_t dim, int64_t stride,
-                       float eps) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t h = 0; h < heads; h++) rms_norm_row(x + r * stride + h * dim, w, x + r * stride + h * dim, dim, eps);
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include "vector_exp.h"
-
-/* e^x for x in [-87, 88] (clamped), within 2 ulp of expf. */
-static inline __m256 exp_clamped(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n;
-    const __m256 y = exp_mantissa(x, &n);
-    /* (n = 128 at x = 88 would overflow the exponent field: 2^n as two factors) */
-    const __m256i whole = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(whole, 1);
-    return _mm256_mul_ps(_mm256_mul_ps(y, exp2_integral(half)), exp2_integral(_mm256_sub_epi32(whole, half)));
-}
-#endif
-
-/* out[r] = silu(gate[r]) * up[r], with gate and up the halves of gu's row r ([rows, 2 n]). */
-static void silu_and_mul(const float *gu, float *out, int64_t rows, int64_t n, int64_t threads) {
-#pragma omp parallel for num_threads(threads) if (threads > 1 && rows * n >= THREADED_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = gu + r * 2 * n, *up = gate + n;
-        float *y = out + r * n;
-        int64_t i = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        for (; i + 8 <= n; i += 8) {
-            const __m256 g = _mm256_loadu_ps(gate + i);
-            const __m256 e = exp_clamped(_mm256_sub_ps(_mm256_setzero_ps(), g));
-            const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-            _mm256_storeu_ps(y + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-        }
-#endif
-        for (; i < n; i++) y[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
-}
-
 static int64_t attention_workspace(const Model *m, int64_t max_len, int64_t threads) {
     /* as kernels/cpu/paged_attention.c asks, plus one for its rounding to even */
     return threads * ((m->num_heads + 2) * (max_len + 8) + 2 * m->num_heads + 2) + 2;
@@ -157,11 +87,12 @@ void decode_layers_f32(const Model *m, const Layer *layers, int64_t num_layers, 
     const int64_t max_len = s->max_blocks * m->block_size;
     for (int64_t l = 0; l < num_layers; l++) {
         const Layer *w = layers + l;
-        add_rms_norm(s->hidden, s->residual, w->input_norm, normed, B, H, m->eps, l == 0 && !s->has_residual, T);
+        add_rms_norm(s->hidden, l == 0 && !s->has_residual ? NULL : s->residual, s->residual, w->input_norm, normed, B,
+                     H, m->eps, T);
         m->linear(normed, w->qkv, w->qkv_bias, qkv, B, H, qkv_size, T);
         if (w->q_norm != NULL) {
-            head_norms(qkv, w->q_norm, B, m->num_heads, D, qkv_size, m->eps);
-            head_norms(qkv + q_size, w->k_norm, B, m->num_kv_heads, D, qkv_size, m->eps);
+            rms_norm_rows(qkv, w->q_norm, qkv, B, m->num_heads, D, qkv_size, qkv_size, m->eps, T);
+            rms_norm_rows(qkv + q_size, w->k_norm, qkv + q_size, B, m->num_kv_heads, D, qkv_size, qkv_size, m->eps, T);
         }
         m->rotary(s->positions, qkv, qkv + q_size, m->cos_sin, B, m->num_heads, m->num_kv_heads, D, m->rot, qkv_size,
                   qkv_size, m->is_neox);
@@ -172,7 +103,7 @@ void decode_layers_f32(const Model *m, const Layer *layers, int64_t num_layers, 
                      m->num_heads, m->num_kv_heads, D, m->block_size, s->max_blocks, max_len, m->window, m->scale,
                      s->attention_threads);
         m->linear(attended, w->o, w->o_bias, normed, B, q_size, H, T); /* (normed is free again) */
-        add_rms_norm(normed, s->residual, w->post_norm, normed, B, H, m->eps, 0, T);
+        add_rms_norm(normed, s->residual, s->residual, w->post_norm, normed, B, H, m->eps, T);
         m->linear(normed, w->gate_up, NULL, gu, B, H, 2 * I, T);
         silu_and_mul(gu, act, B, I, T);
         m->linear(act, w->down, NULL, s->hidden, B, I, H, T);

@@ -1,5 +1,6 @@
-"""The compiled CPU kernels against the torch reference: attention to float tolerance, the
-element-wise ops bit for bit (they are built without fast-math so greedy tokens stay exact)."""
+"""The compiled CPU kernels against the torch reference: attention, the norms and SiLU-and-mul to
+float tolerance (sums and exp in another order), rotary and the cache write bit for bit (built without
+fast-math: they are the same IEEE operations)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,84 @@ def test_reshape_and_cache_matches_reference_and_skips_negative_slots():
     assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
     assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
     assert caches[2].view(-1, 2, 64)[[3, 17, 0, 40]].isnan().sum() == 0
+
+
+# Widths: SmolLM2's hidden size and half its MLP, a head, and odd ones (the vector loops' scalar tails).
+# Rows: one (a single thread), and enough to be shared out between threads.
+_WIDTHS = [576, 1536, 64, 13, 1]
+_ROWS = [1, 300]
+
+
+def _on_threads(threads: int, run):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("rows", _ROWS)
+@pytest.mark.parametrize("width", _WIDTHS)
+def test_rms_norm_and_its_residual_add_match_reference(width, rows, threads):
+    gen = torch.Generator().manual_seed(width + rows)
+    x, residual = torch.randn(2, rows, width, generator=gen) * 3
+    weight = torch.rand(width, generator=gen) + 0.5
+    normed = _on_threads(threads, lambda: cpu.rms_norm(x, weight, 1e-5))
+    torch.testing.assert_close(normed, ref_layers.rms_norm(x, weight, 1e-5), rtol=1e-5, atol=1e-6)
+    out, total = _on_threads(threads, lambda: cpu.fused_add_rms_norm(x, residual, weight, 1e-5))
+    expected_out, expected_total = ref_layers.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, expected_total)  # (one float add per element: the same bits)
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-6)
+    assert out.data_ptr() not in (x.data_ptr(), residual.data_ptr())  # new tensors, as the reference returns
+    # eps counts: a row of zeros would otherwise divide by zero
+    zeros = cpu.rms_norm(torch.zeros(rows, width), weight, 0.25)
+    assert torch.equal(zeros, torch.zeros(rows, width))
+    small = torch.full((1, width), 0.5)
+    torch.testing.assert_close(cpu.rms_norm(small, weight, 0.75), weight[None] * 0.5, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_per_head_rms_norm_reads_heads_of_a_fused_qkv_view(threads):
+    """Qwen3's q/k norms: [T, heads, D] views of the fused QKV output, a token's heads adjacent and tokens
+    a whole QKV row apart."""
+    gen = torch.Generator().manual_seed(9)
+    q, k, _ = _fused_qkv(400, 6, 2, 64, gen)
+    weight = torch.rand(64, generator=gen) + 0.5
+    for heads in (q, k):
+        normed = _on_threads(threads, lambda heads=heads: cpu.rms_norm(heads, weight, 1e-6))
+        assert normed.shape == heads.shape and normed.is_contiguous()
+        torch.testing.assert_close(normed, ref_layers.rms_norm(heads, weight, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("rows", _ROWS)
+@pytest.mark.parametrize("width", _WIDTHS)
+def test_silu_and_mul_matches_reference_to_saturation(width, rows, threads):
+    gen = torch.Generator().manual_seed(width * rows)
+    x = torch.randn(rows, 2 * width, generator=gen) * 4
+    x[0, :width] = torch.linspace(-300.0, 300.0, width)  # gates where exp(-gate) underflows or overflows
+    out = _on_threads(threads, lambda: cpu.silu_and_mul(x))
+    expected = ref_layers.silu_and_mul(x)
+    assert out.shape == (rows, width)
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
+    assert out.isfinite().all()
+
+
+def test_norms_and_activation_take_the_reference_for_what_they_do_not_cover():
+    """Other dtypes and layouts get the torch reference's result, not a misread buffer."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 64, generator=gen)
+    weight = torch.rand(64, generator=gen)
+    as_bf16 = cpu.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-5)
+    assert as_bf16.dtype == torch.bfloat16
+    assert torch.equal(as_bf16, ref_layers.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-5))
+    wide = torch.randn(8, 128, generator=gen)
+    transposed = wide.t().contiguous().t()  # (column-major rows)
+    torch.testing.assert_close(cpu.silu_and_mul(transposed), ref_layers.silu_and_mul(wide), rtol=2e-6, atol=1e-6)
+    three_d = torch.randn(2, 4, 64, generator=gen)
+    torch.testing.assert_close(
+        cpu.fused_add_rms_norm(three_d, three_d, weight, 1e-5)[0],
+        ref_layers.fused_add_rms_norm(three_d, three_d, weight, 1e-5)[0],
+    )
