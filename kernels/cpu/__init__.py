@@ -71,6 +71,7 @@ _SIGNATURES = {
     "decoder_scratch_floats": [_POINTER, _I64, _I64, _I64],
 }
 _RESULTS = {
+    "varlen_attention_f32": ctypes.c_int,
     "decoder_scratch_floats": _I64,
     "quantized_q8_unit": _I64,
     "quantized_q8_workspace": _I64,
@@ -243,10 +244,10 @@ def varlen_attention(
     threads = torch.get_num_threads()
     if sum(n * n for n in lens) * num_heads * head_dim < 1 << 18:  # too little work to wake a thread
         threads = 1
-    threads = min(threads, num_seqs * key.shape[1])
+    threads = min(threads, sum(-(-n // 64) for n in lens) * key.shape[1])  # (jobs: 64 rows of a KV head)
     padded = -(-max_len // 32) * 32
     workspace = _scratch(threads * (head_dim + 4) * padded)
-    lib["varlen_attention_f32"](
+    failed = lib["varlen_attention_f32"](
         query.data_ptr(),
         key.data_ptr(),
         value.data_ptr(),
@@ -266,6 +267,8 @@ def varlen_attention(
         scale,
         threads,
     )
+    if failed:
+        raise MemoryError("varlen attention: no memory for its job table")
     return out
 
 

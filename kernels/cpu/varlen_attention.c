@@ -4,8 +4,8 @@
  *
  * Layouts: q [T, H, D], k/v [T, Hkv, D], each token's heads contiguous with any token stride (views of a
  * fused QKV output); out [T, H, D] contiguous; cu_seqlens [B + 1] (sequence b owns rows
- * cu_seqlens[b]..cu_seqlens[b+1]). Work is one job per (sequence, KV head), shared out over OpenMP
- * threads. A job copies its keys transposed ([D, L], so one key column per lane) and then, for every
+ * cu_seqlens[b]..cu_seqlens[b+1]). Work is one job per (block of 64 query rows of a sequence, KV head),
+ * shared out over OpenMP threads. A job copies the keys its rows see transposed ([D, L], so one key column per lane) and then, for every
  * query head of the group, takes query rows four at a time: scores for a tile of 4 rows x 32 keys stay
  * in registers while the D products are summed (each key element loaded once per 4 rows), a two-pass
  * softmax per row (with an exp that vectorizes), then the four output rows accumulate V rows in tiles of
@@ -18,6 +18,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ROWS 4  /* query rows per tile */
@@ -106,26 +107,31 @@ static void pv_tile(const Args *a, const float *p, int64_t ld, int64_t rows, con
         for (int64_t c = 0; c < cols; c++) o[r][xb + c] = acc[r][c];
 }
 
-static void run_job(const Args *a, int64_t seq, int64_t kv_head, float *kt, float *scores) {
+/* One job: query rows [r0, r1) of sequence `seq`, for the query heads of KV head `kv_head`. */
+static void run_job(const Args *a, int64_t seq, int64_t kv_head, int64_t r0, int64_t r1, float *kt, float *scores) {
     const int64_t start = a->cu[seq], len = a->cu[seq + 1] - start;
     const int64_t d = a->head_dim, group = a->num_heads / a->num_kv_heads;
     const int64_t ld = round_up(len, COLS);
-    if (len <= 0) return;
+    /* the keys these rows see: [k_lo, k_hi), at their own columns of kt */
+    const int64_t k_hi = a->causal ? r1 : len;
+    int64_t k_lo = 0;
+    if (a->window > 0 && r0 - a->window + 1 > 0) k_lo = (r0 - a->window + 1) / COLS * COLS;
     /* keys transposed, padded with zeros to a whole score tile; 16 keys at a time, so that each row of kt
      * is written a cache line at a time (key by key, the stores' stride of ld floats missed the cache
      * for every element: a fifth of a 512-token prompt's attention time) */
-    for (int64_t j0 = 0; j0 < len; j0 += 16) {
-        const int64_t count = len - j0 < 16 ? len - j0 : 16;
+    for (int64_t j0 = k_lo; j0 < k_hi; j0 += 16) {
+        const int64_t count = k_hi - j0 < 16 ? k_hi - j0 : 16;
         const float *k_rows = a->k + (start + j0) * a->stride_k + kv_head * d;
         for (int64_t x = 0; x < d; x++)
             for (int64_t j = 0; j < count; j++) kt[x * ld + j0 + j] = k_rows[j * a->stride_k + x];
     }
+    const int64_t padded = round_up(k_hi, COLS) < ld ? round_up(k_hi, COLS) : ld;
     for (int64_t x = 0; x < d; x++)
-        for (int64_t j = len; j < ld; j++) kt[x * ld + j] = 0.f;
+        for (int64_t j = k_hi; j < padded; j++) kt[x * ld + j] = 0.f;
 
     for (int64_t h = kv_head * group; h < (kv_head + 1) * group; h++) {
-        for (int64_t i0 = 0; i0 < len; i0 += ROWS) {
-            const int64_t rows = len - i0 < ROWS ? len - i0 : ROWS;
+        for (int64_t i0 = r0; i0 < r1; i0 += ROWS) {
+            const int64_t rows = r1 - i0 < ROWS ? r1 - i0 : ROWS;
             const float *q_rows[ROWS];
             for (int64_t r = 0; r < ROWS; r++) q_rows[r] = a->q + (start + i0 + (r < rows ? r : 0)) * a->stride_q + h * d;
             /* keys any row of the tile sees: [lo, hi) */
@@ -166,7 +172,12 @@ static void run_job(const Args *a, int64_t seq, int64_t kv_head, float *kt, floa
     }
 }
 
-/* workspace: num_threads * (head_dim + ROWS) * round_up(max_len, COLS) floats. Returns 0.
+/* Rows per job: a sequence's rows are split so that two threads share even a single sequence of few KV
+ * heads (one job per KV head left a thread idle for a third of a 512-token prompt's attention with 3
+ * KV heads on 2 threads). A multiple of ROWS. */
+#define JOB_ROWS 64
+
+/* workspace: num_threads * (head_dim + ROWS) * round_up(max_len, COLS) floats. Returns 0 (1: out of memory).
  * Built with -fopenmp, this library binds to the libgomp torch has already loaded, so it runs on
  * torch's own thread pool (see paged_attention.c). */
 int varlen_attention_f32(const float *q, const float *k, const float *v, const int64_t *cu_seqlens, float *out,
@@ -175,13 +186,31 @@ int varlen_attention_f32(const float *q, const float *k, const float *v, const i
                          int64_t causal, int64_t window, float scale, int64_t num_threads) {
     const Args a = {q, k, v, cu_seqlens, out, num_heads, num_kv_heads, head_dim, stride_q, stride_k, stride_v,
                     causal, window, scale};
-    const int64_t ld = round_up(max_len, COLS), jobs = num_seqs * num_kv_heads;
+    const int64_t ld = round_up(max_len, COLS);
+    /* first_block[b]: the number of row blocks before sequence b's; a job is one block of one KV head */
+    int64_t *first_block = malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (first_block == NULL) return 1;
+    first_block[0] = 0;
+    for (int64_t b = 0; b < num_seqs; b++)
+        first_block[b + 1] = first_block[b] + (cu_seqlens[b + 1] - cu_seqlens[b] + JOB_ROWS - 1) / JOB_ROWS;
+    const int64_t blocks = first_block[num_seqs], jobs = blocks * num_kv_heads;
     if (num_threads > jobs) num_threads = jobs;
     if (num_threads < 1) num_threads = 1;
+    /* Blocks are taken from the last backwards: under causal attention a sequence's later rows see more
+     * keys, and a dynamic schedule balances best when the longest jobs start first. */
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t job = 0; job < jobs; job++) {
         float *kt = workspace + (int64_t)omp_get_thread_num() * (head_dim + ROWS) * ld;
-        run_job(&a, job / num_kv_heads, job % num_kv_heads, kt, kt + head_dim * ld);
+        const int64_t block = blocks - 1 - job / num_kv_heads;
+        int64_t lo = 0, hi = num_seqs - 1; /* the sequence whose blocks hold `block` */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (first_block[mid] <= block) lo = mid;
+            else hi = mid - 1;
+        }
+        const int64_t r0 = (block - first_block[lo]) * JOB_ROWS, len = cu_seqlens[lo + 1] - cu_seqlens[lo];
+        run_job(&a, lo, job % num_kv_heads, r0, r0 + JOB_ROWS < len ? r0 + JOB_ROWS : len, kt, kt + head_dim * ld);
     }
+    free(first_block);
     return 0;
 }

@@ -76,11 +76,13 @@ def test_compiled_cpu_kernel_matches_naive(head_dim, num_kv_heads, group, causal
 
 
 def test_compiled_cpu_kernel_on_one_long_sequence():
-    """Longer than any tile, one sequence: what a single long embedding input runs."""
+    """Longer than any tile, one sequence: what a single long embedding input runs, and a prompt's prefill
+    (its rows are split into jobs of 64; a window of 100 reaches back over a job's start)."""
     q, k, v, starts = inputs(32, 12, 1, [300], seed=2)
-    for causal in (False, True):
-        out = cpu.varlen_attention(q, k, v, starts, 32**-0.5, causal)
-        torch.testing.assert_close(out.double(), naive(q, k, v, [300], 32**-0.5, causal, None), atol=2e-5, rtol=1e-4)
+    for causal, window in ((False, None), (True, None), (True, 100)):
+        out = cpu.varlen_attention(q, k, v, starts, 32**-0.5, causal, window)
+        expected = naive(q, k, v, [300], 32**-0.5, causal, window)
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
 
 
 def test_a_window_without_causality_is_refused():
