@@ -129,6 +129,33 @@ static inline __attribute__((always_inline)) void accumulate_v(const float *p, c
     for (int i = 0; i < width; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
 }
 
+/* Pass 2 for up to three query heads of one KV group and 32 of their dimensions: o_h[0:32] += sum_t
+ * p_h[t] * v_t[0:32] over tokens [t0, t1), for heads h < H (p_h = p + h * stride, o_h = o + h * d). Each V
+ * row's 32 floats are loaded once for all H heads (one head at a time loaded each row once per head, and
+ * ran at a quarter of the FMA rate: docs/decode-speed.md). H is a constant in each use, so that the 4H
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void accumulate_v_heads(const float *p, int64_t stride, const float *v,
+                                                                     const int64_t *offsets, int64_t t0, int64_t t1,
+                                                                     float *o, int64_t d, const int H) {
+    __m256 acc[3][4];
+    for (int h = 0; h < H; h++)
+        for (int i = 0; i < 4; i++) acc[h][i] = _mm256_loadu_ps(o + h * d + 8 * i);
+    for (int64_t t = t0; t < t1; t++) {
+        const float *row = v + offsets[t];
+        const __m256 x0 = _mm256_loadu_ps(row), x1 = _mm256_loadu_ps(row + 8), x2 = _mm256_loadu_ps(row + 16),
+                     x3 = _mm256_loadu_ps(row + 24);
+        for (int h = 0; h < H; h++) {
+            const __m256 pv = _mm256_broadcast_ss(p + h * stride + t);
+            acc[h][0] = _mm256_fmadd_ps(pv, x0, acc[h][0]);
+            acc[h][1] = _mm256_fmadd_ps(pv, x1, acc[h][1]);
+            acc[h][2] = _mm256_fmadd_ps(pv, x2, acc[h][2]);
+            acc[h][3] = _mm256_fmadd_ps(pv, x3, acc[h][3]);
+        }
+    }
+    for (int h = 0; h < H; h++)
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + h * d + 8 * i, acc[h][i]);
+}
+
 /* Sequence b's tokens [start, start + n), n > 0: out[h] = sum_t e^(s_ht - max_h) v_t (not normalised),
  * with max_h and sum_h = sum_t e^(s_ht - max_h) in maxes[h] and sums[h]. scores has (n rounded up to 8)
  * floats per query head, offsets n int64s. */
@@ -159,10 +186,26 @@ static void attend_part_vector(const Job *j, int64_t b, int64_t start, int64_t n
     }
     for (int64_t h = 0; h < heads; h++) maxes[h] = exponentials(scores + h * stride, n, sums + h);
     /* pass 2: out_h += sum_t p[h][t] * v_t over chunks of 32 tokens (their V rows stay in L1 while every
-     * head uses them), 64 dimensions of a head at a time in registers */
+     * head uses them): three heads of a group x 32 dimensions at a time in registers, or (head sizes that
+     * are not a multiple of 32) one head x 64 dimensions */
     memset(out, 0, sizeof(float) * heads * d);
     for (int64_t t0 = 0; t0 < n; t0 += 32) {
         const int64_t t1 = t0 + 32 < n ? t0 + 32 : n;
+        if (d % 32 == 0) { /* three heads of a group at a time, 32 dimensions at a time */
+            int64_t count; /* heads in this slice: up to 3, all of one group */
+            for (int64_t h0 = 0; h0 < heads; h0 += count) {
+                const int64_t group_end = (h0 / group + 1) * group;
+                count = group_end - h0 < 3 ? group_end - h0 : 3;
+                const float *p = scores + h0 * stride, *v_head = j->v_cache + (h0 / group) * d;
+                for (int64_t c0 = 0; c0 < d; c0 += 32) {
+                    float *o = out + h0 * d + c0;
+                    if (count == 3) accumulate_v_heads(p, stride, v_head + c0, offsets, t0, t1, o, d, 3);
+                    else if (count == 2) accumulate_v_heads(p, stride, v_head + c0, offsets, t0, t1, o, d, 2);
+                    else accumulate_v_heads(p, stride, v_head + c0, offsets, t0, t1, o, d, 1);
+                }
+            }
+            continue;
+        }
         for (int64_t h = 0; h < heads; h++) {
             const float *p = scores + h * stride, *v_head = j->v_cache + (h / group) * d;
             for (int64_t c0 = 0; c0 + 64 <= d; c0 += 64) accumulate_v(p, v_head + c0, offsets, t0, t1, out + h * d + c0, 8);

@@ -27,8 +27,9 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
     assert result.stdout.strip() == "True", result.stderr
 
 
-# (+ head sizes that are not a multiple of 64: the vector path's V pass does the last 8 to 56 dims apart)
-@pytest.mark.parametrize("head_dim,block_size,groups", SHAPES + [(96, 16, 2), (40, 16, 3)])
+# (+ head sizes that are not a multiple of 64 or of 32, and groups that are not a multiple of the three
+# heads the V pass takes at a time: SmolLM2's 3, and 5 = 3 + 2)
+@pytest.mark.parametrize("head_dim,block_size,groups", SHAPES + [(96, 16, 2), (40, 16, 3), (64, 16, 3), (96, 16, 5)])
 @pytest.mark.parametrize("sliding_window", [None, 20])
 def test_compiled_cpu_decode_attention_matches_reference(head_dim, block_size, groups, sliding_window):
     reference = ref_attention.paged_decode_attention
