@@ -18,7 +18,7 @@ from aiohttp import web
 
 from api_proc.http_guard import GuardedAppRunner, HttpGuard, allow_open_files
 from api_proc.server import ApiServer, ApiSettings
-from engine_core.lifecycle import Command, ParentLink, Report, Role, init_child_process
+from engine_core.lifecycle import Command, ParentLink, Report, Role, freeze_startup_heap, init_child_process
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ async def _serve(settings: ApiSettings, link: ParentLink | None) -> int:
         elif command is Command.FAIL:
             tasks.add(loop.create_task(fail_then_exit()))
 
+    freeze_startup_heap()
     if link is not None:
         link.watch(lambda command, info: loop.call_soon_threadsafe(on_command, command))
         link.send(Report.READY)

@@ -45,7 +45,7 @@ from engine_core import protocol
 from engine_core.block_hash import extend_block_hashes
 from engine_core.gguf_model import model_source
 from engine_core.json_limits import depth_message
-from engine_core.lifecycle import Command, ParentLink, Report, Role, init_child_process
+from engine_core.lifecycle import Command, ParentLink, Report, Role, freeze_startup_heap, init_child_process
 from engine_core.tokenizer import load_tokenizer
 from engine_core.validation import ParamError, check_token_ids
 from engine_core.zmq_security import CurveConfig, EngineLinkKeys
@@ -526,6 +526,7 @@ class DetokProc:
         self.metrics.engine_ready(replica.index, message)
         if not self._announced_ready and all(r.ever_ready for r in self.replicas):
             self._announced_ready = True
+            freeze_startup_heap()
             self.on_ready()
 
     def _handle_commands(self) -> None:

@@ -20,7 +20,7 @@ import zmq
 from engine_core import protocol
 from engine_core.config import EngineConfig
 from engine_core.environment import prefer_passive_thread_waits
-from engine_core.lifecycle import ParentLink, Report, Role, init_child_process
+from engine_core.lifecycle import ParentLink, Report, Role, freeze_startup_heap, init_child_process
 from engine_core.pooling.config import will_pool
 from engine_core.validation import param_of
 from engine_core.zmq_security import EngineLinkKeys
@@ -119,6 +119,7 @@ class EngineCoreProc:
         # the lowest priority, so that it does not slow the first requests either.
         if isinstance(self.engine, EngineCore):
             self.engine.structured.start()
+        freeze_startup_heap()
 
     def run(self) -> None:
         from engine_core.gpu_memory import device_memory  # (imports torch: the child only)

@@ -23,7 +23,7 @@ from pathlib import Path
 from engine_core import cpu_binding
 from engine_core.config import EngineConfig
 from engine_core.host_memory import keep_freed_memory
-from engine_core.lifecycle import ParentLink, Report, init_child_process
+from engine_core.lifecycle import ParentLink, Report, freeze_startup_heap, init_child_process
 
 logger = logging.getLogger(__name__)
 _READ_POLL_S = 1.0  # how often an idle worker wakes (a stop signal is handled then)
@@ -106,6 +106,7 @@ def serve(spec: WorkerSpec, on_joining: Callable[[], None]) -> None:
         )
         try:
             runner = ModelRunner(config, Path(spec.model_dir), ModelConfig.from_dir(spec.model_dir), group, pipe)
+            freeze_startup_heap()
             _follow(reader, runner)
         finally:
             group.close()

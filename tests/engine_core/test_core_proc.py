@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from pathlib import Path
@@ -113,3 +114,18 @@ def test_shutdown_message_exits_cleanly(own_core):
     own_core.send(protocol.Shutdown())
     own_core.process.join(10)
     assert own_core.process.exitcode == 0
+
+
+def test_loading_takes_the_start_up_heap_out_of_the_collectors_reach(tmp_path, default_model_dir):
+    """Once loaded, what start-up allocated is frozen (gc.freeze): full collections walked all of it (the
+    model, the tokenizer, torch's modules) and stalled the engine loop for 110-190 ms each."""
+    from engine_core.core_proc import EngineCoreProc
+
+    proc = EngineCoreProc(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
+    gc.unfreeze()  # (this test process's own count starts at zero)
+    try:
+        proc.load(EngineConfig(model=str(default_model_dir), kv_cache_memory=64 * 1024**2))
+        assert gc.get_freeze_count() > 100_000
+    finally:
+        gc.unfreeze()
+        proc.close()
