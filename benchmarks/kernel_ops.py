@@ -152,16 +152,18 @@ def cases(shape: Shape, dtype, device) -> list[tuple[str, str, Callable[[Callabl
         )
     )
 
-    # cache-free attention over whole prompts (pooling models), bidirectional as an encoder's
+    # cache-free attention over whole prompts: bidirectional as an encoder's (pooling models), and causal,
+    # what a fresh prompt's prefill runs on the CPU (this step's own K/V, no cache read)
     vk, vv = rand(sum(lens), s.num_kv_heads, s.head_dim), rand(sum(lens), s.num_kv_heads, s.head_dim)
-    out.append(
-        (
-            "varlen_attention",
-            f"{s.prefill_seqs}x{s.prefill_len} bidirectional",
-            lambda f: lambda: f(pq, vk, vv, starts, scale, False),
-            2 * nbytes(pq) + nbytes(vk) + nbytes(vv),
+    for causal in (False, True):
+        out.append(
+            (
+                "varlen_attention",
+                f"{s.prefill_seqs}x{s.prefill_len} {'causal' if causal else 'bidirectional'}",
+                lambda f, causal=causal: lambda: f(pq, vk, vv, starts, scale, causal),
+                2 * nbytes(pq) + nbytes(vk) + nbytes(vv),
+            )
         )
-    )
 
     # cache write: one decode step's worth of tokens per sequence, scattered over the pool
     k, v = rand(s.tokens, s.num_kv_heads, s.head_dim), rand(s.tokens, s.num_kv_heads, s.head_dim)
