@@ -1,4 +1,5 @@
-"""Where one engine step's wall time goes: decode at batch 1, 16 and 64, and a 512-token prefill.
+"""Where one engine step's wall time goes: decode at batch 1, 16 and 64, a 512-token prefill, and
+optionally mixed steps (`--mixed`: a decode batch plus two new prompts, a loaded server's usual step).
 
 Drives a real `EngineCore` on the default SmolLM2 (fp32) in this process and splits each step into:
   schedule      Scheduler.schedule
@@ -28,6 +29,7 @@ within one run on this shared machine.
     python -m benchmarks.step_profile --cases 1 16 --steps 30
     python -m benchmarks.step_profile --cases 1 --context 640 --prefill 0   (the 512 -> 256 workload's mid-point)
     python -m benchmarks.step_profile --threads 2 --layered   (decode steps layer by layer, split by op)
+    python -m benchmarks.step_profile --threads 2 --cases --mixed 16 64 --prefill 0   (x16/x64 + 2 x 128)
 (As a module, from the repository root, so that the packages it imports are found.)
 """
 
@@ -262,6 +264,32 @@ def decode_case(engine: EngineCore, link: OutputLink, batch: int, context: int, 
     return {"case": f"decode x{batch}", "step": statistics.median(plain), "cpu": cpu, **row}
 
 
+def mixed_case(engine: EngineCore, link: OutputLink, batch: int, context: int, prompts: int, steps: int) -> dict:
+    """`batch` decoding requests, and in every step `prompts` new prompts of `context` tokens prefilled
+    with them (each asks for one token, so it ends in its step): a loaded server's steady state, where
+    finished requests' places are refilled as the others decode."""
+    _start_decodes(engine, batch, context, seed=batch + 1)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    seeds = iter(range(20_000, 30_000))
+
+    def step(timers: Timers | None = None) -> float:
+        for prompt in _prompts(prompts, context, next(seeds)):
+            engine.add_request(f"m{next(seeds)}", prompt, params)
+        return _steps(engine, link, 1, timers)
+
+    for _ in range(3):  # warm-up
+        step()
+    cpu_start = time.process_time()
+    plain = [step() for _ in range(steps)]
+    cpu = (time.process_time() - cpu_start) / steps
+    timers = Timers()
+    with instrumented(engine, timers):
+        total = sum(step(timers) for _ in range(steps))
+    row = _row(timers, total, engine.runner.num_layers, steps)
+    _stop_all(engine)
+    return {"case": f"x{batch} + {prompts}x{context}", "step": statistics.median(plain), "cpu": cpu, **row}
+
+
 def prefill_case(engine: EngineCore, link: OutputLink, length: int, repeats: int) -> dict:
     """One request of `length` prompt tokens and one output token, from an empty prefix cache."""
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -344,6 +372,13 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=512, help="prefill length (0: skip)")
     parser.add_argument("--repeats", type=int, default=3, help="timed prefills")
     parser.add_argument(
+        "--mixed",
+        type=int,
+        nargs="*",
+        default=[],
+        help="batch sizes of mixed steps: that many decodes and two new prompts of --context tokens",
+    )
+    parser.add_argument(
         "--layered",
         action="store_true",
         help="decode layer by layer (PAGODA_DISABLE_FUSED_DECODE's path), to split it by op",
@@ -356,6 +391,7 @@ def main() -> None:
     rows = []
     try:
         rows.extend(decode_case(engine, link, batch, args.context, args.steps) for batch in args.cases)
+        rows.extend(mixed_case(engine, link, batch, args.context, 2, args.steps) for batch in args.mixed)
         if args.prefill:
             rows.append(prefill_case(engine, link, args.prefill, args.repeats))
         weight_bytes = engine.runner.weight_bytes
