@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -54,9 +55,12 @@ _LIBRARIES = {
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],
+    "paged_decode_attention_f16kv": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],  # only where the CPU has F16C
+    "paged_decode_attention_workspace": [_I64] * 5,
     "varlen_attention_f32": [_POINTER] * 6 + [_I64] * 10 + [_F32, _I64],
     "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
     "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
+    "reshape_and_cache_f16kv": [_POINTER] * 5 + [_I64] * 4,
     "quantized_linear_f32": [_POINTER] * 7 + [_I64] * 11,
     "quantized_dequantize_f32": [_POINTER] * 4 + [_I64] * 9,
     "quantized_linear_q8_f32": [_POINTER] * 7 + [_I64] * 10,  # only where the CPU has VNNI
@@ -72,6 +76,8 @@ _SIGNATURES = {
 }
 _RESULTS = {
     "varlen_attention_f32": ctypes.c_int,
+    "paged_decode_attention_f16kv": ctypes.c_int,
+    "paged_decode_attention_workspace": _I64,
     "decoder_scratch_floats": _I64,
     "quantized_q8_unit": _I64,
     "quantized_q8_workspace": _I64,
@@ -166,6 +172,19 @@ def decode_attention_threads(batch: int, longest: int) -> int:
     return 1 if batch * longest < 256 else torch.get_num_threads()
 
 
+def _decode_attention_function(
+    lib: dict[str, Callable[..., None]] | None, query: torch.Tensor, key_cache: torch.Tensor
+) -> Callable[..., None] | None:
+    """The C paged decode attention for this query and cache, or None (the torch reference's case)."""
+    if lib is None or query.dtype != torch.float32:
+        return None
+    if key_cache.dtype == torch.float32:
+        return lib["paged_decode_attention_f32"]
+    if key_cache.dtype == torch.float16 and query.shape[-1] % 8 == 0:  # (the C code's condition)
+        return lib.get("paged_decode_attention_f16kv")
+    return None
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -176,9 +195,11 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `kernels.torch_ref.attention.paged_decode_attention` (float32, CPU)."""
+    """Same contract as `kernels.torch_ref.attention.paged_decode_attention` (float32 queries, CPU; a
+    float32 or float16 cache)."""
     lib = _load()
-    if lib is None or query.dtype != torch.float32 or not key_cache.is_contiguous():
+    function = _decode_attention_function(lib, query, key_cache)
+    if function is None or not key_cache.is_contiguous():
         from kernels.torch_ref.attention import paged_decode_attention as reference
 
         return reference(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len)
@@ -192,8 +213,10 @@ def paged_decode_attention(
     longest = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     threads = decode_attention_threads(batch, longest)
     out = torch.empty_like(query)
-    workspace = _scratch(threads * ((num_heads + 2) * (max_len + 8) + 2 * num_heads + 2))  # see paged_attention.c
-    lib["paged_decode_attention_f32"](
+    assert lib is not None
+    workspace_size = cast(Callable[..., int], lib["paged_decode_attention_workspace"])  # (restype int64)
+    workspace = _scratch(workspace_size(num_heads, num_kv_heads, head_dim, max_len, threads))
+    function(
         query.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
@@ -320,10 +343,16 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Same contract as `kernels.torch_ref.attention.reshape_and_cache` (float32, CPU)."""
+    """Same contract as `kernels.torch_ref.attention.reshape_and_cache` (float32 rows, CPU; a float32 or
+    float16 cache)."""
     lib = _load()
+    function = None
+    if lib is not None and key.dtype == value.dtype == torch.float32 and key_cache.dtype == value_cache.dtype:
+        function = {torch.float32: lib["reshape_and_cache_f32"], torch.float16: lib.get("reshape_and_cache_f16kv")}.get(
+            key_cache.dtype
+        )
     if (
-        lib is None
+        function is None
         or not (_rows_contiguous(key) and _rows_contiguous(value))
         or not (key_cache.is_contiguous() and value_cache.is_contiguous())
     ):
@@ -331,7 +360,7 @@ def reshape_and_cache(
 
         return reference(key, value, key_cache, value_cache, slot_mapping)
     slot_mapping = _int64(slot_mapping)
-    lib["reshape_and_cache_f32"](
+    function(
         key.data_ptr(),
         value.data_ptr(),
         key_cache.data_ptr(),

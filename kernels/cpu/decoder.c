@@ -16,14 +16,17 @@
 
 typedef void (*LinearFn)(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t K,
                          int64_t N, int64_t threads);
-typedef int (*AttentionFn)(const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
+/* (caches: float32, or float16 with the float16 cache's kernels) */
+typedef int (*AttentionFn)(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
                            const int64_t *seq_lens, float *out, float *workspace, int64_t batch, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                            int64_t max_len, int64_t window, float scale, int64_t num_threads);
 typedef void (*RotaryFn)(const int64_t *positions, float *q, float *k, const float *cos_sin, int64_t num_tokens,
                          int64_t num_q_heads, int64_t num_k_heads, int64_t head_dim, int64_t rot, int64_t q_stride,
                          int64_t k_stride, int64_t is_neox);
-typedef void (*CacheFn)(const float *key, const float *value, float *key_cache, float *value_cache,
+typedef int64_t (*AttentionWorkspaceFn)(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_len,
+                                        int64_t num_threads);
+typedef void (*CacheFn)(const float *key, const float *value, void *key_cache, void *value_cache,
                         const int64_t *slot_mapping, int64_t num_tokens, int64_t row, int64_t key_stride,
                         int64_t value_stride);
 
@@ -34,7 +37,7 @@ typedef struct {
     const float *qkv, *qkv_bias;         /* [(Hq + 2 Hkv) D, hidden]; bias or NULL */
     const float *o, *o_bias;             /* [hidden, Hq D] */
     const float *gate_up, *down;         /* [2 I, hidden], [hidden, I] */
-    float *key_cache, *value_cache;      /* [blocks, block_size, Hkv, D] */
+    void *key_cache, *value_cache;       /* [blocks, block_size, Hkv, D], float32 or float16 */
 } Layer;
 
 typedef struct {
@@ -44,6 +47,7 @@ typedef struct {
     const float *cos_sin; /* [max_position, rot] */
     LinearFn linear;
     AttentionFn attention;
+    AttentionWorkspaceFn attention_workspace;
     RotaryFn rotary;
     CacheFn cache;
 } Model;
@@ -56,11 +60,6 @@ typedef struct {
     float *scratch;  /* decoder_scratch_floats(...) floats */
 } Step;
 
-static int64_t attention_workspace(const Model *m, int64_t max_len, int64_t threads) {
-    /* as kernels/cpu/paged_attention.c asks, plus one for its rounding to even */
-    return threads * ((m->num_heads + 2) * (max_len + 8) + 2 * m->num_heads + 2) + 2;
-}
-
 /* Buffers start on 64-byte boundaries (the attention workspace holds int64 offsets, and vector loads
  * prefer whole cache lines). */
 static inline int64_t lines(int64_t floats) { return (floats + 15) & ~(int64_t)15; }
@@ -69,7 +68,8 @@ int64_t decoder_scratch_floats(const Model *m, int64_t batch, int64_t max_blocks
     const int64_t q = m->num_heads * m->head_dim, qkv = q + 2 * m->num_kv_heads * m->head_dim;
     return 16 + lines(batch * m->hidden) + lines(batch * qkv) + 2 * lines(batch * q) +
            lines(batch * 2 * m->intermediate) + lines(batch * m->intermediate) +
-           attention_workspace(m, max_blocks * m->block_size, attention_threads);
+           m->attention_workspace(m->num_heads, m->num_kv_heads, m->head_dim, max_blocks * m->block_size,
+                                  attention_threads);
 }
 
 /* Runs `num_layers` layers on a batch of single-token decodes; step->hidden then holds the last

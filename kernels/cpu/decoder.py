@@ -47,7 +47,7 @@ class _Model(ctypes.Structure):
         *((name, _I64) for name in ("block_size", "window", "rot", "is_neox")),
         ("eps", _F32),
         ("scale", _F32),
-        *((name, _P) for name in ("cos_sin", "linear", "attention", "rotary", "cache")),
+        *((name, _P) for name in ("cos_sin", "linear", "attention", "attention_workspace", "rotary", "cache")),
     ]
 
 
@@ -69,7 +69,7 @@ class LayerTensors:
     o: PanelWeight  # [hidden, Hq D]
     gate_up: PanelWeight  # [2 I, hidden]
     down: PanelWeight  # [hidden, I]
-    key_cache: torch.Tensor  # [blocks, block_size, Hkv, D]
+    key_cache: torch.Tensor  # [blocks, block_size, Hkv, D], float32 or float16
     value_cache: torch.Tensor
     qkv_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
@@ -105,6 +105,14 @@ class FusedDecoder:
             raise RuntimeError("the CPU kernels are not available")
         self._lib = lib
         self._check(shape, layers, cos_sin_cache)
+        half = layers[0].key_cache.dtype == torch.float16  # (--kv-cache-dtype float16)
+        attention, cache = (
+            ("paged_decode_attention_f16kv", "reshape_and_cache_f16kv")
+            if half
+            else ("paged_decode_attention_f32", "reshape_and_cache_f32")
+        )
+        if attention not in lib or cache not in lib:
+            raise ValueError("this CPU or compiler has no float16 KV cache kernels (F16C, _Float16)")
         self._keep = (layers, cos_sin_cache)  # (the C side holds raw pointers into these)
         self.shape = shape
         self._model = _Model(
@@ -121,9 +129,10 @@ class FusedDecoder:
             scale=shape.head_dim**-0.5,
             cos_sin=cos_sin_cache.data_ptr(),
             linear=_address(lib, "panel_linear_f32"),
-            attention=_address(lib, "paged_decode_attention_f32"),
+            attention=_address(lib, attention),
+            attention_workspace=_address(lib, "paged_decode_attention_workspace"),
             rotary=_address(lib, "rotary_embedding_f32"),
-            cache=_address(lib, "reshape_and_cache_f32"),
+            cache=_address(lib, cache),
         )
         self._layers = (_Layer * len(layers))(  # (the struct's fields are LayerTensors' names)
             *(_Layer(**{field[0]: _ptr(getattr(t, field[0])) for field in _Layer._fields_}) for t in layers)
@@ -138,9 +147,9 @@ class FusedDecoder:
         if not layers:
             raise ValueError("no layers")
 
-        def plain(t: torch.Tensor | None, *size: int) -> bool:
+        def plain(t: torch.Tensor | None, *size: int, dtype: torch.dtype = torch.float32) -> bool:
             return t is None or (
-                t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == size
+                t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == size
             )
 
         def panels(p: PanelWeight, n: int, k: int) -> bool:
@@ -148,7 +157,9 @@ class FusedDecoder:
                 p.out_features == n and p.in_features == k and p.data.is_contiguous() and p.data.dtype == torch.float32
             )
 
-        cache_shape = tuple(layers[0].key_cache.shape)
+        cache_shape, cache_dtype = tuple(layers[0].key_cache.shape), layers[0].key_cache.dtype
+        if cache_dtype not in (torch.float32, torch.float16) or (cache_dtype == torch.float16 and d % 8):
+            raise ValueError(f"a {cache_dtype} KV cache (head size {d}) is not the fused decode path's")
         for n, t in enumerate(layers):
             ok = (
                 plain(t.input_norm, h)
@@ -164,8 +175,8 @@ class FusedDecoder:
                 and plain(t.o_bias, h)
                 and len(cache_shape) == 4
                 and cache_shape[2:] == (shape.num_kv_heads, d)
-                and plain(t.key_cache, *cache_shape)
-                and plain(t.value_cache, *cache_shape)
+                and plain(t.key_cache, *cache_shape, dtype=cache_dtype)
+                and plain(t.value_cache, *cache_shape, dtype=cache_dtype)
             )
             if not ok:
                 raise ValueError(f"layer {n}: a tensor's shape, dtype or layout is not the fused decode path's")

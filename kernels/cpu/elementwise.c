@@ -2,7 +2,8 @@
  *
  * Built WITHOUT fast-math and with FMA contraction off, so each result is the same IEEE operation
  * sequence as the torch reference (x1*cos - x2*sin rounds the two products, then the difference):
- * bit-identical outputs, which keeps greedy tokens identical to Hugging Face's.
+ * bit-identical outputs, which keeps greedy tokens identical to Hugging Face's. A float16 cache gets
+ * each value rounded to nearest-even, as torch's conversion does.
  */
 #include <stdint.h>
 #include <string.h>
@@ -46,3 +47,17 @@ void reshape_and_cache_f32(const float *key, const float *value, float *key_cach
         memcpy(value_cache + slot * row, value + t * value_stride, sizeof(float) * row);
     }
 }
+
+#ifdef __FLT16_MAX__ /* (compilers with _Float16; elsewhere the torch reference writes such a cache) */
+/* The same into a float16 cache (--kv-cache-dtype float16). */
+void reshape_and_cache_f16kv(const float *key, const float *value, _Float16 *key_cache, _Float16 *value_cache,
+                             const int64_t *slot_mapping, int64_t num_tokens, int64_t row, int64_t key_stride,
+                             int64_t value_stride) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        for (int64_t i = 0; i < row; i++) key_cache[slot * row + i] = (_Float16)key[t * key_stride + i];
+        for (int64_t i = 0; i < row; i++) value_cache[slot * row + i] = (_Float16)value[t * value_stride + i];
+    }
+}
+#endif

@@ -14,6 +14,9 @@
  * dot products of 8 tokens in flight at once: the plain loop's one dot at a time waits on its single
  * accumulator's FMA chain and a horizontal sum per score, and its expf is scalar. The vector path
  * is ~1.5x faster at batch 1-64 (docs/decode-speed.md) and agrees with the reference to float rounding.
+ *
+ * The cache may be float16 (--kv-cache-dtype float16; vector path, F16C): the same passes convert each
+ * 8 values as they load them, and read half the bytes.
  */
 #include <float.h>
 #include <math.h>
@@ -23,13 +26,36 @@
 #include <string.h>
 
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache; /* float32, or float16 where kv_half */
     const int64_t *block_tables, *seq_lens;
     float *out;
     int64_t batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len, window;
     float scale;
     int64_t first_seq, last_seq; /* the range of sequences to run */
+    int64_t kv_half, element;    /* a float16 cache (vector path only); the cache's bytes per element */
 } Job;
+
+/* Where a thread's workspace (thread_workspace floats of the caller's buffer) puts its parts. */
+typedef struct {
+    float *scores;     /* num_heads rows of max_len + 8 floats (rows of n rounded up to 8 in use) */
+    float *maxes;      /* [num_heads] (whole sequences) */
+    float *sums;       /* [num_heads] (whole sequences) */
+    int64_t *offsets;  /* [max_len]: a sequence's token offsets in the cache (elements) */
+} Scratch;
+
+static int64_t thread_workspace(int64_t num_heads, int64_t max_len) {
+    return (num_heads * (max_len + 8) + 2 * num_heads + 2 * max_len + 2) & ~(int64_t)1;
+}
+
+static Scratch scratch_of(const Job *j, float *workspace, int64_t thread) {
+    Scratch s;
+    s.scores = workspace + thread * thread_workspace(j->num_heads, j->max_len);
+    s.maxes = s.scores + ((j->num_heads * (j->max_len + 8) + 1) & ~(int64_t)1); /* (even: int64s follow) */
+    s.sums = s.maxes + j->num_heads;
+    s.offsets = (int64_t *)(s.sums + j->num_heads);
+    return s;
+}
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float s = 0.f;
@@ -38,8 +64,8 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-static inline const float *row(const Job *j, const float *cache, const int64_t *table, int64_t pos) {
-    return cache + (table[pos / j->block_size] * j->block_size + pos % j->block_size) * j->num_kv_heads * j->head_dim;
+static inline const float *row(const Job *j, const void *cache, const int64_t *table, int64_t pos) {
+    return (const float *)cache + (table[pos / j->block_size] * j->block_size + pos % j->block_size) * j->num_kv_heads * j->head_dim;
 }
 
 /* Element offset of each of a sequence's tokens [start, start + n) in the cache (K and V alike): one
@@ -114,36 +140,49 @@ static float exponentials(float *s, int64_t n, float *total_out) {
     return m;
 }
 
-/* o[0:8 * width] += sum_t p[t] * v_t[0:8 * width] over tokens [t0, t1) (v_t = v + offsets[t]). Always
- * called with a constant width, so that the accumulators stay in registers: with a variable width the
- * compiler kept them on the stack, a store and a reload around every FMA (2x slower overall). */
-static inline __attribute__((always_inline)) void accumulate_v(const float *p, const float *v, const int64_t *offsets,
-                                                               int64_t t0, int64_t t1, float *o, const int width) {
+/* 8 floats of the cache `base` from element `at`: float32, or float16 converted (`half` is a constant
+ * in every use, so each caller is compiled once per cache type with no test in its loops). */
+static inline __attribute__((always_inline)) __m256 load8(const void *base, int64_t at, const int half) {
+#ifdef __F16C__
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at)));
+#endif
+    (void)half;
+    return _mm256_loadu_ps((const float *)base + at);
+}
+
+/* o[0:8 * width] += sum_t p[t] * v_t[0:8 * width] over tokens [t0, t1) (v_t: the cache v from element
+ * offsets[t] + first). Always called with a constant width, so that the accumulators stay in registers:
+ * with a variable width the compiler kept them on the stack, a store and a reload around every FMA (2x
+ * slower overall). */
+static inline __attribute__((always_inline)) void accumulate_v(const float *p, const void *v, int64_t first,
+                                                               const int64_t *offsets, int64_t t0, int64_t t1, float *o,
+                                                               const int width, const int half) {
     __m256 acc[8];
     for (int i = 0; i < width; i++) acc[i] = _mm256_loadu_ps(o + 8 * i);
     for (int64_t t = t0; t < t1; t++) {
         const __m256 pv = _mm256_broadcast_ss(p + t);
-        const float *row = v + offsets[t];
-        for (int i = 0; i < width; i++) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row + 8 * i), acc[i]);
+        const int64_t row = offsets[t] + first;
+        for (int i = 0; i < width; i++) acc[i] = _mm256_fmadd_ps(pv, load8(v, row + 8 * i, half), acc[i]);
     }
     for (int i = 0; i < width; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
 }
 
 /* Pass 2 for up to three query heads of one KV group and 32 of their dimensions: o_h[0:32] += sum_t
- * p_h[t] * v_t[0:32] over tokens [t0, t1), for heads h < H (p_h = p + h * stride, o_h = o + h * d). Each V
- * row's 32 floats are loaded once for all H heads (one head at a time loaded each row once per head, and
- * ran at a quarter of the FMA rate: docs/decode-speed.md). H is a constant in each use, so that the 4H
- * accumulators stay in registers. */
-static inline __attribute__((always_inline)) void accumulate_v_heads(const float *p, int64_t stride, const float *v,
-                                                                     const int64_t *offsets, int64_t t0, int64_t t1,
-                                                                     float *o, int64_t d, const int H) {
+ * p_h[t] * v_t[0:32] over tokens [t0, t1), for heads h < H (p_h = p + h * stride, o_h = o + h * d; v_t as
+ * above). Each V row's 32 floats are loaded once for all H heads (one head at a time loaded each row once
+ * per head, and ran at a quarter of the FMA rate: docs/decode-speed.md). H is a constant in each use, so
+ * that the 4H accumulators stay in registers. */
+static inline __attribute__((always_inline)) void accumulate_v_heads(const float *p, int64_t stride, const void *v,
+                                                                     int64_t first, const int64_t *offsets, int64_t t0,
+                                                                     int64_t t1, float *o, int64_t d, const int H,
+                                                                     const int half) {
     __m256 acc[3][4];
     for (int h = 0; h < H; h++)
         for (int i = 0; i < 4; i++) acc[h][i] = _mm256_loadu_ps(o + h * d + 8 * i);
     for (int64_t t = t0; t < t1; t++) {
-        const float *row = v + offsets[t];
-        const __m256 x0 = _mm256_loadu_ps(row), x1 = _mm256_loadu_ps(row + 8), x2 = _mm256_loadu_ps(row + 16),
-                     x3 = _mm256_loadu_ps(row + 24);
+        const int64_t row = offsets[t] + first;
+        const __m256 x0 = load8(v, row, half), x1 = load8(v, row + 8, half), x2 = load8(v, row + 16, half),
+                     x3 = load8(v, row + 24, half);
         for (int h = 0; h < H; h++) {
             const __m256 pv = _mm256_broadcast_ss(p + h * stride + t);
             acc[h][0] = _mm256_fmadd_ps(pv, x0, acc[h][0]);
@@ -156,47 +195,53 @@ static inline __attribute__((always_inline)) void accumulate_v_heads(const float
         for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + h * d + 8 * i, acc[h][i]);
 }
 
-/* The passes read K and V from memory in segments of SEGMENT tokens (a multiple of 8 and of 32): each
- * segment's rows are first loaded whole, row after row in address order, so that the passes then find
- * them in L1/L2. Read in the passes' own order (8 rows x one head's 64 floats at a time), the rows came
- * from DRAM at ~7 GB/s a thread, where a plain sequential read gets ~21: the hardware prefetcher does
- * not follow the block table, nor that order within a block, and software prefetches a chunk ahead did
- * not keep enough lines in flight. Loading each segment first: 1.3-1.6x faster from DRAM
- * (docs/decode-speed.md). */
+/* The passes read K and V in segments of SEGMENT tokens (a multiple of 8 and of 32): each segment's rows
+ * are first loaded whole, row after row in address order, so that the passes then find them in L1/L2.
+ * Read in the passes' own order (8 rows x one head's 64 floats at a time), the rows came from DRAM at
+ * ~7 GB/s a thread, where a plain sequential read gets ~21: the hardware prefetcher does not follow the
+ * block table, nor that order within a block, and software prefetches a chunk ahead did not keep enough
+ * lines in flight. Loading each segment first: 1.3-1.6x faster from DRAM (docs/decode-speed.md). */
 #define SEGMENT 128
 
-/* Loads every cache line of the rows of tokens [t0, t1), in address order within a block. */
-static inline void load_rows(const float *cache, const int64_t *offsets, int64_t t0, int64_t t1, int64_t row_size) {
-    __m256 sink = _mm256_setzero_ps();
-    for (int64_t t = t0; t < t1; t++)
-        for (int64_t c = 0; c < row_size; c += 16) sink = _mm256_or_ps(sink, _mm256_loadu_ps(cache + offsets[t] + c));
+/* Loads every cache line of the rows of tokens [t0, t1) (row_bytes each), in address order within a block. */
+static inline void load_rows(const void *cache, int64_t element, const int64_t *offsets, int64_t t0, int64_t t1,
+                             int64_t row_bytes) {
+    __m256i sink = _mm256_setzero_si256();
+    for (int64_t t = t0; t < t1; t++) {
+        const char *row = (const char *)cache + offsets[t] * element;
+        for (int64_t c = 0; c < row_bytes; c += 64) sink = _mm256_or_si256(sink, _mm256_loadu_si256((const __m256i *)(row + c)));
+    }
     __asm__ volatile("" : : "x"(sink)); /* (the loads are their own purpose) */
 }
 
 /* Sequence b's tokens [start, start + n), n > 0: out[h] = sum_t e^(s_ht - max_h) v_t (not normalised),
- * with max_h and sum_h = sum_t e^(s_ht - max_h) in maxes[h] and sums[h]. scores has (n rounded up to 8)
- * floats per query head, offsets n int64s. */
-static void attend_part_vector(const Job *j, int64_t b, int64_t start, int64_t n, float *scores, int64_t *offsets,
-                               float *out, float *maxes, float *sums) {
+ * with max_h and sum_h = sum_t e^(s_ht - max_h) in maxes[h] and sums[h]; ws: the thread's scratch. The
+ * cache is float16 where `half` (a constant: see attend_part_vector). */
+static inline __attribute__((always_inline)) void attend_part(const Job *j, int64_t b, int64_t start, int64_t n,
+                                                              const Scratch *ws, float *out, float *maxes, float *sums,
+                                                              const int half) {
     const int64_t group = j->num_heads / j->num_kv_heads, d = j->head_dim, heads = j->num_heads;
-    const int64_t stride = (n + 7) & ~7, row_size = j->num_kv_heads * d;
+    const int64_t stride = (n + 7) & ~7, row_bytes = j->num_kv_heads * d * j->element;
+    float *scores = ws->scores;
+    int64_t *offsets = ws->offsets;
     token_offsets(j, j->block_tables + b * j->max_blocks, start, n, offsets);
     const float *q = j->q + b * heads * d;
     const __m256 scale = _mm256_set1_ps(j->scale);
     /* pass 1: 8 tokens' keys at a time, each scored against every query head (each K row read once) */
     for (int64_t t = 0; t < n; t += 8) {
-        const float *k[8];
-        for (int64_t i = 0; i < 8; i++) k[i] = j->k_cache + offsets[t + i < n ? t + i : t];
-        if (t % SEGMENT == 0) load_rows(j->k_cache, offsets, t, t + SEGMENT < n ? t + SEGMENT : n, row_size);
+        int64_t k[8];
+        for (int64_t i = 0; i < 8; i++) k[i] = offsets[t + i < n ? t + i : t];
+        if (t % SEGMENT == 0) load_rows(j->k_cache, j->element, offsets, t, t + SEGMENT < n ? t + SEGMENT : n, row_bytes);
         for (int64_t i = t; i < t + 8 && i < n; i++) /* these tokens' V rows, into L2 for pass 2 */
-            for (int64_t c = 0; c < row_size; c += 16) _mm_prefetch((const char *)(j->v_cache + offsets[i] + c), _MM_HINT_T1);
+            for (int64_t c = 0; c < row_bytes; c += 64)
+                _mm_prefetch((const char *)j->v_cache + offsets[i] * j->element + c, _MM_HINT_T1);
         for (int64_t h = 0; h < heads; h++) {
             const int64_t kv = (h / group) * d;
             __m256 acc[8];
             for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
             for (int64_t c = 0; c < d; c += 8) {
                 const __m256 qv = _mm256_loadu_ps(q + h * d + c);
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + kv + c), acc[i]);
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(qv, load8(j->k_cache, k[i] + kv + c, half), acc[i]);
             }
             _mm256_storeu_ps(scores + h * stride + t, _mm256_mul_ps(sum_each(acc), scale));
         }
@@ -206,35 +251,51 @@ static void attend_part_vector(const Job *j, int64_t b, int64_t start, int64_t n
      * head uses them): three heads of a group x 32 dimensions at a time in registers, or (head sizes that
      * are not a multiple of 32) one head x 64 dimensions */
     memset(out, 0, sizeof(float) * heads * d);
+    const void *v = j->v_cache;
     for (int64_t t0 = 0; t0 < n; t0 += 32) {
         const int64_t t1 = t0 + 32 < n ? t0 + 32 : n;
-        if (t0 % SEGMENT == 0) load_rows(j->v_cache, offsets, t0, t0 + SEGMENT < n ? t0 + SEGMENT : n, row_size);
+        if (t0 % SEGMENT == 0) load_rows(v, j->element, offsets, t0, t0 + SEGMENT < n ? t0 + SEGMENT : n, row_bytes);
         if (d % 32 == 0) { /* three heads of a group at a time, 32 dimensions at a time */
             int64_t count; /* heads in this slice: up to 3, all of one group */
             for (int64_t h0 = 0; h0 < heads; h0 += count) {
                 const int64_t group_end = (h0 / group + 1) * group;
                 count = group_end - h0 < 3 ? group_end - h0 : 3;
-                const float *p = scores + h0 * stride, *v_head = j->v_cache + (h0 / group) * d;
+                const float *p = scores + h0 * stride;
                 for (int64_t c0 = 0; c0 < d; c0 += 32) {
+                    const int64_t first = (h0 / group) * d + c0;
                     float *o = out + h0 * d + c0;
-                    if (count == 3) accumulate_v_heads(p, stride, v_head + c0, offsets, t0, t1, o, d, 3);
-                    else if (count == 2) accumulate_v_heads(p, stride, v_head + c0, offsets, t0, t1, o, d, 2);
-                    else accumulate_v_heads(p, stride, v_head + c0, offsets, t0, t1, o, d, 1);
+                    if (count == 3) accumulate_v_heads(p, stride, v, first, offsets, t0, t1, o, d, 3, half);
+                    else if (count == 2) accumulate_v_heads(p, stride, v, first, offsets, t0, t1, o, d, 2, half);
+                    else accumulate_v_heads(p, stride, v, first, offsets, t0, t1, o, d, 1, half);
                 }
             }
             continue;
         }
         for (int64_t h = 0; h < heads; h++) {
-            const float *p = scores + h * stride, *v_head = j->v_cache + (h / group) * d;
-            for (int64_t c0 = 0; c0 + 64 <= d; c0 += 64) accumulate_v(p, v_head + c0, offsets, t0, t1, out + h * d + c0, 8);
+            const float *p = scores + h * stride;
+            const int64_t head = (h / group) * d;
+            for (int64_t c0 = 0; c0 + 64 <= d; c0 += 64)
+                accumulate_v(p, v, head + c0, offsets, t0, t1, out + h * d + c0, 8, half);
             if (d % 64) /* (d is a multiple of 8) */
                 switch (d % 64 / 8) {
-#define REST(w) case w: accumulate_v(p, v_head + d - 8 * w, offsets, t0, t1, out + h * d + d - 8 * w, w); break;
+#define REST(w) case w: accumulate_v(p, v, head + d - 8 * w, offsets, t0, t1, out + h * d + d - 8 * w, w, half); break;
                     REST(1) REST(2) REST(3) REST(4) REST(5) REST(6) REST(7)
 #undef REST
                 }
         }
     }
+}
+
+/* attend_part for the Job's cache type, compiled once for each. */
+static void attend_part_vector(const Job *j, int64_t b, int64_t start, int64_t n, const Scratch *ws, float *out,
+                               float *maxes, float *sums) {
+#ifdef __F16C__
+    if (j->kv_half) {
+        attend_part(j, b, start, n, ws, out, maxes, sums, 1);
+        return;
+    }
+#endif
+    attend_part(j, b, start, n, ws, out, maxes, sums, 0);
 }
 
 /* The tokens sequence b attends to: [*start, *start + n). */
@@ -244,13 +305,13 @@ static int64_t attended(const Job *j, int64_t b, int64_t *start) {
     return len - *start;
 }
 
-/* One whole sequence, normalised into its rows of out. ws: the thread's workspace (see below). */
-static void run_sequence_vector(const Job *j, int64_t b, float *ws, int64_t scores_size) {
+/* One whole sequence, normalised into its rows of out. */
+static void run_sequence_vector(const Job *j, int64_t b, const Scratch *ws) {
     const int64_t heads = j->num_heads, d = j->head_dim;
     int64_t start;
     const int64_t n = attended(j, b, &start);
-    float *out = j->out + b * heads * d, *maxes = ws + scores_size, *sums = maxes + heads;
-    attend_part_vector(j, b, start, n, ws, (int64_t *)(sums + heads), out, maxes, sums);
+    float *out = j->out + b * heads * d, *sums = ws->sums;
+    attend_part_vector(j, b, start, n, ws, out, ws->maxes, sums);
     for (int64_t h = 0; h < heads; h++)
         for (int64_t i = 0; i < d; i++) out[h * d + i] /= sums[h];
 }
@@ -267,8 +328,7 @@ static int64_t part_range(int64_t n, int64_t parts, int64_t p, int64_t *first) {
 /* Fewer sequences than threads: `parts` parts of each sequence's tokens, one (sequence, part) per loop
  * iteration; each part's unnormalised output, max and sum per head go to `partial`, and are merged:
  * out_h = sum_p e^(max_p - M) out_p / sum_p e^(max_p - M) sum_p, with M the largest max_p. */
-static void run_split_vector(const Job *j, float *workspace, int64_t ws_stride, int64_t scores_size, int64_t parts,
-                             int64_t num_threads, float *partial) {
+static void run_split_vector(const Job *j, float *workspace, int64_t parts, int64_t num_threads, float *partial) {
     const int64_t heads = j->num_heads, d = j->head_dim, unit = heads * (d + 2);
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
     for (int64_t u = 0; u < j->batch * parts; u++) {
@@ -280,8 +340,8 @@ static void run_split_vector(const Job *j, float *workspace, int64_t ws_stride, 
             for (int64_t h = 0; h < heads; h++) maxes[h] = -FLT_MAX, sums[h] = 0.f;
             continue;
         }
-        float *ws = workspace + omp_get_thread_num() * ws_stride;
-        attend_part_vector(j, b, start + first, n, ws, (int64_t *)(ws + scores_size), out, maxes, sums);
+        const Scratch ws = scratch_of(j, workspace, omp_get_thread_num());
+        attend_part_vector(j, b, start + first, n, &ws, out, maxes, sums);
     }
     for (int64_t b = 0; b < j->batch; b++)
         for (int64_t h = 0; h < heads; h++) {
@@ -343,30 +403,31 @@ static void run_sequences(const Job *j, float *scores) {
     }
 }
 
-/* workspace: num_threads * ((num_heads + 2) * (max_len + 8) + 2 * num_heads + 2) floats. Returns 0 on success.
- * Sequences are shared out over OpenMP threads. Built with -fopenmp, this library binds to the
- * libgomp that torch has already loaded, so it runs on torch's own thread pool: threads of a private
- * pool would compete for the cores with torch's threads, which spin for a while after every matmul. */
-int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                               const int64_t *block_tables, const int64_t *seq_lens, float *out,
-                               float *workspace, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                               int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_len,
-                               int64_t window, float scale, int64_t num_threads) {
+/* Floats of workspace the attention below needs. */
+int64_t paged_decode_attention_workspace(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_len,
+                                         int64_t num_threads) {
+    (void)num_kv_heads, (void)head_dim; /* (a float16 cache is read in place, in the same workspace) */
+    return (num_threads < 1 ? 1 : num_threads) * thread_workspace(num_heads, max_len);
+}
+
+/* Sequences are shared out over OpenMP threads. Built with -fopenmp, this library binds to the libgomp
+ * that torch has already loaded, so it runs on torch's own thread pool: threads of a private pool would
+ * compete for the cores with torch's threads, which spin for a while after every matmul. */
+static int attention(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
+                     const int64_t *seq_lens, float *out, float *workspace, int64_t batch, int64_t num_heads,
+                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_len,
+                     int64_t window, float scale, int64_t num_threads, int64_t kv_half) {
     if (num_threads < 1) num_threads = 1;
-    const int64_t ws_stride = ((num_heads + 2) * (max_len + 8) + 2 * num_heads + 2) & ~(int64_t)1; /* even */
-    /* The vector path's per-thread workspace: scores (num_heads rows of max_len + 8, rounded to even), a
-     * max and a sum per head (whole sequences only), then the token offsets (int64, 2 floats each). */
-    const int64_t scores_size = (num_heads * (max_len + 8) + 1) & ~(int64_t)1;
+    const Job job = {q, k_cache, v_cache, block_tables, seq_lens, out,
+                     batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len, window, scale,
+                     0, batch, kv_half, kv_half ? 2 : 4};
 #ifdef HAVE_VECTOR_PATH
     if (head_dim % 8 == 0 && batch < num_threads) {
         const int64_t parts = (num_threads + batch - 1) / batch;
         /* the parts' outputs, maxes and sums; without them (no memory), whole sequences as below */
         float *partial = malloc(sizeof(float) * batch * parts * num_heads * (head_dim + 2));
         if (partial != NULL) {
-            const Job j = {q, k_cache, v_cache, block_tables, seq_lens, out,
-                           batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len, window, scale,
-                           0, batch};
-            run_split_vector(&j, workspace, ws_stride, scores_size, parts, num_threads, partial);
+            run_split_vector(&job, workspace, parts, num_threads, partial);
             free(partial);
             return 0;
         }
@@ -375,17 +436,40 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
     if (num_threads > batch) num_threads = batch;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int64_t b = 0; b < batch; b++) {
-        Job j = {q, k_cache, v_cache, block_tables, seq_lens, out,
-                 batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len, window, scale,
-                 b, b + 1};
-        float *ws = workspace + omp_get_thread_num() * ws_stride;
+        Job j = job;
+        j.first_seq = b, j.last_seq = b + 1;
+        const Scratch ws = scratch_of(&j, workspace, omp_get_thread_num());
 #ifdef HAVE_VECTOR_PATH
         if (head_dim % 8 == 0) {
-            run_sequence_vector(&j, b, ws, scores_size);
+            run_sequence_vector(&j, b, &ws);
             continue;
         }
 #endif
-        run_sequences(&j, ws);
+        run_sequences(&j, ws.scores);
     }
     return 0;
 }
+
+/* workspace: paged_decode_attention_workspace(...) floats. Returns 0. */
+int paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                               const int64_t *block_tables, const int64_t *seq_lens, float *out,
+                               float *workspace, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_len,
+                               int64_t window, float scale, int64_t num_threads) {
+    return attention(q, k_cache, v_cache, block_tables, seq_lens, out, workspace, batch, num_heads, num_kv_heads,
+                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 0);
+}
+
+#if defined(HAVE_VECTOR_PATH) && defined(__F16C__)
+/* The same over a float16 cache (its rows converted to float32 as they are read); head_dim a multiple
+ * of 8, or it returns 1 and does nothing. Only where the CPU has F16C. */
+int paged_decode_attention_f16kv(const float *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                                 const int64_t *block_tables, const int64_t *seq_lens, float *out, float *workspace,
+                                 int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t block_size, int64_t max_blocks, int64_t max_len, int64_t window, float scale,
+                                 int64_t num_threads) {
+    if (head_dim % 8) return 1;
+    return attention(q, k_cache, v_cache, block_tables, seq_lens, out, workspace, batch, num_heads, num_kv_heads,
+                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 1);
+}
+#endif

@@ -2,6 +2,8 @@
 
 Cache layout (per layer): key_cache / value_cache `[num_blocks, block_size, num_kv_heads, head_dim]`;
 a sequence's token at position p lives in block `block_table[p // block_size]`, row `p % block_size`.
+The cache may hold a narrower dtype than the queries (`--kv-cache-dtype float16`): values are rounded
+to it when written and read back in the queries' dtype.
 """
 
 from __future__ import annotations
@@ -22,17 +24,20 @@ def reshape_and_cache(
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     num_kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
-def _gather_sequences(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """`[B, max_len, Hkv, D]` view of each sequence's cached tokens (rows past its length are junk)."""
+def _gather_sequences(
+    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """`[B, max_len, Hkv, D]` view of each sequence's cached tokens in `dtype` (rows past its length are
+    junk)."""
     block_size = cache.shape[1]
     num_blocks = -(-max_len // block_size)
     batch = block_tables.shape[0]
     # index_select over a flat index copies whole blocks; advanced indexing with a 2-D index is ~5x slower.
-    gathered = cache.index_select(0, block_tables[:, :num_blocks].reshape(-1))
+    gathered = cache.index_select(0, block_tables[:, :num_blocks].reshape(-1)).to(dtype)
     return gathered.view(batch, num_blocks * block_size, *cache.shape[2:])[:, :max_len]
 
 
@@ -65,8 +70,8 @@ def paged_decode_attention(
     Batched, no per-sequence loop. `max_seq_len` (= max(seq_lens)) saves a device sync when the caller knows it."""
     batch, num_heads, head_dim = query.shape
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    keys = _gather_sequences(key_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, L, D]
-    values = _gather_sequences(value_cache, block_tables, max_len).transpose(1, 2)
+    keys = _gather_sequences(key_cache, block_tables, max_len, query.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    values = _gather_sequences(value_cache, block_tables, max_len, query.dtype).transpose(1, 2)
     mask = _key_mask((seq_lens - 1)[:, None], seq_lens, max_len, sliding_window)  # [B, 1, L]
     # Rows past a sequence's end are never-written cache memory: zero them, or NaN there poisons the sum.
     hidden = ~mask[:, :, :, None]  # [B, 1, L, 1], broadcast over kv heads and head_dim
@@ -105,8 +110,8 @@ def paged_prefill_attention(
         start, end, seq_len = starts[b], starts[b + 1], lens[b]
         q_len = end - start
         # 4-D [1, heads, len, D] inputs: torch's CPU flash kernel takes them (3-D falls back to math).
-        keys = _gather_sequences(key_cache, block_tables[b : b + 1], seq_len).transpose(1, 2)
-        values = _gather_sequences(value_cache, block_tables[b : b + 1], seq_len).transpose(1, 2)
+        keys = _gather_sequences(key_cache, block_tables[b : b + 1], seq_len, query.dtype).transpose(1, 2)
+        values = _gather_sequences(value_cache, block_tables[b : b + 1], seq_len, query.dtype).transpose(1, 2)
         q = query[None, start:end].transpose(1, 2)
         if q_len == seq_len and sliding_window is None:
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)

@@ -31,11 +31,13 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
 # heads the V pass takes at a time: SmolLM2's 3, and 5 = 3 + 2)
 @pytest.mark.parametrize("head_dim,block_size,groups", SHAPES + [(96, 16, 2), (40, 16, 3), (64, 16, 3), (96, 16, 5)])
 @pytest.mark.parametrize("sliding_window", [None, 20])
-def test_compiled_cpu_decode_attention_matches_reference(head_dim, block_size, groups, sliding_window):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_compiled_cpu_decode_attention_matches_reference(head_dim, block_size, groups, sliding_window, cache_dtype):
     reference = ref_attention.paged_decode_attention
     gen = torch.Generator().manual_seed(3 + head_dim + groups)
     seq_lens = [1, block_size, 2 * block_size, 37, 3 * block_size + 1] * 3  # enough work for threads
     kc, vc, bt, _, _ = scatter_to_cache(seq_lens, block_size, 2, head_dim, gen)
+    kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
     q = torch.randn(len(seq_lens), 2 * groups, head_dim, generator=gen)
     lens = torch.tensor(seq_lens)
     ours = cpu.paged_decode_attention(q, kc, vc, bt, lens, head_dim**-0.5, sliding_window)
@@ -47,13 +49,15 @@ def test_compiled_cpu_decode_attention_matches_reference(head_dim, block_size, g
 
 @pytest.mark.parametrize("threads", [2, 3, 4])
 @pytest.mark.parametrize("sliding_window", [None, 100])
-def test_fewer_sequences_than_threads_split_each_sequence_and_merge_exactly(threads, sliding_window):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_fewer_sequences_than_threads_split_each_sequence_and_merge_exactly(threads, sliding_window, cache_dtype):
     """One stream (batch 1) or a few: each sequence's tokens are divided between the threads and the
     parts' softmaxes merged. Lengths from one part holding every token to parts of a few blocks."""
     reference = ref_attention.paged_decode_attention
     gen = torch.Generator().manual_seed(threads)
     seq_lens = [2500, 9, 700][: threads - 1] if threads > 2 else [2100]
     kc, vc, bt, _, _ = scatter_to_cache(seq_lens, 16, 3, 64, gen)
+    kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
     q = torch.randn(len(seq_lens), 9, 64, generator=gen)
     lens = torch.tensor(seq_lens)
     before = torch.get_num_threads()
@@ -92,16 +96,33 @@ def test_rotary_is_bit_identical_to_reference(neox, head_dim, rot_dim):
     assert out_q.data_ptr() == q.data_ptr()  # in place, as the Triton contract says
 
 
-def test_reshape_and_cache_matches_reference_and_skips_negative_slots():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_reshape_and_cache_matches_reference_and_skips_negative_slots(cache_dtype):
+    """A float16 cache gets each value rounded to nearest-even, as torch's conversion does (values past
+    float16's range become infinities in both)."""
     gen = torch.Generator().manual_seed(0)
     _, k, v = _fused_qkv(5, 4, 2, 64, gen)
+    k[0, 0, :3] = torch.tensor([1e5, -7e4, 1.0 + 2**-11])  # overflow, and a tie between two float16s
     slots = torch.tensor([3, -1, 17, 0, 40])
-    caches = [torch.full((4, 16, 2, 64), float("nan")) for _ in range(4)]
+    caches = [torch.full((4, 16, 2, 64), float("nan"), dtype=cache_dtype) for _ in range(4)]
     ref_attention.reshape_and_cache(k, v, caches[0], caches[1], slots)
     cpu.reshape_and_cache(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0].nan_to_num(7.0), caches[2].nan_to_num(7.0))
     assert torch.equal(caches[1].nan_to_num(7.0), caches[3].nan_to_num(7.0))
     assert caches[2].view(-1, 2, 64)[[3, 17, 0, 40]].isnan().sum() == 0
+
+
+def test_the_float16_cache_kernels_exist_where_the_cpu_converts_halves():
+    """Without them a float16 cache still works, through the torch reference: so check that this
+    machine (F16C, every AVX2 CPU has it) builds the C ones and that the wrappers take them."""
+    has_f16c = " f16c" in open("/proc/cpuinfo").read()  # noqa: SIM115
+    if not has_f16c:
+        pytest.skip("this CPU has no F16C")
+    lib = cpu._load()
+    assert lib is not None and "paged_decode_attention_f16kv" in lib and "reshape_and_cache_f16kv" in lib
+    query, cache = torch.zeros(1, 2, 64), torch.zeros(2, 16, 1, 64, dtype=torch.float16)
+    assert cpu._decode_attention_function(lib, query, cache) is lib["paged_decode_attention_f16kv"]
+    assert cpu._decode_attention_function(lib, torch.zeros(1, 2, 12), cache[..., :12]) is None  # (head size % 8)
 
 
 # Widths: SmolLM2's hidden size and half its MLP, a head, and odd ones (the vector loops' scalar tails).
