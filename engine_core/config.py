@@ -47,6 +47,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16") from None
 
 
+KV_CACHE_DTYPES = ("auto", "float16")
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: the model's (auto), or float16. A float16 cache under a float32 model is a
+    CPU option (half the memory and the bytes attention reads, each K/V value rounded to float16); on
+    CUDA the cache holds the model's dtype, 16-bit already unless the model runs in float32."""
+    import torch
+
+    if name == "auto" or getattr(torch, name) == model_dtype:
+        return model_dtype
+    if name == "float16" and device.type == "cpu":
+        return torch.float16
+    raise ValueError(
+        f"--kv-cache-dtype {name} is for the CPU; on {device.type} the KV cache holds the model's dtype "
+        f"({str(model_dtype).removeprefix('torch.')}): choose it with --dtype"
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None = the default model
@@ -54,6 +73,7 @@ class EngineConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the KV pool; None = 2 GiB on CPU, profiled on CUDA
+    kv_cache_dtype: str = "auto"  # auto = the model's dtype; float16 (CPU): half the cache's bytes
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card this process may use, KV pool included
     enforce_eager: bool = False  # CUDA: no graph capture for decode steps
     load_format: str = "auto"  # auto = the checkpoint's safetensors; dummy = random weights (benchmarks)
@@ -94,6 +114,8 @@ class EngineConfig:
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_joint_prefill_tokens < 1:
             raise ValueError("max_num_batched_tokens, max_joint_prefill_tokens and max_num_seqs must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError("load_format must be auto or dummy")
         if self.quantization not in QUANTIZATION_CHOICES:
@@ -157,6 +179,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="memory for the KV cache pool, e.g. 2GiB, 512MiB (default: 2GiB on CPU; on CUDA what "
         "--gpu-memory-utilization leaves after weights, the profiled activation peak and graphs)",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto = the model's dtype; float16 (CPU, float32 models): the cache holds each K/V value rounded "
+        "to float16, twice the tokens in the same memory and attention reading half the bytes",
     )
     g.add_argument(
         "--gpu-memory-utilization",
@@ -306,6 +335,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=args.device,
         block_size=args.block_size,
         kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+        kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,

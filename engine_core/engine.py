@@ -142,11 +142,12 @@ class EngineCore:
         )
         self.rejected: list[tuple[str, str, str | None]] = []  # (request id, why, param): see take_rejected
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens; max concurrency at full context "
+            "KV cache: %d blocks of %d tokens = %d tokens, %s; max concurrency at full context "
             "length (%d): %.2fx; model %s loaded in %.1fs",
             self.kv_manager.pool.num_usable_blocks,
             config.block_size,
             capacity,
+            str(self.runner.kv_cache_dtype).removeprefix("torch."),
             self.max_model_len,
             capacity / self.max_model_len,
             self.model_cfg.architecture,

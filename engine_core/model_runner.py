@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from engine_core.config import EngineConfig, resolve_dtype
+from engine_core.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.environment import configure_kernels
 from engine_core.gpu_memory import profile_gpu_memory
@@ -123,6 +123,7 @@ class ModelRunner:
         self.model_cfg = model_cfg
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         self.block_size = config.block_size
         self.quantization = resolve_method(config.quantization, model_cfg.raw)
         fp8_matmul = {"auto": None, "on": True, "off": False}[config.fp8_matmul]
@@ -163,7 +164,9 @@ class ModelRunner:
         self._heads_owed: deque[tuple[LogitsRows, int]] = deque()  # a first-stage follower's steps (rows, tokens)
 
     def _num_blocks(self) -> int:
-        per_block = kv_bytes_per_block(self.model_cfg, self.block_size, self.dtype, self.num_kv_heads, self.num_layers)
+        per_block = kv_bytes_per_block(
+            self.model_cfg, self.block_size, self.kv_cache_dtype, self.num_kv_heads, self.num_layers
+        )
         if self.draft is not None:  # every block exists in both pools
             per_block += self.draft.kv_bytes_per_block()
         if self.config.num_kv_blocks is not None:
@@ -201,7 +204,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         # torch.empty: pages are touched only as blocks are used, so a large pool costs nothing up front.
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
         for layer_index, attn in enumerate(self.model.attention_layers()):
             attn.key_cache = self.kv_cache[layer_index, 0]
             attn.value_cache = self.kv_cache[layer_index, 1]

@@ -139,3 +139,18 @@ def test_the_decoder_refuses_layouts_it_cannot_read():
         decoder(ids, torch.zeros(2, h + 1), None, ids, torch.zeros(2, 1, dtype=torch.int64), ids + 1, 1)
     with pytest.raises(ValueError, match="one entry per sequence"):
         decoder(ids, torch.zeros(2, h), None, ids[:1], torch.zeros(2, 1, dtype=torch.int64), ids + 1, 1)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_fused_decode_reads_and_writes_a_float16_kv_cache(tmp_path, name):
+    """`--kv-cache-dtype float16`: the fused step writes K/V rounded to float16 and attends over them as the
+    layers' kernels do (both read the same float16 cache, so they agree to float rounding)."""
+    tiny_models.build(name).save_pretrained(tmp_path / name)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (3, 17, 40)]
+    engine = _engine(tmp_path / name, kv_cache_dtype="float16")
+    assert engine.runner.kv_cache.dtype == torch.float16
+    with LayeredCheck(engine.runner.model) as check:
+        run_engine(engine, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert check.calls >= 11 and 3 in check.batches
+    assert check.worst < 1e-4

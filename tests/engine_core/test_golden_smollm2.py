@@ -5,6 +5,7 @@ preempted and recomputed."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine_core.llm import LLM
 from engine_core.sampling_params import SamplingParams
@@ -81,3 +82,12 @@ def test_preemption(default_model_dir, prompts, hf_reference):
     ours = _generate(llm, prompts)
     assert llm.engine.num_preemptions > 0
     _assert_same(ours, hf_reference)
+
+
+def test_float16_kv_cache(default_model_dir, prompts, hf_reference):
+    """`--kv-cache-dtype float16`: K/V rounded to float16 in the cache, read back by the decode kernel, the
+    fused decode step and (256-token chunks: later chunks read the earlier ones' K/V) the prefill path.
+    On these prompts the rounding changes no greedy token."""
+    llm = LLM(str(default_model_dir), kv_cache_dtype="float16", max_num_batched_tokens=256)
+    assert llm.engine.runner.kv_cache.dtype == torch.float16
+    _assert_same(_generate(llm, prompts), hf_reference)
