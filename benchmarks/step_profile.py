@@ -249,19 +249,25 @@ def _row(timers: Timers, total: float, layers: int, count: int) -> dict[str, flo
     return row
 
 
+def _measured(engine: EngineCore, run: Callable[[Timers | None], float], count: int) -> tuple[float, float, dict]:
+    """`run` (one step, or one request's steps; returns their wall time) `count` times plainly: the median
+    wall time and the mean process CPU time; then `count` times under the timers: the per-phase row."""
+    cpu_start = time.process_time()
+    plain = [run(None) for _ in range(count)]
+    cpu = (time.process_time() - cpu_start) / count
+    timers = Timers()
+    with instrumented(engine, timers):
+        total = sum(run(timers) for _ in range(count))
+    return statistics.median(plain), cpu, _row(timers, total, engine.runner.num_layers, count)
+
+
 def decode_case(engine: EngineCore, link: OutputLink, batch: int, context: int, steps: int) -> dict:
     _start_decodes(engine, batch, context, seed=batch)
     _steps(engine, link, 3)  # warm-up
-    cpu_start = time.process_time()
-    plain = [_steps(engine, link, 1) for _ in range(steps)]
-    cpu = (time.process_time() - cpu_start) / steps
-    timers = Timers()
-    with instrumented(engine, timers):
-        total = _steps(engine, link, steps, timers)
-    row = _row(timers, total, engine.runner.num_layers, steps)
+    step, cpu, row = _measured(engine, lambda timers: _steps(engine, link, 1, timers), steps)
     row["aten/layer"] = aten_ops_per_layer(engine, link)
     _stop_all(engine)
-    return {"case": f"decode x{batch}", "step": statistics.median(plain), "cpu": cpu, **row}
+    return {"case": f"decode x{batch}", "step": step, "cpu": cpu, **row}
 
 
 def mixed_case(engine: EngineCore, link: OutputLink, batch: int, context: int, prompts: int, steps: int) -> dict:
@@ -279,15 +285,9 @@ def mixed_case(engine: EngineCore, link: OutputLink, batch: int, context: int, p
 
     for _ in range(3):  # warm-up
         step()
-    cpu_start = time.process_time()
-    plain = [step() for _ in range(steps)]
-    cpu = (time.process_time() - cpu_start) / steps
-    timers = Timers()
-    with instrumented(engine, timers):
-        total = sum(step(timers) for _ in range(steps))
-    row = _row(timers, total, engine.runner.num_layers, steps)
+    median, cpu, row = _measured(engine, step, steps)
     _stop_all(engine)
-    return {"case": f"x{batch} + {prompts}x{context}", "step": statistics.median(plain), "cpu": cpu, **row}
+    return {"case": f"x{batch} + {prompts}x{context}", "step": median, "cpu": cpu, **row}
 
 
 def prefill_case(engine: EngineCore, link: OutputLink, length: int, repeats: int) -> dict:
@@ -304,14 +304,8 @@ def prefill_case(engine: EngineCore, link: OutputLink, length: int, repeats: int
         return total
 
     one_prefill()  # warm-up
-    cpu_start = time.process_time()
-    plain = [one_prefill() for _ in range(repeats)]
-    cpu = (time.process_time() - cpu_start) / repeats
-    timers = Timers()
-    with instrumented(engine, timers):
-        total = sum(one_prefill(timers) for _ in range(repeats))
-    row = _row(timers, total, engine.runner.num_layers, repeats)
-    return {"case": f"prefill {length}", "step": statistics.median(plain), "cpu": cpu, **row}
+    median, cpu, row = _measured(engine, one_prefill, repeats)
+    return {"case": f"prefill {length}", "step": median, "cpu": cpu, **row}
 
 
 def print_table(rows: list[dict], threads: int) -> None:
@@ -378,13 +372,16 @@ def main() -> None:
         default=[],
         help="batch sizes of mixed steps: that many decodes and two new prompts of --context tokens",
     )
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"], help="the KV cache's dtype")
     parser.add_argument(
         "--layered",
         action="store_true",
         help="decode layer by layer (PAGODA_DISABLE_FUSED_DECODE's path), to split it by op",
     )
     args = parser.parse_args()
-    engine = EngineCore(EngineConfig(num_threads=args.threads, kv_cache_memory=512 * 2**20))
+    engine = EngineCore(
+        EngineConfig(num_threads=args.threads, kv_cache_memory=512 * 2**20, kv_cache_dtype=args.kv_cache_dtype)
+    )
     engine.runner.model.fused_decode.enabled = not args.layered
     engine.warm_up()
     link = OutputLink()
