@@ -380,7 +380,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     engine = EngineCore(
-        EngineConfig(num_threads=args.threads, kv_cache_memory=512 * 2**20, kv_cache_dtype=args.kv_cache_dtype)
+        EngineConfig(num_threads=args.threads, kv_cache_memory=2 * 2**30, kv_cache_dtype=args.kv_cache_dtype)
     )
     engine.runner.model.fused_decode.enabled = not args.layered
     engine.warm_up()
