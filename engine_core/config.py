@@ -58,8 +58,10 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
 
     if name == "auto" or getattr(torch, name) == model_dtype:
         return model_dtype
-    if name == "float16" and device.type == "cpu":
+    if name == "float16" and device.type == "cpu" and model_dtype == torch.float32:
         return torch.float16
+    if device.type == "cpu":  # (a 16-bit model's cache is 16-bit already: float16 would only lose range)
+        raise ValueError(f"--kv-cache-dtype {name} needs a float32 model on the CPU (--dtype float32)")
     raise ValueError(
         f"--kv-cache-dtype {name} is for the CPU; on {device.type} the KV cache holds the model's dtype "
         f"({str(model_dtype).removeprefix('torch.')}): choose it with --dtype"

@@ -173,10 +173,15 @@ def decode_attention_threads(batch: int, longest: int) -> int:
 
 
 def _decode_attention_function(
-    lib: dict[str, Callable[..., None]] | None, query: torch.Tensor, key_cache: torch.Tensor
+    lib: dict[str, Callable[..., None]] | None,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor | None = None,
 ) -> Callable[..., None] | None:
-    """The C paged decode attention for this query and cache, or None (the torch reference's case)."""
-    if lib is None or query.dtype != torch.float32:
+    """The C paged decode attention for this query and cache (K and V alike), or None (the torch
+    reference's case)."""
+    value_cache = key_cache if value_cache is None else value_cache
+    if lib is None or query.dtype != torch.float32 or value_cache.dtype != key_cache.dtype:
         return None
     if key_cache.dtype == torch.float32:
         return lib["paged_decode_attention_f32"]
@@ -198,8 +203,8 @@ def paged_decode_attention(
     """Same contract as `kernels.torch_ref.attention.paged_decode_attention` (float32 queries, CPU; a
     float32 or float16 cache)."""
     lib = _load()
-    function = _decode_attention_function(lib, query, key_cache)
-    if function is None or not key_cache.is_contiguous():
+    function = _decode_attention_function(lib, query, key_cache, value_cache)
+    if function is None or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         from kernels.torch_ref.attention import paged_decode_attention as reference
 
         return reference(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len)

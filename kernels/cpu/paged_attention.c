@@ -203,15 +203,19 @@ static inline __attribute__((always_inline)) void accumulate_v_heads(const float
  * lines in flight. Loading each segment first: 1.3-1.6x faster from DRAM (docs/decode-speed.md). */
 #define SEGMENT 128
 
-/* Loads every cache line of the rows of tokens [t0, t1) (row_bytes each), in address order within a block. */
+/* The first byte of each cache line [from, from + bytes) touches: the row's own first byte, then each
+ * later line's start (rows need not start on a line: a float16 row of 40 x 2 heads is 160 bytes). */
+#define FOR_EACH_LINE(p, from, bytes)                                                                         \
+    for (const char *p = (from), *line_end_ = (from) + (bytes); p < line_end_;                                \
+         p = (const char *)(((uintptr_t)p & ~(uintptr_t)63) + 64))
+
+/* Loads every cache line of the rows of tokens [t0, t1) (row_bytes each), in address order within a
+ * block, one byte of each: never a byte outside the rows. */
 static inline void load_rows(const void *cache, int64_t element, const int64_t *offsets, int64_t t0, int64_t t1,
                              int64_t row_bytes) {
-    __m256i sink = _mm256_setzero_si256();
-    for (int64_t t = t0; t < t1; t++) {
-        const char *row = (const char *)cache + offsets[t] * element;
-        for (int64_t c = 0; c < row_bytes; c += 64) sink = _mm256_or_si256(sink, _mm256_loadu_si256((const __m256i *)(row + c)));
-    }
-    __asm__ volatile("" : : "x"(sink)); /* (the loads are their own purpose) */
+    int sink = 0;
+    for (int64_t t = t0; t < t1; t++) FOR_EACH_LINE(p, (const char *)cache + offsets[t] * element, row_bytes) sink |= *p;
+    __asm__ volatile("" : : "r"(sink)); /* (the loads are their own purpose) */
 }
 
 /* Sequence b's tokens [start, start + n), n > 0: out[h] = sum_t e^(s_ht - max_h) v_t (not normalised),
@@ -233,8 +237,7 @@ static inline __attribute__((always_inline)) void attend_part(const Job *j, int6
         for (int64_t i = 0; i < 8; i++) k[i] = offsets[t + i < n ? t + i : t];
         if (t % SEGMENT == 0) load_rows(j->k_cache, j->element, offsets, t, t + SEGMENT < n ? t + SEGMENT : n, row_bytes);
         for (int64_t i = t; i < t + 8 && i < n; i++) /* these tokens' V rows, into L2 for pass 2 */
-            for (int64_t c = 0; c < row_bytes; c += 64)
-                _mm_prefetch((const char *)j->v_cache + offsets[i] * j->element + c, _MM_HINT_T1);
+            FOR_EACH_LINE(p, (const char *)j->v_cache + offsets[i] * j->element, row_bytes) _mm_prefetch(p, _MM_HINT_T1);
         for (int64_t h = 0; h < heads; h++) {
             const int64_t kv = (h / group) * d;
             __m256 acc[8];

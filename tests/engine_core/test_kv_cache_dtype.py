@@ -24,6 +24,8 @@ def test_the_cache_dtype_follows_the_model_unless_float16_is_asked_for_on_the_cp
     assert resolve_kv_cache_dtype("float16", torch.float16, CUDA) == torch.float16  # (the model's own)
     with pytest.raises(ValueError, match=r"--kv-cache-dtype float16 is for the CPU.*bfloat16.*--dtype"):
         resolve_kv_cache_dtype("float16", torch.bfloat16, CUDA)
+    with pytest.raises(ValueError, match=r"needs a float32 model on the CPU \(--dtype float32\)"):
+        resolve_kv_cache_dtype("float16", torch.bfloat16, CPU)  # (its cache is 16-bit already)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16"):
         EngineConfig(kv_cache_dtype="int8")
 

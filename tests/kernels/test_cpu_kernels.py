@@ -29,6 +29,7 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
 
 # (+ head sizes that are not a multiple of 64 or of 32, and groups that are not a multiple of the three
 # heads the V pass takes at a time: SmolLM2's 3, and 5 = 3 + 2)
+# (+ rows that do not start on a cache line, nor end on one: a float16 row of 2 heads x 40 is 160 bytes)
 @pytest.mark.parametrize("head_dim,block_size,groups", SHAPES + [(96, 16, 2), (40, 16, 3), (64, 16, 3), (96, 16, 5)])
 @pytest.mark.parametrize("sliding_window", [None, 20])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
@@ -204,3 +205,35 @@ def test_norms_and_activation_take_the_reference_for_what_they_do_not_cover():
         cpu.fused_add_rms_norm(three_d, three_d, weight, 1e-5)[0],
         ref_layers.fused_add_rms_norm(three_d, three_d, weight, 1e-5)[0],
     )
+
+
+def test_decode_attention_reads_no_byte_past_a_float16_cache_that_ends_at_an_unmapped_page():
+    """One KV head of 40 float16s is an 80-byte row: a kernel that touched it in 32-byte loads from its
+    start read 16 bytes past the last row. The cache here ends where an inaccessible page begins, so
+    such a read faults (in a child process, so that a fault fails this test instead of ending pytest)."""
+    import subprocess
+    import sys
+
+    code = """
+import ctypes, mmap, torch
+from kernels import cpu
+page = mmap.PAGESIZE
+buffer = mmap.mmap(-1, 3 * page)
+base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+libc = ctypes.CDLL(None)
+assert libc.mprotect(ctypes.c_void_p(base + 2 * page), page, 0) == 0  # PROT_NONE after two pages
+block = 16 * 1 * 40 * 2  # bytes of one block: 16 tokens x 1 head x 40 float16s
+blocks = 2 * page // block
+cache = torch.frombuffer(buffer, dtype=torch.float16, count=blocks * block // 2, offset=2 * page - blocks * block)
+cache = cache.view(blocks, 16, 1, 40)
+cache.normal_()
+table = torch.tensor([[blocks - 1]])  # the last block, up to its last row
+q = torch.randn(1, 2, 40)
+out = cpu.paged_decode_attention(q, cache, cache, table, torch.tensor([16]), 0.15)
+ref = __import__("kernels.torch_ref.attention", fromlist=["x"]).paged_decode_attention(
+    q, cache, cache, table, torch.tensor([16]), 0.15)
+torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
