@@ -56,7 +56,7 @@ _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],
     "paged_decode_attention_f16kv": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],  # only where the CPU has F16C
-    "paged_decode_attention_workspace": [_I64] * 5,
+    "paged_decode_attention_workspace": [_I64] * 3,
     "varlen_attention_f32": [_POINTER] * 6 + [_I64] * 10 + [_F32, _I64],
     "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
     "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
@@ -176,11 +176,10 @@ def _decode_attention_function(
     lib: dict[str, Callable[..., None]] | None,
     query: torch.Tensor,
     key_cache: torch.Tensor,
-    value_cache: torch.Tensor | None = None,
+    value_cache: torch.Tensor,
 ) -> Callable[..., None] | None:
     """The C paged decode attention for this query and cache (K and V alike), or None (the torch
     reference's case)."""
-    value_cache = key_cache if value_cache is None else value_cache
     if lib is None or query.dtype != torch.float32 or value_cache.dtype != key_cache.dtype:
         return None
     if key_cache.dtype == torch.float32:
@@ -220,7 +219,7 @@ def paged_decode_attention(
     out = torch.empty_like(query)
     assert lib is not None
     workspace_size = cast(Callable[..., int], lib["paged_decode_attention_workspace"])  # (restype int64)
-    workspace = _scratch(workspace_size(num_heads, num_kv_heads, head_dim, max_len, threads))
+    workspace = _scratch(workspace_size(num_heads, max_len, threads))
     function(
         query.data_ptr(),
         key_cache.data_ptr(),
@@ -353,9 +352,10 @@ def reshape_and_cache(
     lib = _load()
     function = None
     if lib is not None and key.dtype == value.dtype == torch.float32 and key_cache.dtype == value_cache.dtype:
-        function = {torch.float32: lib["reshape_and_cache_f32"], torch.float16: lib.get("reshape_and_cache_f16kv")}.get(
-            key_cache.dtype
-        )
+        if key_cache.dtype == torch.float32:
+            function = lib["reshape_and_cache_f32"]
+        elif key_cache.dtype == torch.float16:
+            function = lib.get("reshape_and_cache_f16kv")  # (compilers without _Float16 have none)
     if (
         function is None
         or not (_rows_contiguous(key) and _rows_contiguous(value))

@@ -24,8 +24,7 @@ typedef int (*AttentionFn)(const float *q, const void *k_cache, const void *v_ca
 typedef void (*RotaryFn)(const int64_t *positions, float *q, float *k, const float *cos_sin, int64_t num_tokens,
                          int64_t num_q_heads, int64_t num_k_heads, int64_t head_dim, int64_t rot, int64_t q_stride,
                          int64_t k_stride, int64_t is_neox);
-typedef int64_t (*AttentionWorkspaceFn)(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_len,
-                                        int64_t num_threads);
+typedef int64_t (*AttentionWorkspaceFn)(int64_t num_heads, int64_t max_len, int64_t num_threads);
 typedef void (*CacheFn)(const float *key, const float *value, void *key_cache, void *value_cache,
                         const int64_t *slot_mapping, int64_t num_tokens, int64_t row, int64_t key_stride,
                         int64_t value_stride);
@@ -68,8 +67,7 @@ int64_t decoder_scratch_floats(const Model *m, int64_t batch, int64_t max_blocks
     const int64_t q = m->num_heads * m->head_dim, qkv = q + 2 * m->num_kv_heads * m->head_dim;
     return 16 + lines(batch * m->hidden) + lines(batch * qkv) + 2 * lines(batch * q) +
            lines(batch * 2 * m->intermediate) + lines(batch * m->intermediate) +
-           m->attention_workspace(m->num_heads, m->num_kv_heads, m->head_dim, max_blocks * m->block_size,
-                                  attention_threads);
+           m->attention_workspace(m->num_heads, max_blocks * m->block_size, attention_threads);
 }
 
 /* Runs `num_layers` layers on a batch of single-token decodes; step->hidden then holds the last

@@ -122,8 +122,10 @@ def test_the_float16_cache_kernels_exist_where_the_cpu_converts_halves():
     lib = cpu._load()
     assert lib is not None and "paged_decode_attention_f16kv" in lib and "reshape_and_cache_f16kv" in lib
     query, cache = torch.zeros(1, 2, 64), torch.zeros(2, 16, 1, 64, dtype=torch.float16)
-    assert cpu._decode_attention_function(lib, query, cache) is lib["paged_decode_attention_f16kv"]
-    assert cpu._decode_attention_function(lib, torch.zeros(1, 2, 12), cache[..., :12]) is None  # (head size % 8)
+    assert cpu._decode_attention_function(lib, query, cache, cache) is lib["paged_decode_attention_f16kv"]
+    assert cpu._decode_attention_function(lib, query, cache, cache.float()) is None  # (K and V differ)
+    narrow = cache[..., :12]
+    assert cpu._decode_attention_function(lib, torch.zeros(1, 2, 12), narrow, narrow) is None  # (head size % 8)
 
 
 # Widths: SmolLM2's hidden size and half its MLP, a head, and odd ones (the vector loops' scalar tails).
