@@ -13,6 +13,11 @@
  * with AVX2), the k loop unrolled 8 times. With many rows, a chunk of ~1 MiB of x stays in L2 while
  * every panel passes over it. Threads split the tiles of output columns, so each weight is read once
  * per chunk of rows, by one thread.
+ *
+ * With more rows than one tile takes (a batch of 9-64 decodes), the first pass over a tile's panels
+ * waits on DRAM and the later ones compute from L2. The last pass therefore prefetches the next tile's
+ * panels into L2, so that the memory streams while the FMAs run instead of between them: 16 rows
+ * through a model's weights from DRAM, 28.3-31.1 -> 24.2-28.3 ms on two threads (docs/decode-speed.md).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -61,12 +66,16 @@ typedef float vecu __attribute__((vector_size(VW * 4), aligned(4)));
  * columns [0, width). R is a constant in each copy, so that the accumulators stay in registers. */
 #define TILE(R)                                                                                                   \
     static void tile_##R(const float *restrict x, int64_t K, const float *restrict p, const float *restrict bias, \
-                         float *restrict y, int64_t N, int64_t width) {                                           \
+                         float *restrict y, int64_t N, int64_t width, const float *restrict next) {                                           \
         vec acc[R][VPT];                                                                                          \
         for (int r = 0; r < R; r++)                                                                               \
             for (int v = 0; v < VPT; v++) acc[r][v] = (vec){0};                                                   \
         const float *restrict p1 = p + K * PANEL;                                                                 \
         _Pragma("GCC unroll 8") for (int64_t k = 0; k < K; k++) {                                                 \
+            if (next != NULL) { /* (the next tile's two panels, a line of each, as its first pass reads them) */  \
+                __builtin_prefetch(next + k * PANEL, 0, 2);                                                       \
+                __builtin_prefetch(next + K * PANEL + k * PANEL, 0, 2);                                           \
+            }                                                                                                     \
             vec s[R];                                                                                             \
             for (int r = 0; r < R; r++) s[r] = broadcast(x + r * K + k);                                           \
             for (int v = 0; v < VPT; v++) {                                                                       \
@@ -127,11 +136,13 @@ TILE(8)
     }
 #define PANEL_TILE(R)                                                                                          \
     static void panel_tile_##R(const float *restrict x, int64_t K, const float *restrict p,                    \
-                               const float *restrict bias, float *restrict y, int64_t N, int64_t width) {      \
+                               const float *restrict bias, float *restrict y, int64_t N, int64_t width,       \
+                               const float *restrict next) {                                                  \
         const int rows_ = R;                                                                                   \
         __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,    \
                c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;                                          \
         _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; k++) {                                              \
+            if (next != NULL) __builtin_prefetch(next + k * PANEL, 0, 2);                                      \
             const __m256 b0 = _mm256_loadu_ps(p + k * PANEL), b1 = _mm256_loadu_ps(p + k * PANEL + 8);         \
             FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)                                  \
         }                                                                                                      \
@@ -142,7 +153,8 @@ PANEL_TILE(5)
 PANEL_TILE(6)
 #endif
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t);
+typedef void (*tile_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, int64_t,
+                        const float *);
 static const tile_fn TILES[] = {0, tile_1, tile_2,
 #if GENERIC_ROWS > 2
                                 tile_3,
@@ -152,19 +164,21 @@ static const tile_fn TILES[] = {0, tile_1, tile_2,
 #endif
 };
 
-/* `rows` rows of x times the two panels at p (output columns [0, width) of them). */
+/* `rows` rows of x times the two panels at p (output columns [0, width) of them), prefetching the two
+ * panels at `next` into L2 unless it is NULL. */
 static inline void run_tile(int64_t rows, const float *x, int64_t K, const float *p, const float *bias, float *y,
-                           int64_t N, int64_t width) {
+                           int64_t N, int64_t width, const float *next) {
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
     if (rows > GENERIC_ROWS) {
         static const tile_fn PANEL_TILES[] = {0, 0, 0, 0, panel_tile_4, panel_tile_5, panel_tile_6};
-        PANEL_TILES[rows](x, K, p, bias, y, N, width < PANEL ? width : PANEL);
+        PANEL_TILES[rows](x, K, p, bias, y, N, width < PANEL ? width : PANEL, next);
         if (width > PANEL)
-            PANEL_TILES[rows](x, K, p + K * PANEL, bias == NULL ? NULL : bias + PANEL, y + PANEL, N, width - PANEL);
+            PANEL_TILES[rows](x, K, p + K * PANEL, bias == NULL ? NULL : bias + PANEL, y + PANEL, N, width - PANEL,
+                              next == NULL ? NULL : next + K * PANEL);
         return;
     }
 #endif
-    TILES[rows](x, K, p, bias, y, N, width);
+    TILES[rows](x, K, p, bias, y, N, width, next);
 }
 
 /* x [M, K], wp the panels of W [N, K] (N padded to 32), bias [N] or NULL, y [M, N]. */
@@ -181,7 +195,10 @@ void panel_linear_f32(const float *x, const float *wp, const float *bias, float 
             const int64_t n0 = u * TILE_COLS, width = N - n0 < TILE_COLS ? N - n0 : TILE_COLS;
             for (int64_t m = m0; m < m1; m += ROWS) {
                 const int64_t rows = m1 - m < ROWS ? m1 - m : ROWS;
-                run_tile(rows, x + m * K, K, wp + n0 * K, bias == NULL ? NULL : bias + n0, y + m * N + n0, N, width);
+                /* (the last of two or more passes: see the top) */
+                const int prefetch = m > m0 && m + ROWS >= m1 && u + 1 < tiles;
+                run_tile(rows, x + m * K, K, wp + n0 * K, bias == NULL ? NULL : bias + n0, y + m * N + n0, N, width,
+                         prefetch ? wp + (n0 + TILE_COLS) * K : NULL);
             }
         }
     }
