@@ -58,6 +58,7 @@ _SIGNATURES = {
     "paged_decode_attention_f16kv": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],  # only where the CPU has F16C
     "paged_decode_attention_workspace": [_I64] * 3,
     "varlen_attention_f32": [_POINTER] * 6 + [_I64] * 10 + [_F32, _I64],
+    "varlen_attention_workspace": [_I64] * 3,
     "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
     "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
     "reshape_and_cache_f16kv": [_POINTER] * 5 + [_I64] * 4,
@@ -78,6 +79,7 @@ _RESULTS = {
     "varlen_attention_f32": ctypes.c_int,
     "paged_decode_attention_f16kv": ctypes.c_int,
     "paged_decode_attention_workspace": _I64,
+    "varlen_attention_workspace": _I64,
     "decoder_scratch_floats": _I64,
     "quantized_q8_unit": _I64,
     "quantized_q8_workspace": _I64,
@@ -272,8 +274,8 @@ def varlen_attention(
     if sum(n * n for n in lens) * num_heads * head_dim < 1 << 18:  # too little work to wake a thread
         threads = 1
     threads = min(threads, sum(-(-n // 64) for n in lens) * key.shape[1])  # (jobs: 64 rows of a KV head)
-    padded = -(-max_len // 32) * 32
-    workspace = _scratch(threads * (head_dim + 4) * padded)
+    workspace_size = cast(Callable[..., int], lib["varlen_attention_workspace"])  # (restype int64)
+    workspace = _scratch(workspace_size(head_dim, max_len, threads))
     failed = lib["varlen_attention_f32"](
         query.data_ptr(),
         key.data_ptr(),
