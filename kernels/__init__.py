@@ -44,6 +44,7 @@ _TORCH: dict[str, Callable] = {
 _CUDA_NATIVE: dict[str, Callable] = {"fp8_linear": _fp8.scaled_mm_linear}  # torch's cuBLASLt FP8 GEMM
 _CPU_COMPILED = {
     "paged_decode_attention",
+    "paged_prefill_attention",
     "varlen_attention",
     "rotary_embedding",
     "reshape_and_cache",

@@ -59,6 +59,7 @@ _SIGNATURES = {
     "paged_decode_attention_workspace": [_I64] * 3,
     "varlen_attention_f32": [_POINTER] * 6 + [_I64] * 10 + [_F32, _I64],
     "varlen_attention_workspace": [_I64] * 3,
+    "paged_prefill_attention_f32": [_POINTER] * 8 + [_I64] * 9 + [_F32, _I64],
     "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
     "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
     "reshape_and_cache_f16kv": [_POINTER] * 5 + [_I64] * 4,
@@ -80,6 +81,7 @@ _RESULTS = {
     "paged_decode_attention_f16kv": ctypes.c_int,
     "paged_decode_attention_workspace": _I64,
     "varlen_attention_workspace": _I64,
+    "paged_prefill_attention_f32": ctypes.c_int,
     "decoder_scratch_floats": _I64,
     "quantized_q8_unit": _I64,
     "quantized_q8_workspace": _I64,
@@ -298,6 +300,67 @@ def varlen_attention(
     )
     if failed:
         raise MemoryError("varlen attention: no memory for its job table")
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Same contract as `kernels.torch_ref.attention.paged_prefill_attention` (float32 queries and caches,
+    CPU; other caches go to the reference)."""
+    lib = _load()
+    caches_ok = all(c.dtype == torch.float32 and c.is_contiguous() for c in (key_cache, value_cache))
+    if lib is None or not caches_ok or not _rows_contiguous(query):
+        from kernels.torch_ref.attention import paged_prefill_attention as reference
+
+        return reference(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
+    tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    cu_seqlens, seq_lens, block_tables = _int64(query_start_loc), _int64(seq_lens), _int64(block_tables)
+    starts, lens = cu_seqlens.tolist(), seq_lens.tolist()  # (host arithmetic, as in varlen_attention)
+    chunks = [end - start for start, end in itertools.pairwise(starts)]
+    if any(chunk > length for chunk, length in zip(chunks, lens, strict=True)):
+        raise ValueError("paged prefill attention: a sequence has more query rows than keys")
+    out = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
+    max_len = max(lens, default=0)
+    if tokens == 0:
+        return out
+    threads = torch.get_num_threads()
+    if sum(c * n for c, n in zip(chunks, lens, strict=True)) * num_heads * head_dim < 1 << 18:
+        threads = 1  # too little work to wake a thread
+    threads = min(threads, sum(-(-c // 64) for c in chunks) * num_kv_heads)  # (jobs: 64 rows of a KV head)
+    workspace_size = cast(Callable[..., int], lib["varlen_attention_workspace"])  # (restype int64)
+    workspace = _scratch(workspace_size(head_dim, max_len, threads))
+    failed = lib["paged_prefill_attention_f32"](
+        query.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_tables.data_ptr(),
+        cu_seqlens.data_ptr(),
+        seq_lens.data_ptr(),
+        out.data_ptr(),
+        workspace.data_ptr(),
+        len(lens),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        query.stride(0),
+        block_size,
+        block_tables.shape[1],
+        max_len,
+        sliding_window or 0,
+        scale,
+        threads,
+    )
+    if failed:
+        raise MemoryError("paged prefill attention: no memory for its job table")
     return out
 
 
