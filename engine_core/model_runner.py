@@ -270,7 +270,7 @@ class ModelRunner:
                 step.token_ids, step.positions, step.slot_mapping, step.seq_lens, [r.block_ids for r in requests]
             )
         else:
-            inputs = self.to_device(step)
+            inputs = self.to_device(step, rows)
             hidden = self.model(*inputs)
         if self.draft is not None:  # the draft's K/V for every token the target computes, in the same slots
             self.draft.model(*(inputs or self.to_device(step)))
@@ -342,7 +342,7 @@ class ModelRunner:
             assert self.pipe is not None
             activations = self.pipe.recv_activations(len(step.token_ids), self.model_cfg.hidden_size, self.dtype)
             activations = activations.to(self.device)
-        out = self.model(*self.to_device(step), activations)
+        out = self.model(*self.to_device(step, rows), activations)
         if self.pipe is None:
             self._run_heads(out, rows)
             return
@@ -392,9 +392,18 @@ class ModelRunner:
             out.append((request, positions, row_of_position_0 + positions.start, row_of_position_0 + positions.stop))
         return out
 
-    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def to_device(
+        self, step: StepInputs, rows: LogitsRows | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's inputs on the device. `rows`: the rows whose final hidden states will be read; a
+        step with prefill rows then computes only those past its last layer's attention (every rank and
+        stage must pass the same)."""
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         seq_lens, block_tables, num_decodes, query_start_loc = _attention_rows(step)
+        output_rows = None
+        if rows is not None and num_decodes < len(step.token_ids):
+            needed = np.unique(rows.indices())
+            output_rows = to(needed) if len(needed) < len(step.token_ids) else None
         meta = AttentionMetadata(
             slot_mapping=to(step.slot_mapping),
             num_decodes=num_decodes,
@@ -403,6 +412,7 @@ class ModelRunner:
             block_tables=to(block_tables),
             query_start_loc=to(query_start_loc),
             prefills_from_start=bool((seq_lens[num_decodes:] == np.diff(query_start_loc)).all()),
+            output_rows=output_rows,
         )
         return to(step.token_ids), to(step.positions), meta
 

@@ -30,6 +30,9 @@ class AttentionMetadata:
     # Every prefill sequence starts at position 0 (no cached prefix, not a later chunk): its K/V are all
     # in this step's k/v, so attention needs no gather from the cache.
     prefills_from_start: bool = False
+    # The rows whose final hidden states the step reads (LM head, prompt logprobs), sorted; None: all of
+    # them. Past the last layer's attention, the other rows feed nothing (see LlamaForCausalLM.forward).
+    output_rows: torch.Tensor | None = None
 
 
 @dataclass

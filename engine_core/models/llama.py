@@ -61,8 +61,13 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata | VarlenMetadata
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        meta: AttentionMetadata | VarlenMetadata,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`keep`: the rows to return (all by default); every row's K/V is still written."""
         tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_sizes, dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
@@ -72,7 +77,9 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        if keep is not None:
+            out = out[keep]
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -93,13 +100,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions, hidden, residual, meta):
+    def forward(self, positions, hidden, residual, meta, keep=None):
+        """`keep`: compute only these rows past attention (the model's last layer, when only they are read)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(positions, hidden, meta, keep)
+        if keep is not None:
+            residual = residual[keep]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -201,6 +211,7 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         else:
             hidden, residual = activations[0], activations[1]
         fused = self.fused_decode.decoder_for(self, meta, hidden)
+        keep = None
         if fused is not None:  # (a CPU decode step: every layer in one C call)
             assert isinstance(meta, AttentionMetadata)
             hidden, residual = fused(
@@ -213,13 +224,23 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
                 meta.max_decode_seq_len,
             )
         else:
+            # A step with prompt rows reads the final hidden states of a few rows only (the LM head's,
+            # prompt logprobs'): past the last layer's attention, which writes every row's K/V, the other
+            # rows feed nothing, so its output projection and MLP take just those (as llama.cpp does).
+            if isinstance(meta, AttentionMetadata) and self.stage.is_last:
+                keep = meta.output_rows
             for i in self.layer_range:
-                hidden, residual = self.layers[i](positions, hidden, residual, meta)
+                last = i == self.layer_range[-1]
+                hidden, residual = self.layers[i](positions, hidden, residual, meta, keep if last else None)
         assert residual is not None  # (every stage holds a layer)
         if self.norm is None:
             return torch.stack((hidden, residual))
         hidden, _ = self.norm(hidden, residual)
-        return hidden
+        if keep is None:
+            return hidden
+        full = hidden.new_empty(positions.shape[0], hidden.shape[1])  # (the other rows: never read)
+        full[keep] = hidden
+        return full
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [rows, vocab] on rank 0 (gathered from every rank's vocabulary slice); None on

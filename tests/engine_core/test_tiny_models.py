@@ -80,3 +80,25 @@ def test_dummy_weights_need_only_a_config_and_are_reproducible(tmp_path):
         runs.append(run_engine(engine, prompts, params))
     assert runs[0] == runs[1] and all(len(r) == 8 for r in runs[0])
     assert len(set(map(tuple, runs[0]))) == 2  # different prompts, different continuations: weights are not all equal
+
+
+def test_the_last_layer_computes_only_the_rows_a_step_reads(tmp_path):
+    """Past the last layer's attention, a step with prompt rows computes only the rows its LM head reads
+    (llama.cpp's trick): the last layer's MLP sees one row per prompt that samples (none for a chunk that
+    stops short of its prompt's end), the layer before it every row; tokens still equal HF's."""
+    hf_model, model_dir = _build(tmp_path, "llama3")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 20, 70)]
+    expected = [hf_greedy(hf_model, p, 4, stop_at_eos=False) for p in prompts]
+    engine = EngineCore(EngineConfig(model=str(model_dir), max_num_batched_tokens=64, num_kv_blocks=64))
+    layers = engine.runner.model.decoder_layers()
+    rows: dict[str, list[int]] = {"last": [], "before": []}
+    for name, layer in (("last", layers[-1]), ("before", layers[-2])):
+        layer.mlp.register_forward_hook(lambda _m, args, _out, name=name: rows[name].append(args[0].shape[0]))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert run_engine(engine, prompts, params) == expected
+    # Step 1: the 9- and 20-token prompts whole (2 rows read) and 35 of the 70 (none read); step 2: the
+    # two decodes and the last 35 prompt rows (3 read); then decode steps, which read every row (and run
+    # as one fused C call where the CPU kernels are built: no module hooks fire).
+    assert rows["before"][:2] == [64, 37] and rows["last"][:2] == [2, 3]
+    assert rows["last"][2:] == rows["before"][2:]
