@@ -272,12 +272,7 @@ def varlen_attention(
     out = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
     if max_len == 0:
         return out
-    threads = torch.get_num_threads()
-    if sum(n * n for n in lens) * num_heads * head_dim < 1 << 18:  # too little work to wake a thread
-        threads = 1
-    threads = min(threads, sum(-(-n // 64) for n in lens) * key.shape[1])  # (jobs: 64 rows of a KV head)
-    workspace_size = cast(Callable[..., int], lib["varlen_attention_workspace"])  # (restype int64)
-    workspace = _scratch(workspace_size(head_dim, max_len, threads))
+    threads, workspace = _prefill_threads_and_workspace(lib, lens, lens, num_heads, key.shape[1], head_dim)
     failed = lib["varlen_attention_f32"](
         query.data_ptr(),
         key.data_ptr(),
@@ -301,6 +296,24 @@ def varlen_attention(
     if failed:
         raise MemoryError("varlen attention: no memory for its job table")
     return out
+
+
+def _prefill_threads_and_workspace(
+    lib: dict[str, Callable[..., None]],
+    query_lens: list[int],
+    key_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> tuple[int, torch.Tensor]:
+    """Threads and workspace for varlen_attention.c's jobs (64 query rows of one KV head each): torch's
+    thread count, or one where there is too little work to pay for waking a thread."""
+    threads = torch.get_num_threads()
+    if sum(q * k for q, k in zip(query_lens, key_lens, strict=True)) * num_heads * head_dim < 1 << 18:
+        threads = 1
+    threads = min(threads, sum(-(-q // 64) for q in query_lens) * num_kv_heads)
+    workspace_size = cast(Callable[..., int], lib["varlen_attention_workspace"])  # (restype int64)
+    return threads, _scratch(workspace_size(head_dim, max(key_lens, default=0), threads))
 
 
 def paged_prefill_attention(
@@ -332,12 +345,7 @@ def paged_prefill_attention(
     max_len = max(lens, default=0)
     if tokens == 0:
         return out
-    threads = torch.get_num_threads()
-    if sum(c * n for c, n in zip(chunks, lens, strict=True)) * num_heads * head_dim < 1 << 18:
-        threads = 1  # too little work to wake a thread
-    threads = min(threads, sum(-(-c // 64) for c in chunks) * num_kv_heads)  # (jobs: 64 rows of a KV head)
-    workspace_size = cast(Callable[..., int], lib["varlen_attention_workspace"])  # (restype int64)
-    workspace = _scratch(workspace_size(head_dim, max_len, threads))
+    threads, workspace = _prefill_threads_and_workspace(lib, chunks, lens, num_heads, num_kv_heads, head_dim)
     failed = lib["paged_prefill_attention_f32"](
         query.data_ptr(),
         key_cache.data_ptr(),

@@ -17,7 +17,7 @@
  * With more rows than one tile takes (a batch of 9-64 decodes), the first pass over a tile's panels
  * waits on DRAM and the later ones compute from L2. The last pass therefore prefetches the next tile's
  * panels into L2, so that the memory streams while the FMAs run instead of between them: 16 rows
- * through a model's weights from DRAM, 28.3-31.1 -> 24.2-28.3 ms on two threads (docs/decode-speed.md).
+ * through a model's weights from DRAM, 26.4-31.1 -> 24.2-26.5 ms on two threads (docs/decode-speed.md).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -66,7 +66,7 @@ typedef float vecu __attribute__((vector_size(VW * 4), aligned(4)));
  * columns [0, width). R is a constant in each copy, so that the accumulators stay in registers. */
 #define TILE(R)                                                                                                   \
     static void tile_##R(const float *restrict x, int64_t K, const float *restrict p, const float *restrict bias, \
-                         float *restrict y, int64_t N, int64_t width, const float *restrict next) {                                           \
+                         float *restrict y, int64_t N, int64_t width, const float *restrict next) {               \
         vec acc[R][VPT];                                                                                          \
         for (int r = 0; r < R; r++)                                                                               \
             for (int v = 0; v < VPT; v++) acc[r][v] = (vec){0};                                                   \
@@ -77,7 +77,7 @@ typedef float vecu __attribute__((vector_size(VW * 4), aligned(4)));
                 __builtin_prefetch(next + K * PANEL + k * PANEL, 0, 2);                                           \
             }                                                                                                     \
             vec s[R];                                                                                             \
-            for (int r = 0; r < R; r++) s[r] = broadcast(x + r * K + k);                                           \
+            for (int r = 0; r < R; r++) s[r] = broadcast(x + r * K + k);                                          \
             for (int v = 0; v < VPT; v++) {                                                                       \
                 const vec b = *(const vecu *)((v < VPP ? p : p1) + k * PANEL + (v % VPP) * VW);                  \
                 for (int r = 0; r < R; r++) acc[r][v] += s[r] * b;                                                \
@@ -86,7 +86,7 @@ typedef float vecu __attribute__((vector_size(VW * 4), aligned(4)));
         for (int r = 0; r < R; r++) {                                                                             \
             vec out[VPT]; /* (a copy: the accumulators' own address would keep them in memory) */                 \
             for (int v = 0; v < VPT; v++) out[v] = acc[r][v];                                                     \
-            store(out, VPT, bias, y + r * N, width);                                                                   \
+            store(out, VPT, bias, y + r * N, width);                                                              \
         }                                                                                                         \
     }
 

@@ -3,7 +3,7 @@ the compiled CPU kernel and the Triton kernel (Triton's interpreter on the CPU, 
 naive float64 attention per sequence.
 
 Inputs are strided views of one fused QKV-like tensor, as the model passes them; Triton's output buffer is
-poisoned with NaN, so an unwritten element fails. Sequence lengths cover one token, tile edges (4-row and
+poisoned with NaN, so an unwritten element fails. Sequence lengths cover one token, tile edges (8-row and
 32-key tiles in C, 64-row tiles in Triton), an empty sequence and lengths past a tile.
 """
 
