@@ -18,9 +18,15 @@
  * waits on DRAM and the later ones compute from L2. The last pass therefore prefetches the next tile's
  * panels into L2, so that the memory streams while the FMAs run instead of between them: 16 rows
  * through a model's weights from DRAM, 26.4-31.1 -> 24.2-26.5 ms on two threads (docs/decode-speed.md).
+ *
+ * From PACKED_MIN_ROWS rows on (a prefill's), each 8 rows of x are first copied into one interleaved
+ * stream, xp[k * 8 + r], so that a tile's broadcasts read one sequential stream instead of eight rows
+ * K floats apart. Same sums in the same order, so the same bits. A layer's four projections at 512
+ * rows, 30 layers: 632 -> 589 ms median (docs/decode-speed.md).
  */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PANEL 16     /* output columns per panel */
@@ -181,6 +187,75 @@ static inline void run_tile(int64_t rows, const float *x, int64_t K, const float
     TILES[rows](x, K, p, bias, y, N, width, next);
 }
 
+#if defined(__AVX512F__)
+#define PACKED_MIN_ROWS 256
+#define PACKED_CHUNK_BYTES (1 << 19) /* packed rows of x per pass over the weights: with a tile's panels, in L2 */
+
+/* One tile from packed rows: ROWS rows of x, xp[k * ROWS + r], times the two panels at p. */
+static void packed_tile(const float *restrict xp, int64_t K, const float *restrict p, const float *restrict bias,
+                        float *restrict y, int64_t N, int64_t width) {
+    vec acc[ROWS][VPT];
+    for (int r = 0; r < ROWS; r++)
+        for (int v = 0; v < VPT; v++) acc[r][v] = (vec){0};
+    const float *restrict p1 = p + K * PANEL;
+    _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; k++) {
+        vec b[VPT];
+        for (int v = 0; v < VPT; v++) b[v] = *(const vecu *)((v < VPP ? p : p1) + k * PANEL + (v % VPP) * VW);
+        for (int r = 0; r < ROWS; r++) {
+            const vec s = broadcast(xp + k * ROWS + r);
+            for (int v = 0; v < VPT; v++) acc[r][v] += s * b[v];
+        }
+    }
+    for (int r = 0; r < ROWS; r++) {
+        vec out[VPT];
+        for (int v = 0; v < VPT; v++) out[v] = acc[r][v];
+        store(out, VPT, bias, y + r * N, width);
+    }
+}
+
+/* The calling thread's buffer for packed rows, grown as needed and kept (NULL: no memory). */
+static float *packed_buffer(int64_t floats) {
+    static __thread float *buffer = NULL;
+    static __thread int64_t size = 0;
+    if (size < floats) {
+        free(buffer);
+        size = (floats + 15) / 16 * 16;
+        buffer = aligned_alloc(64, size * sizeof(float));
+        if (buffer == NULL) size = 0;
+    }
+    return buffer;
+}
+
+/* panel_linear_f32 from packed rows of x (see the top); returns 0 where there is no memory to pack. */
+static int packed_linear(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t K,
+                         int64_t N, int64_t threads) {
+    const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;
+    int64_t chunk = PACKED_CHUNK_BYTES / (K * (int64_t)sizeof(float)) / ROWS * ROWS;
+    if (chunk < ROWS) chunk = ROWS;
+    float *xp = packed_buffer(chunk * K);
+    if (xp == NULL) return 0;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+        const int64_t m1 = m0 + chunk < M ? m0 + chunk : M, groups = (m1 - m0) / ROWS, rest = m0 + groups * ROWS;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t k = 0; k < K; k++)
+                    for (int r = 0; r < ROWS; r++) xp[(g * K + k) * ROWS + r] = x[(m0 + g * ROWS + r) * K + k];
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < tiles; u++) {
+                const int64_t n0 = u * TILE_COLS, width = N - n0 < TILE_COLS ? N - n0 : TILE_COLS;
+                const float *b = bias == NULL ? NULL : bias + n0;
+                for (int64_t g = 0; g < groups; g++)
+                    packed_tile(xp + g * ROWS * K, K, wp + n0 * K, b, y + (m0 + g * ROWS) * N + n0, N, width);
+                if (rest < m1) run_tile(m1 - rest, x + rest * K, K, wp + n0 * K, b, y + rest * N + n0, N, width, NULL);
+            }
+        }
+    }
+    return 1;
+}
+#endif
+
 /* x [M, K], wp the panels of W [N, K] (N padded to 32), bias [N] or NULL, y [M, N]. */
 void panel_linear_f32(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t K,
                       int64_t N, int64_t threads) {
@@ -188,6 +263,9 @@ void panel_linear_f32(const float *x, const float *wp, const float *bias, float 
     int64_t chunk = (1 << 20) / (K * (int64_t)sizeof(float)) / ROWS * ROWS; /* rows of x kept in L2 */
     if (chunk < ROWS) chunk = ROWS;
     if (threads > tiles) threads = tiles;
+#if defined(__AVX512F__)
+    if (M >= PACKED_MIN_ROWS && packed_linear(x, wp, bias, y, M, K, N, threads)) return;
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
         const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)

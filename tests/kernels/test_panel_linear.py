@@ -16,8 +16,9 @@ from tests.kernels import isa_variants
 
 U = 2.0**-24  # float32's unit roundoff
 # Every tile height and its remainders (AVX-512: 8 rows, AVX2: 6 from 4 rows on, 3 below, scalar: 2),
-# and row counts past a chunk of x (~1 MiB of rows: 170 rows of 1,536 columns).
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 64, 400]
+# row counts past a chunk of x (~1 MiB of rows: 170 rows of 1,536 columns), and AVX-512's packed rows
+# (from 256 rows on, in chunks of ~512 KiB: 263 = 224 + 39 rows of 576 columns, the last 7 unpacked).
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 64, 263, 400]
 # (N, K): ragged N (the last tile partly or wholly padding), K of 1 and odd ones, SmolLM2's shapes.
 SHAPES = [(1, 1), (17, 7), (33, 96), (100, 1536), (960, 576)]
 
@@ -70,10 +71,11 @@ def test_other_instruction_sets_match_float64(variant_libraries, variant, m, n, 
     _assert_close_to_exact(y, x, w, bias)
 
 
-def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count():
-    """Each output is one thread's sum over k in order, whatever tile its row falls in: a request's
-    tokens do not change with what it is batched with."""
-    w, bias, x = _case(960, 576, 23, 5)
+@pytest.mark.parametrize("m", [23, 263])
+def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(m):
+    """Each output is one thread's sum over k in order, whatever tile its row falls in, packed or not: a
+    request's tokens do not change with what it is batched with."""
+    w, bias, x = _case(960, 576, m, 5)
     panels = PanelWeight.pack(w)
     batch = kernels.panel_linear(x, panels, bias)
     alone = torch.cat([kernels.panel_linear(x[i : i + 1], panels, bias) for i in range(len(x))])
@@ -141,8 +143,9 @@ def test_avx2_and_avx512_builds_give_the_same_bits(variant_libraries):
     do not depend on which of the two a machine has (the scalar build, without FMA, rounds otherwise)."""
     if "avx2" not in variant_libraries:
         pytest.skip("this machine has no AVX-512 to compare AVX2 with")
-    w, bias, x = _case(960, 576, 29, 8)
-    panels = PanelWeight.pack(w)
-    assert torch.equal(
-        cpu._panel_linear(variant_libraries["avx2"], x, panels, bias), kernels.panel_linear(x, panels, bias)
-    )
+    for m in (29, 263):  # (AVX-512 packs the rows of the second: AVX2 does not)
+        w, bias, x = _case(960, 576, m, 8)
+        panels = PanelWeight.pack(w)
+        assert torch.equal(
+            cpu._panel_linear(variant_libraries["avx2"], x, panels, bias), kernels.panel_linear(x, panels, bias)
+        )
