@@ -373,6 +373,7 @@ def main() -> None:
         help="batch sizes of mixed steps: that many decodes and two new prompts of --context tokens",
     )
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"], help="the KV cache's dtype")
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV-cache block (default: engine's)")
     parser.add_argument(
         "--layered",
         action="store_true",
@@ -380,7 +381,12 @@ def main() -> None:
     )
     args = parser.parse_args()
     engine = EngineCore(
-        EngineConfig(num_threads=args.threads, kv_cache_memory=2 * 2**30, kv_cache_dtype=args.kv_cache_dtype)
+        EngineConfig(
+            num_threads=args.threads,
+            kv_cache_memory=2 * 2**30,
+            kv_cache_dtype=args.kv_cache_dtype,
+            **({} if args.block_size is None else {"block_size": args.block_size}),
+        )
     )
     engine.runner.model.fused_decode.enabled = not args.layered
     engine.warm_up()
