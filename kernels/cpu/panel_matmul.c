@@ -19,9 +19,9 @@
  * panels into L2, so that the memory streams while the FMAs run instead of between them: 16 rows
  * through a model's weights from DRAM, 26.4-31.1 -> 24.2-26.5 ms on two threads (docs/decode-speed.md).
  *
- * From PACKED_MIN_ROWS rows on (a prefill's), each 8 rows of x are first copied into one interleaved
- * stream, xp[k * 8 + r], so that a tile's broadcasts read one sequential stream instead of eight rows
- * K floats apart. Same sums in the same order, so the same bits. A layer's four projections at 512
+ * From PACKED_MIN_ROWS rows on (a prefill's), each tile's rows of x (8, or AVX2's 6) are first copied
+ * into one interleaved stream, xp[k * 8 + r], so that a tile's broadcasts read one sequential stream
+ * instead of eight rows K floats apart. Same sums in the same order, so the same bits. A layer's four projections at 512
  * rows, 30 layers: 632 -> 589 ms median (docs/decode-speed.md).
  */
 #include <omp.h>
@@ -187,10 +187,13 @@ static inline void run_tile(int64_t rows, const float *x, int64_t K, const float
     TILES[rows](x, K, p, bias, y, N, width, next);
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define HAVE_PACKED_PATH 1
 #define PACKED_MIN_ROWS 256
 #define PACKED_CHUNK_BYTES (1 << 19) /* packed rows of x per pass over the weights: with a tile's panels, in L2 */
+#define PACKED_MIN_CHUNK 64          /* rows, whatever K: each pass reads every weight */
 
+#if defined(__AVX512F__)
 /* One tile from packed rows: ROWS rows of x, xp[k * ROWS + r], times the two panels at p. */
 static void packed_tile(const float *restrict xp, int64_t K, const float *restrict p, const float *restrict bias,
                         float *restrict y, int64_t N, int64_t width) {
@@ -213,6 +216,32 @@ static void packed_tile(const float *restrict xp, int64_t K, const float *restri
     }
 }
 
+#else
+/* AVX2: ROWS (6) packed rows times one panel, with named accumulators as panel_tile_6 has. */
+#define PACKED_FMA_ROW(r)                                                                     \
+    {                                                                                         \
+        const __m256 s = _mm256_broadcast_ss(xp + k * ROWS + r);                              \
+        c##r##0 = _mm256_fmadd_ps(s, b0, c##r##0), c##r##1 = _mm256_fmadd_ps(s, b1, c##r##1); \
+    }
+static void packed_panel_tile(const float *restrict xp, int64_t K, const float *restrict p,
+                              const float *restrict bias, float *restrict y, int64_t N, int64_t width) {
+    const int rows_ = ROWS;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    _Pragma("GCC unroll 4") for (int64_t k = 0; k < K; k++) {
+        const __m256 b0 = _mm256_loadu_ps(p + k * PANEL), b1 = _mm256_loadu_ps(p + k * PANEL + 8);
+        PACKED_FMA_ROW(0) PACKED_FMA_ROW(1) PACKED_FMA_ROW(2) PACKED_FMA_ROW(3) PACKED_FMA_ROW(4) PACKED_FMA_ROW(5)
+    }
+    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
+}
+static void packed_tile(const float *restrict xp, int64_t K, const float *restrict p, const float *restrict bias,
+                        float *restrict y, int64_t N, int64_t width) {
+    packed_panel_tile(xp, K, p, bias, y, N, width < PANEL ? width : PANEL);
+    if (width > PANEL)
+        packed_panel_tile(xp, K, p + K * PANEL, bias == NULL ? NULL : bias + PANEL, y + PANEL, N, width - PANEL);
+}
+#endif
+
 /* The calling thread's buffer for packed rows, grown as needed and kept (NULL: no memory). */
 static float *packed_buffer(int64_t floats) {
     static __thread float *buffer = NULL;
@@ -231,7 +260,7 @@ static int packed_linear(const float *x, const float *wp, const float *bias, flo
                          int64_t N, int64_t threads) {
     const int64_t tiles = (N + TILE_COLS - 1) / TILE_COLS;
     int64_t chunk = PACKED_CHUNK_BYTES / (K * (int64_t)sizeof(float)) / ROWS * ROWS;
-    if (chunk < ROWS) chunk = ROWS;
+    if (chunk < PACKED_MIN_CHUNK) chunk = PACKED_MIN_CHUNK / ROWS * ROWS; /* (a long K: fewer passes over the weights) */
     float *xp = packed_buffer(chunk * K);
     if (xp == NULL) return 0;
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {
@@ -263,7 +292,7 @@ void panel_linear_f32(const float *x, const float *wp, const float *bias, float 
     int64_t chunk = (1 << 20) / (K * (int64_t)sizeof(float)) / ROWS * ROWS; /* rows of x kept in L2 */
     if (chunk < ROWS) chunk = ROWS;
     if (threads > tiles) threads = tiles;
-#if defined(__AVX512F__)
+#ifdef HAVE_PACKED_PATH
     if (M >= PACKED_MIN_ROWS && packed_linear(x, wp, bias, y, M, K, N, threads)) return;
 #endif
     for (int64_t m0 = 0; m0 < M; m0 += chunk) {

@@ -88,6 +88,17 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(m):
         torch.set_num_threads(threads)
 
 
+def test_packed_rows_over_a_long_k():
+    """A long K (a large model's down projection), where a pass over the weights packs 64 rows rather than
+    the ~512 KiB of them: 263 rows of 3,000 columns are chunks of 64, 64, 64, 64 and 7 (those unpacked),
+    each row's result the same bits as alone."""
+    w, bias, x = _case(40, 3000, 263, 9)
+    panels = PanelWeight.pack(w)
+    y = kernels.panel_linear(x, panels, bias)
+    _assert_close_to_exact(y, x, w, bias)
+    assert torch.equal(y[250:], kernels.panel_linear(x[250:], panels, bias))
+
+
 def test_inputs_of_any_layout_and_rank():
     w, bias, x = _case(100, 96, 12, 6)
     panels = PanelWeight.pack(w)
