@@ -88,11 +88,14 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(m):
         torch.set_num_threads(threads)
 
 
-def test_packed_rows_over_a_long_k():
+@pytest.mark.parametrize("n", [40, 80, 100, 150])
+def test_packed_rows_over_a_long_k(n):
     """A long K (a large model's down projection), where a pass over the weights packs 64 rows rather than
     the ~512 KiB of them: 263 rows of 3,000 columns are chunks of 64, 64, 64, 64 and 7 (those unpacked),
-    each row's result the same bits as alone."""
-    w, bias, x = _case(40, 3000, 263, 9)
+    each row's result the same bits as alone. N of 40, 80, 100 and 150 (4, 6, 8 and 10 panels) give
+    AVX-512's three-panel tiles a partial one, a partial one at the end, two-panel ones after them, and
+    two two-panel ones in place of a lone panel."""
+    w, bias, x = _case(n, 3000, 263, 9)
     panels = PanelWeight.pack(w)
     y = kernels.panel_linear(x, panels, bias)
     _assert_close_to_exact(y, x, w, bias)
