@@ -21,8 +21,9 @@
  *
  * From PACKED_MIN_ROWS rows on (a prefill's), each tile's rows of x (8, or AVX2's 6) are first copied
  * into one interleaved stream, xp[k * 8 + r], so that a tile's broadcasts read one sequential stream
- * instead of eight rows K floats apart. Same sums in the same order, so the same bits. A layer's four projections at 512
- * rows, 30 layers: 632 -> 589 ms median (docs/decode-speed.md).
+ * instead of eight rows K floats apart; on AVX-512 a packed tile then takes three panels. Same sums in
+ * the same order, so the same bits. A layer's four projections at 512 rows, 30 layers: 632 -> 589 ms
+ * (median) for the packing, 590 -> 571 more for the third panel (docs/decode-speed.md).
  */
 #include <omp.h>
 #include <stdint.h>

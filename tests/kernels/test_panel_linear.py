@@ -16,8 +16,8 @@ from tests.kernels import isa_variants
 
 U = 2.0**-24  # float32's unit roundoff
 # Every tile height and its remainders (AVX-512: 8 rows, AVX2: 6 from 4 rows on, 3 below, scalar: 2),
-# row counts past a chunk of x (~1 MiB of rows: 170 rows of 1,536 columns), and AVX-512's packed rows
-# (from 256 rows on, in chunks of ~512 KiB: 263 = 224 + 39 rows of 576 columns, the last 7 unpacked).
+# row counts past a chunk of x (~1 MiB of rows: 170 rows of 1,536 columns), and packed rows (from 256
+# rows on, in chunks of ~512 KiB: 263 = 224 + 39 rows of 576 columns, the last 7 unpacked on AVX-512).
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 64, 263, 400]
 # (N, K): ragged N (the last tile partly or wholly padding), K of 1 and odd ones, SmolLM2's shapes.
 SHAPES = [(1, 1), (17, 7), (33, 96), (100, 1536), (960, 576)]
@@ -157,7 +157,7 @@ def test_avx2_and_avx512_builds_give_the_same_bits(variant_libraries):
     do not depend on which of the two a machine has (the scalar build, without FMA, rounds otherwise)."""
     if "avx2" not in variant_libraries:
         pytest.skip("this machine has no AVX-512 to compare AVX2 with")
-    for m in (29, 263):  # (AVX-512 packs the rows of the second: AVX2 does not)
+    for m in (29, 263):  # (both pack the second's rows: AVX-512 into 8-row tiles of three panels, AVX2 6 x 1)
         w, bias, x = _case(960, 576, m, 8)
         panels = PanelWeight.pack(w)
         assert torch.equal(
