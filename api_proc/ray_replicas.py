@@ -201,13 +201,12 @@ class _DriverLink(ParentLink):
         super().__init__(conn, runtime_dir)
         self.driver_ref = driver_ref
 
-    def orphaned(self) -> None:
+    def release_when_orphaned(self) -> None:
         if self.driver_ref:
             try:
                 self.driver_ref[0].remove(grace_s=_ORPHAN_GRACE_S)
             except Exception:
                 logger.exception("removing the replica's actor")
-        super().orphaned()
 
 
 def run_ray_replica(
@@ -334,9 +333,8 @@ def run_ray_head(parent_conn: Connection) -> None:
 
 
 class _HeadLink(ParentLink):
-    def orphaned(self) -> None:
+    def release_when_orphaned(self) -> None:
         kill_descendants()
-        super().orphaned()
 
 
 def kill_descendants() -> None:

@@ -134,6 +134,8 @@ class ParentLink:
         self.runtime_dir = runtime_dir
         self.socket_files = list(socket_files)
         self._send_lock = threading.Lock()
+        # Held by the first caller of `orphaned` until the exit (see there).
+        self._orphaned_once = threading.Lock()
 
     def send(self, kind: Report, **info) -> None:
         with self._send_lock:
@@ -157,14 +159,28 @@ class ParentLink:
             on_command(Command(kind), info)
 
     def orphaned(self) -> None:
-        """The parent died without stopping us: remove what it would have removed, and exit now."""
+        """The parent died without stopping us: remove what it would have removed, and exit now.
+
+        Two threads may get here at once: the watcher at the pipe's end, and the main thread in the
+        parent-death signal's handler (where a process installs one). Only the first cleans up; a later
+        call returns at once and leaves the exit to the first. (A second clean-up used to race the
+        first and exit the process halfway through it: the local Ray cluster's second pass found the
+        raylet already killed, its actors already moved to init, and its exit cut the first pass off
+        before it had killed them.)"""
+        if not self._orphaned_once.acquire(blocking=False):
+            return
         logger.warning("the pagoda serve parent is gone; exiting")
+        self.release_when_orphaned()
         if self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
         for path in self.socket_files:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         os._exit(0)
+
+    def release_when_orphaned(self) -> None:
+        """What this process releases itself when the parent is gone, before the runtime directory goes and
+        the process exits (a subclass's: Ray actors, a local cluster). Nothing here."""
 
 
 class ChildLink:
