@@ -28,7 +28,12 @@ from kernels.quantized import PackedWeight, reference_linear
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_COMMON_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
+# -mprefer-vector-width=512: where the CPU has AVX-512, GCC's tuning for it (Intel's server cores) still
+# vectorizes loops 256 bits wide, and the kernels' tiles are shaped for 512-bit registers: the prefill
+# attention's 8 x 32 score tile is 16 zmm accumulators, but 32 ymm ones, which spill (a 512-token prompt's
+# attention, 30 layers: 94 -> 47 ms; the whole prefill 468-490 -> 396-403 ms, docs/decode-speed.md).
+# Where there is no AVX-512 it changes nothing; the intrinsics code paths choose their own width anyway.
+_COMMON_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-shared", "-fPIC", "-pthread"]
 # Attention may reassociate sums and use vector expf; the element-wise ops must round exactly like torch.
 # Not `-ffast-math` itself: when it links a shared library, GCC 12 adds crtfastmath.o, whose constructor
 # turns on flush-to-zero for the whole process that loads it (every float in it, torch's and Python's
