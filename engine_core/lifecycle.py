@@ -163,10 +163,10 @@ class ParentLink:
 
         Two threads may get here at once: the watcher at the pipe's end, and the main thread in the
         parent-death signal's handler (where a process installs one). Only the first cleans up; a later
-        call returns at once and leaves the exit to the first. (A second clean-up used to race the
-        first and exit the process halfway through it: the local Ray cluster's second pass found the
-        raylet already killed, its actors already moved to init, and its exit cut the first pass off
-        before it had killed them.)"""
+        call returns at once and leaves the exit to the first. (A second clean-up could race the first
+        and exit the process halfway through it; the likely cause of a local Ray cluster's actors
+        outliving a kill -9 in CI: a second pass finds the raylet already killed and its actors moved to
+        init, and its exit cuts the first pass off before that one has killed them.)"""
         if not self._orphaned_once.acquire(blocking=False):
             return
         logger.warning("the pagoda serve parent is gone; exiting")
