@@ -16,9 +16,10 @@ from tests.kernels import isa_variants
 
 U = 2.0**-24  # float32's unit roundoff
 # Every tile height and its remainders (AVX-512: 8 rows, AVX2: 6 from 4 rows on, 3 below, scalar: 2),
-# row counts past a chunk of x (~1 MiB of rows: 170 rows of 1,536 columns), and packed rows (from 256
-# rows on, in chunks of ~512 KiB: 263 = 224 + 39 rows of 576 columns, the last 7 unpacked on AVX-512).
-ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 64, 263, 400]
+# row counts past a chunk of x (~1 MiB of rows: 170 rows of 1,536 columns), and packed rows (from 48
+# rows on, in chunks of ~512 KiB: 263 = 224 + 39 rows of 576 columns; a chunk's last tile of 8 rows, or
+# AVX2's 6, padded with zero rows where the chunk does not fill it: 53, 263 and 400).
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 47, 48, 53, 64, 263, 400]
 # (N, K): ragged N (the last tile partly or wholly padding), K of 1 and odd ones, SmolLM2's shapes.
 SHAPES = [(1, 1), (17, 7), (33, 96), (100, 1536), (960, 576)]
 
@@ -71,7 +72,7 @@ def test_other_instruction_sets_match_float64(variant_libraries, variant, m, n, 
     _assert_close_to_exact(y, x, w, bias)
 
 
-@pytest.mark.parametrize("m", [23, 263])
+@pytest.mark.parametrize("m", [23, 53, 263])
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(m):
     """Each output is one thread's sum over k in order, whatever tile its row falls in, packed or not: a
     request's tokens do not change with what it is batched with."""
@@ -91,8 +92,8 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(m):
 @pytest.mark.parametrize("n", [40, 80, 100, 150])
 def test_packed_rows_over_a_long_k(n):
     """A long K (a large model's down projection), where a pass over the weights packs 64 rows rather than
-    the ~512 KiB of them: 263 rows of 3,000 columns are chunks of 64, 64, 64, 64 and 7 (those unpacked),
-    each row's result the same bits as alone. N of 40, 80, 100 and 150 (4, 6, 8 and 10 panels) give
+    the ~512 KiB of them: 263 rows of 3,000 columns are chunks of 64, 64, 64, 64 and 7 (one tile of them,
+    padded), each row's result the same bits as alone. N of 40, 80, 100 and 150 (4, 6, 8 and 10 panels) give
     AVX-512's three-panel tiles a partial one, a partial one at the end, two-panel ones after them, and
     two two-panel ones in place of a lone panel."""
     w, bias, x = _case(n, 3000, 263, 9)
@@ -157,7 +158,7 @@ def test_avx2_and_avx512_builds_give_the_same_bits(variant_libraries):
     do not depend on which of the two a machine has (the scalar build, without FMA, rounds otherwise)."""
     if "avx2" not in variant_libraries:
         pytest.skip("this machine has no AVX-512 to compare AVX2 with")
-    for m in (29, 263):  # (both pack the second's rows: AVX-512 into 8-row tiles of three panels, AVX2 6 x 1)
+    for m in (29, 53, 263):  # (both pack the last two's rows: AVX-512 into 8-row tiles of three panels, AVX2 6 x 1)
         w, bias, x = _case(960, 576, m, 8)
         panels = PanelWeight.pack(w)
         assert torch.equal(
