@@ -29,6 +29,7 @@ from engine_core.config import EngineConfig, resolve_dtype, resolve_kv_cache_dty
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.environment import configure_kernels
 from engine_core.gpu_memory import profile_gpu_memory
+from engine_core.kv_prefault import KVPoolPrefault, prefault
 from engine_core.layers.attention import AttentionMetadata
 from engine_core.loader import load_model, weight_bytes
 from engine_core.model_config import ModelConfig
@@ -158,6 +159,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
         self.followers: Followers | None = None  # set by the parallel executor on rank 0
         self.kv_cache: torch.Tensor | None = None
+        self.kv_prefault: KVPoolPrefault | None = None
         # Every rank sizes its own pool (each profiles its own GPU); all use the smallest.
         num_blocks = group.min_int(self._num_blocks())
         self.allocate_kv_cache(pipe.min_int(num_blocks) if pipe is not None else num_blocks)
@@ -203,8 +205,10 @@ class ModelRunner:
         self.release_kv_cache()
         self.num_blocks = num_blocks
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
-        # torch.empty: pages are touched only as blocks are used, so a large pool costs nothing up front.
+        # torch.empty: nothing is written up front; on the CPU a background thread maps the pages before
+        # blocks need them (engine_core/kv_prefault.py), instead of a page fault at a block's first write.
         self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_prefault = prefault(self.kv_cache)
         for layer_index, attn in enumerate(self.model.attention_layers()):
             attn.key_cache = self.kv_cache[layer_index, 0]
             attn.value_cache = self.kv_cache[layer_index, 1]
@@ -214,7 +218,9 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         for attn in self.model.attention_layers():
             attn.key_cache = attn.value_cache = None
-        self.kv_cache = None
+        if self.kv_prefault is not None:
+            self.kv_prefault.stop()
+        self.kv_cache = self.kv_prefault = None
         if self.draft is not None:
             self.draft.release_kv_cache()
 

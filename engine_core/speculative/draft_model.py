@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from engine_core.kv_prefault import KVPoolPrefault, prefault
 from engine_core.loader import load_model, resolve_model, weight_bytes
 from engine_core.model_config import ModelConfig
 from engine_core.quantization import resolve_method
@@ -38,6 +39,7 @@ class DraftModel:
         self.num_layers = len(self.model.attention_layers())
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
         self.kv_cache: torch.Tensor | None = None
+        self.kv_prefault: KVPoolPrefault | None = None
         logger.info(
             "Draft model %s: %d layers, %.1f MiB of weights",
             model_dir,
@@ -54,6 +56,7 @@ class DraftModel:
         self.release_kv_cache()
         shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.model_cfg.head_dim)
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_prefault = prefault(self.kv_cache)  # (as the target's pool: engine_core/kv_prefault.py)
         for index, attn in enumerate(self.model.attention_layers()):
             attn.key_cache = self.kv_cache[index, 0]
             attn.value_cache = self.kv_cache[index, 1]
@@ -61,7 +64,9 @@ class DraftModel:
     def release_kv_cache(self) -> None:
         for attn in self.model.attention_layers():
             attn.key_cache = attn.value_cache = None
-        self.kv_cache = None
+        if self.kv_prefault is not None:
+            self.kv_prefault.stop()
+        self.kv_cache = self.kv_prefault = None
 
 
 def _quantization(cfg: ModelConfig):
