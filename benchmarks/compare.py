@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import random
 import tempfile
+import time
 from pathlib import Path
 
 from api_proc.bench.datasets import random_requests
@@ -72,6 +73,14 @@ def main() -> None:
         "otherwise find a repeated run's prompts in its prefix cache, while Pagoda starts empty)",
     )
     parser.add_argument("--server-args", default="", help='extra `pagoda serve` flags, e.g. "--max-num-seqs 32"')
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds between Pagoda's ready and the first request (default 0). A server in service has been "
+        "up a while, and its idle time maps its KV pool's pages (engine_core/kv_prefault.py: ~3-5 s for the "
+        "2 GiB pool here), as vLLM's start-up writes its own; 0 measures a server just started",
+    )
     args = parser.parse_args()
     seed = random.randrange(2**31) if args.seed is None else args.seed
     print(f"prompts: seed {seed}", flush=True)
@@ -85,6 +94,7 @@ def main() -> None:
         remove_dir_on_stop=True,
     )
     try:
+        time.sleep(args.settle)
         rows["pagoda"] = measure_server(server.base_url, requests, args.concurrency, None)
     finally:
         server.stop()
