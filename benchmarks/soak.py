@@ -25,7 +25,7 @@ from pathlib import Path
 
 import aiohttp
 
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, process_names, rss_bytes
+from api_proc.bench.local_server import MODEL_NAME, PagodaServer, process_names, rss_bytes, wait_until
 
 KEY = "soak-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -184,6 +184,9 @@ def main() -> int:
     )
     url = server.base_url
     try:
+        # The KV pool's pages are mapped by an idle thread after start (engine_core/kv_prefault.py): wait
+        # for it, so that the pool becoming resident is not read as growth between the two readings.
+        wait_until(lambda: "KV pool" in server.log() and "populated" in server.log(), timeout=60)
         started = time.monotonic()
         deadline = started + args.max_seconds
         results = asyncio.run(run(url, kinds[: args.warmup], args.concurrency, args.seed, deadline))

@@ -46,7 +46,7 @@ class KVPoolPrefault:
 
     def __init__(self, pool: torch.Tensor):
         assert pool.device.type == "cpu" and pool.is_contiguous() and pool.dim() >= 3
-        self.pool = pool
+        self.pool: torch.Tensor | None = pool
         self.done = threading.Event()  # set when the thread stops, populated or not
         self.populated = False
         self._stop = threading.Event()
@@ -72,6 +72,7 @@ class KVPoolPrefault:
         if madvise is None:
             return False
         pool = self.pool
+        assert pool is not None  # (stop() lets go of it only after this thread is done)
         total = pool.numel() * pool.element_size()
         available = available_memory()
         if available is not None and total > available - HEADROOM:
