@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -39,3 +40,19 @@ def tokenizer(default_model_dir):
     from engine_core.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir)
+
+
+@pytest.fixture
+def cli_main():
+    """`api_proc.cli.main`, run in this process. It points the root logger at the stderr pytest captures for
+    the test, which is closed after it: its handler goes afterwards, or a thread still logging (a KV pool's
+    populate, engine_core/kv_prefault.py) would print a logging error into a later test's output."""
+    from api_proc.cli import main
+
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield main
+    for handler in root.handlers[:]:
+        if handler not in before and type(handler) is logging.StreamHandler:
+            root.removeHandler(handler)
+    root.setLevel(level)

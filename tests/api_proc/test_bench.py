@@ -101,12 +101,10 @@ def test_cli_saves_results_and_plots(server, tmp_path):
     assert png.stat().st_size > 10_000
 
 
-def test_offline_throughput_and_latency_commands(tmp_path, default_model_dir):
-    from api_proc.cli import main
-
+def test_offline_throughput_and_latency_commands(tmp_path, default_model_dir, cli_main):
     out = tmp_path / "throughput.json"
     assert (
-        main(
+        cli_main(
             [
                 "bench",
                 "throughput",
@@ -134,7 +132,7 @@ def test_offline_throughput_and_latency_commands(tmp_path, default_model_dir):
     assert result["requests"] == 6 and result["output_tokens"] == 24 and result["input_tokens"] == 6 * 40
     out = tmp_path / "latency.json"
     assert (
-        main(
+        cli_main(
             [
                 "bench",
                 "latency",

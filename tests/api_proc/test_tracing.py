@@ -197,8 +197,6 @@ def test_a_refused_request_is_one_span_with_its_status(server, receiver):
     assert attributes_of(api.attributes)["http.response.status_code"] == 400 and len(receiver.trace(trace_id)) == 1
 
 
-def test_a_bad_endpoint_is_refused_before_anything_starts(capsys):
-    from api_proc.cli import main
-
-    assert main(["serve", "--otlp-traces-endpoint", "collector:4318"]) == 2
+def test_a_bad_endpoint_is_refused_before_anything_starts(capsys, cli_main):
+    assert cli_main(["serve", "--otlp-traces-endpoint", "collector:4318"]) == 2
     assert "--otlp-traces-endpoint must be an http(s):// URL" in capsys.readouterr().err
