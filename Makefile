@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[test,lint]" "$(TORCH)"
+	@# a venv made while transformers 5.25 was allowed holds HF's `kernels`, which clashes with ours
+	$(PIP) uninstall -y -q kernels 2>/dev/null || true
 	touch $(STAMP)
 
 # The quantization tools the tests make real checkpoints with, each in its own venv because each pins

@@ -14,6 +14,7 @@ environment.py), since this package reads no environment of its own.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +28,24 @@ from kernels.panels import PanelWeight as PanelWeight
 from kernels.quantized import PackedWeight as PackedWeight  # (re-exported: the model layers hold one)
 from kernels.torch_ref import attention as _attn
 from kernels.torch_ref import layers as _layers
+
+
+def _refuse_hugging_face_kernels() -> None:
+    """Hugging Face's `kernels` package has this package's import name, and transformers >= 5.25 needs
+    it (and imports it whenever it loads a model config): with both installed, one of them gets the
+    other's module. Say so plainly here rather than let transformers fail on a missing name later."""
+    try:
+        other = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    raise ImportError(
+        f"Hugging Face's `kernels` package ({other.version}) is installed beside Pagoda, whose kernel package "
+        "has the same import name `kernels`. Pagoda needs transformers < 5.25, which does not need it: "
+        "pip uninstall kernels && pip install 'transformers<5.25'"
+    )
+
+
+_refuse_hugging_face_kernels()
 
 _TORCH: dict[str, Callable] = {
     "reshape_and_cache": _attn.reshape_and_cache,
