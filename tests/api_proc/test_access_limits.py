@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import time
 from http.client import HTTPConnection
@@ -143,30 +144,39 @@ def test_limits_answer_with_their_status(server):
 def test_queue_full_gets_429_with_retry_after_then_recovers(server):
     rejected = _counter(server, "pagoda:request_rejected_total", status_code="429")
     aborted = _counter(server, "pagoda:request_aborted_total")
-    body = _completion(max_tokens=12, stream=True, ignore_eos=True)
-    streams = [_open(server, "POST", "/v1/completions", body, USER) for _ in range(3)]
-    for _, response in streams:  # each has produced a token: all three are running
-        assert response.status == 200
-        assert response.readline().startswith(b"data: ")
-    connection, full = _open(server, "POST", "/v1/completions", _completion(), USER)
-    assert full.status == 429 and full.getheader("Retry-After") == "1"
-    assert json.loads(full.read())["error"]["code"] == "too_many_requests"
-    connection.close()
-    for connection, _ in streams:
-        connection.close()  # disconnect: their slots free up
+    engine = server.child_named("pagoda-engine")
+    os.kill(engine, signal.SIGSTOP)  # nothing finishes while the queue is full, however fast decoding is
+    try:
+        connections = [HTTPConnection("127.0.0.1", server.port, timeout=60) for _ in range(4)]
+        body = json.dumps(_completion(max_tokens=12, stream=True, ignore_eos=True)).encode()
+        for connection in connections:
+            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json", **USER})
+        # three are taken and wait for a first token; the fourth, whichever it is, is answered at once
+        answered, _, _ = select.select([c.sock for c in connections], [], [], 30)
+        assert len(answered) == 1
+        full_connection = next(c for c in connections if c.sock is answered[0])
+        full = full_connection.getresponse()
+        assert full.status == 429 and full.getheader("Retry-After") == "1"
+        assert json.loads(full.read())["error"]["code"] == "too_many_requests"
+        taken = [c for c in connections if c is not full_connection]
+        assert select.select([c.sock for c in taken], [], [], 0.5)[0] == []  # still waiting
+        for connection in connections:
+            connection.close()  # the three taken disconnect: their slots free up
+    finally:
+        os.kill(engine, signal.SIGCONT)
     statuses = []  # of the requests sent until one is taken again
 
-    def taken() -> bool:
+    def taken_again() -> bool:
         statuses.append(http("POST", server.base_url + "/v1/completions", _completion(), headers=USER)[0])
         return statuses[-1] != 429
 
-    assert wait_until(taken, 30.0, 0.2) and set(statuses) <= {429, 200}, statuses
+    assert wait_until(taken_again, 30.0, 0.2) and set(statuses) <= {429, 200}, statuses
     assert statuses[-1] == 200
     # every 429 counted: the one above and those of the retries
     assert _counter(server, "pagoda:request_rejected_total", status_code="429") == rejected + 1 + statuses.count(429)
     assert wait_until(lambda: _counter(server, "pagoda:request_aborted_total") == aborted + 3, 10.0), (
         _counter(server, "pagoda:request_aborted_total") - aborted
-    )  # the three streams that were cut, no more
+    )  # the three that were cut, no more
 
 
 def test_request_timeout_gives_504_and_frees_the_engine(tmp_path):
