@@ -18,6 +18,7 @@ pipelining `execute` does both at once.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -214,6 +215,13 @@ class ModelRunner:
             attn.value_cache = self.kv_cache[layer_index, 1]
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
+
+    def wait_for_kv_pages(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the background threads mapping the CPU pools' pages (target and
+        draft) to finish; True when none is left running."""
+        deadline = time.monotonic() + timeout
+        jobs = [self.kv_prefault, self.draft.kv_prefault if self.draft is not None else None]
+        return all(job.done.wait(max(0.0, deadline - time.monotonic())) for job in jobs if job is not None)
 
     def release_kv_cache(self) -> None:
         for attn in self.model.attention_layers():

@@ -35,6 +35,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -160,23 +161,28 @@ class StructuredOutputManager:
         self.loader: threading.Thread | None = None  # the low-priority start-up load (`start`)
         self.load_niceness: int | None = None  # the niceness it ran at
 
-    def start(self) -> None:
+    def start(self, after: Callable[[], object] | None = None) -> None:
         """Begin loading the backend now (xgrammar, tokenizer: 2.6-3 s of CPU, most of it the tokenizer's
         first load), so the first constrained request does not wait for it. The server calls this once
         it is ready. The load runs in a thread of its own at the lowest CPU priority: at full priority
         it took a core from the engine's threads, and requests sent in the server's first seconds ran
         several times slower (one 512-token prompt's first token: 1.6 s instead of 0.33 s). A grammar
         compile that needs the backend before that thread has it loads one itself, at the normal
-        priority (`_compile`), rather than wait on a thread the engine may starve."""
+        priority (`_compile`), rather than wait on a thread the engine may starve. `after`: what the
+        thread waits for first (the KV pool's pages, which every request needs: engine_core/kv_prefault.py)."""
         if self._backend is None:
             self._backend = Future()
-            self.loader = threading.Thread(target=self._load_in_background, name="pagoda-grammar-load", daemon=True)
+            self.loader = threading.Thread(
+                target=self._load_in_background, args=(after,), name="pagoda-grammar-load", daemon=True
+            )
             self.loader.start()
 
-    def _load_in_background(self) -> None:
+    def _load_in_background(self, after: Callable[[], object] | None) -> None:
         with contextlib.suppress(OSError):  # (lowering one's own priority is always allowed on Linux)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOAD_NICENESS)
         self.load_niceness = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # (for tests)
+        if after is not None:
+            after()
         assert self._backend is not None
         if self._backend.done():  # a compile needed it first and loaded it (`_compile`)
             return

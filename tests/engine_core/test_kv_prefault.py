@@ -70,8 +70,16 @@ def test_stop_ends_the_thread_before_it_is_done():
     pool = _fresh_pool(20_000)  # 1.8 GiB: seconds of work
     job = kv_prefault.prefault(pool)
     job.stop()
-    assert job.done.is_set() and not job._thread.is_alive()
+    assert job.done.is_set() and not any(thread.is_alive() for thread in job._threads)
     assert not job.populated and _resident_share(pool) < 0.9
+
+
+def test_threads_share_the_pool_in_block_order():
+    pool = _fresh_pool(2_000)
+    job = kv_prefault.KVPoolPrefault(pool, threads=3)
+    assert job.done.wait(60) and job.populated and len(job._threads) == 3
+    assert _resident_share(pool) > 0.99
+    job.stop()
 
 
 def test_no_thread_for_nothing_to_populate():
@@ -82,7 +90,8 @@ def test_no_thread_for_nothing_to_populate():
 def test_an_engine_populates_its_pool_and_releases_it():
     engine = EngineCore(EngineConfig(num_kv_blocks=600, max_model_len=512))
     job = engine.runner.kv_prefault
-    assert job is not None and job.done.wait(60) and job.populated  # (residency: the tests above)
+    assert job is not None and engine.runner.wait_for_kv_pages(60) and job.done.is_set() and job.populated
+    assert len(job._threads) == torch.get_num_threads()  # one per engine core (residency: the tests above)
     assert _resident_share(engine.runner.kv_cache) > 0.99
     engine.runner.release_kv_cache()
     assert engine.runner.kv_prefault is None and job.pool is None

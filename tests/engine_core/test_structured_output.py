@@ -6,11 +6,12 @@ from __future__ import annotations
 import ast
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
 
-from engine_core import LLM, SamplingParams, StructuredOutputsParams
+from engine_core import LLM, SamplingParams, StructuredOutputsParams, structured_output
 from engine_core.json_schema_support import unsupported_feature
 from engine_core.structured_output import LOAD_NICENESS
 
@@ -249,6 +250,29 @@ def test_the_start_up_load_runs_at_the_lowest_priority_and_a_request_need_not_wa
     structured.loader.join(60)
     assert structured.load_niceness == LOAD_NICENESS
     assert structured.backend() is structured.backend()  # one backend, whichever thread loaded it
+
+
+def test_the_start_up_load_begins_only_once_what_it_waits_for_is_done(default_model_dir, monkeypatch):
+    """The server has the load wait for the KV pool's pages (engine_core/core_proc.py)."""
+    fresh = LLM(str(default_model_dir), kv_cache_memory="128MiB")
+    structured = fresh.engine.structured
+    gate, waited, waited_when_built = threading.Event(), threading.Event(), []
+
+    def after():
+        gate.wait(60)
+        waited.set()
+
+    def backend(*args):
+        waited_when_built.append(waited.is_set())
+        return real_backend(*args)
+
+    real_backend = structured_output.GrammarBackend
+    monkeypatch.setattr(structured_output, "GrammarBackend", backend)
+    structured.start(after=after)
+    assert structured.loader is not None and structured.loader.is_alive()
+    gate.set()
+    structured.loader.join(60)
+    assert waited_when_built == [True] and structured.backend() is not None
 
 
 @pytest.mark.parametrize("option", [{"min_tokens": 20}, {"ignore_eos": True}])
