@@ -40,12 +40,13 @@ logger = logging.getLogger(__name__)
 MADV_POPULATE_WRITE = 23  # <linux/mman.h>
 CHUNK_BLOCKS = 64  # blocks per call and region: ~768 KiB for SmolLM2's 12 KiB blocks
 HEADROOM = 512 << 20  # bytes the host must keep free beside the pool for it to be populated
+MAX_THREADS = 8  # (mapping pages is the kernel zeroing them: a few threads take all the memory bandwidth)
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class KVPoolPrefault:
     """Populates `pool` ([layers, 2, blocks, ...] on the CPU, contiguous) on `threads` background threads
-    (default: one per engine core)."""
+    (default: one per engine core, at most MAX_THREADS)."""
 
     def __init__(self, pool: torch.Tensor, threads: int | None = None):
         assert pool.device.type == "cpu" and pool.is_contiguous() and pool.dim() >= 3
@@ -58,7 +59,9 @@ class KVPoolPrefault:
         self._failed = False
         self._madvise = _madvise()
         self._started = time.monotonic()
-        count = max(1, threads if threads is not None else torch.get_num_threads()) if self._can_populate() else 0
+        if threads is None:
+            threads = min(MAX_THREADS, torch.get_num_threads())
+        count = max(1, threads) if self._can_populate() else 0
         self._running = count
         self._threads = [
             threading.Thread(target=self._run, name=f"pagoda-kv-prefault-{i}", daemon=True) for i in range(count)

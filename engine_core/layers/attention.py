@@ -83,8 +83,8 @@ class Attention(nn.Module):
                 self.sliding_window,
                 meta.max_decode_seq_len,
             )
-        out = torch.empty_like(q)
-        if nd:
+        out = torch.empty_like(q) if nd else None  # (a step of prompts alone returns the kernel's own output)
+        if out is not None:
             out[:nd] = kernels.paged_decode_attention(
                 q[:nd],
                 self.key_cache,
@@ -98,18 +98,21 @@ class Attention(nn.Module):
         if meta.prefills_from_start and q.device.type == "cpu":
             # The compiled C kernel reads this step's k/v rows in place: 3.6x faster than gathering the
             # cache for torch's attention (512-token prompt, SmolLM2's heads, one thread; docs/decode-speed.md).
-            out[nd:] = kernels.varlen_attention(
+            prefill = kernels.varlen_attention(
                 q[nd:], k[nd:], v[nd:], meta.query_start_loc, self.scale, True, self.sliding_window
             )
-            return out
-        out[nd:] = kernels.paged_prefill_attention(
-            q[nd:],
-            self.key_cache,
-            self.value_cache,
-            meta.block_tables[nd:],
-            meta.query_start_loc,
-            meta.seq_lens[nd:],
-            self.scale,
-            self.sliding_window,
-        )
+        else:
+            prefill = kernels.paged_prefill_attention(
+                q[nd:],
+                self.key_cache,
+                self.value_cache,
+                meta.block_tables[nd:],
+                meta.query_start_loc,
+                meta.seq_lens[nd:],
+                self.scale,
+                self.sliding_window,
+            )
+        if out is None:
+            return prefill
+        out[nd:] = prefill
         return out
