@@ -119,7 +119,7 @@ class EngineCoreProc:
         # the warm-up rather than beside it (on 2 cores they would only slow each other's start), and at
         # the lowest priority, so that it does not slow the first requests either. It waits for the KV
         # pool's pages first: every request needs those, and at niceness 19 it still took a core from
-        # their idle-priority threads (a 2 GiB pool mapped 3-4 s after ready instead of within 1 s).
+        # their idle-priority threads (a 2 GiB pool was mapped ~3 s after ready, now 1.3-2.5 s after).
         if isinstance(self.engine, EngineCore):
             runner = self.engine.runner
             self.engine.structured.start(after=lambda: runner.wait_for_kv_pages(timeout=KV_PAGES_WAIT))

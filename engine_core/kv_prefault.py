@@ -15,8 +15,9 @@ ready. Here background threads ask the kernel instead, with `madvise(MADV_POPULA
 blocks, and a page already mapped is left as it is. The threads are SCHED_IDLE, so the engine's own
 threads always come first; they work through the pool in block order, the order blocks are handed out,
 a few MiB per call, so that each holds the address space's lock only briefly. One thread per engine
-core (torch's thread count): in this VM one thread mapped a 2 GiB pool in 0.9-3.6 s, two in 0.3-0.8 s,
-so the pool is mapped by the time a server is ready instead of 6-7 s after it (docs/decode-speed.md).
+core (torch's thread count, at most MAX_THREADS): in this VM one thread mapped 2 GiB of fresh memory in
+2.2-4.0 s, two in 0.3-0.9 s; with the grammar backend's load waiting for them (engine_core/core_proc.py),
+a fresh server's 2 GiB pool is mapped 1.3-2.5 s after it is ready instead of ~6 s (docs/decode-speed.md).
 
 Memory: the pool becomes resident as it would after a long run anyway. Where it would not fit in the
 memory available now (the host's, or the cgroup's limit), nothing is populated and the pages keep

@@ -74,7 +74,7 @@ def test_stop_ends_the_thread_before_it_is_done():
     assert not job.populated and _resident_share(pool) < 0.9
 
 
-def test_threads_share_the_pool_in_block_order():
+def test_several_threads_share_out_one_pool():
     pool = _fresh_pool(2_000)
     job = kv_prefault.KVPoolPrefault(pool, threads=3)
     assert job.done.wait(60) and job.populated and len(job._threads) == 3
