@@ -193,6 +193,13 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch, keep_raw: bool = 
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first index of its largest value; NaN counts as largest), as `argmax` but
+    through `max`: on the CPU, torch's argmax over 64 rows of a 49,152-token vocabulary took 2.4 ms and
+    `max` 0.8 (two threads), the same indices (ties and NaN included; tests/engine_core/test_sampler.py)."""
+    return logits.max(dim=-1).indices
+
+
 def distributions(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[B, V] float32: the distribution `sample` draws each row from (temperature 0: a point mass on the
     processed argmax). Speculative decoding's rejection sampling needs them whole (speculative/verify.py)."""
@@ -200,7 +207,7 @@ def distributions(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temperature = batch.temperature.to(logits.device)
     scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
     probs = torch.softmax(apply_top_k_top_p_min_p(scaled, batch), dim=-1)
-    greedy = torch.zeros_like(probs).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    greedy = torch.zeros_like(probs).scatter_(-1, greedy_tokens(logits)[:, None], 1.0)
     return torch.where((temperature > 0)[:, None], probs, greedy)
 
 
@@ -209,13 +216,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     raw_logits = logits
     logits = process_logits(logits, batch, keep_raw=batch.max_logprobs >= 0)
     if batch.all_greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
     else:
         temperature = batch.temperature.to(logits.device)
         scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
         scaled = apply_top_k_top_p_min_p(scaled, batch)
         tokens = _draw(torch.softmax(scaled, dim=-1), batch)
         if any(r.params.temperature == 0.0 for r in batch.requests):  # (no greedy argmax when none asks)
-            tokens = torch.where(temperature > 0, tokens, logits.argmax(dim=-1))
+            tokens = torch.where(temperature > 0, tokens, greedy_tokens(logits))
     logprobs = gather_logprobs(raw_logits, tokens, batch) if batch.max_logprobs >= 0 else [None] * len(batch.requests)
     return SamplerOutput(tokens.tolist(), logprobs)

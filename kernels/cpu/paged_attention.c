@@ -200,7 +200,12 @@ static inline __attribute__((always_inline)) void accumulate_v_heads(const float
  * Read in the passes' own order (8 rows x one head's 64 floats at a time), the rows came from DRAM at
  * ~7 GB/s a thread, where a plain sequential read gets ~21: the hardware prefetcher does not follow the
  * block table, nor that order within a block, and software prefetches a chunk ahead did not keep enough
- * lines in flight. Loading each segment first: 1.3-1.8x faster from DRAM (docs/decode-speed.md). */
+ * lines in flight. Loading each segment first: 1.3-1.8x faster from DRAM (docs/decode-speed.md). Pass 1
+ * used to prefetch its tokens' V rows into L2 as well; without that (V is loaded by pass 2's own segment
+ * reads) 30 layers of 64 x 192 tokens took 30.2-31.4 instead of 31.9-32.8 ms, of 16 x 1,000 41.4 instead
+ * of 47.6 (Intel Xeon host, 2026-12-03): the prefetches competed with the K reads pass 1 waits on.
+ * Prefetching the next segment (32-128 tokens ahead, into L1 or L2) instead of loading it first, or the
+ * next sequence's rows while this one computes, was level or up to 1.2x slower. */
 #define SEGMENT 128
 
 /* The first byte of each cache line [from, from + bytes) touches: the row's own first byte, then each
@@ -236,8 +241,6 @@ static inline __attribute__((always_inline)) void attend_part(const Job *j, int6
         int64_t k[8];
         for (int64_t i = 0; i < 8; i++) k[i] = offsets[t + i < n ? t + i : t];
         if (t % SEGMENT == 0) load_rows(j->k_cache, j->element, offsets, t, t + SEGMENT < n ? t + SEGMENT : n, row_bytes);
-        for (int64_t i = t; i < t + 8 && i < n; i++) /* these tokens' V rows, into L2 for pass 2 */
-            FOR_EACH_LINE(p, (const char *)j->v_cache + offsets[i] * j->element, row_bytes) _mm_prefetch(p, _MM_HINT_T1);
         for (int64_t h = 0; h < heads; h++) {
             const int64_t kv = (h / group) * d;
             __m256 acc[8];
