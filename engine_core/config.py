@@ -84,7 +84,12 @@ class EngineConfig:
     fp8_matmul: str = "auto"  # FP8 weights: auto = kept in FP8 where the GPU multiplies in FP8; on; off
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set (tests)
     max_num_batched_tokens: int = 2048
-    max_joint_prefill_tokens: int = 256  # see Scheduler: how many prefill tokens several requests may share a step with
+    # See Scheduler: how many prefill tokens several requests may share a step with. 384 rather than 256: a
+    # burst of 128-token prompts then joins the running decodes three at a time instead of two, in fewer
+    # steps, each of which pays its fixed costs once (served here, 64 streams: 428-430 -> 447-465 tok/s,
+    # median TTFT 0.59 -> 0.68-0.76 s; 16 streams: 303-311 -> 324-328 tok/s, TPOT 49 -> 45 ms, TTFT 0.43
+    # -> 0.54-0.56 s). 512 was level on throughput with a longer TTFT, 768 and 1024 slower served.
+    max_joint_prefill_tokens: int = 384
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -239,7 +244,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-joint-prefill-tokens",
         type=int,
-        default=256,
+        default=EngineConfig.max_joint_prefill_tokens,
         help="a lone prompt may use the whole step budget; several prompts share a step only up to "
         "this many prefill tokens (lower = first tokens sooner when many requests arrive at once)",
     )
