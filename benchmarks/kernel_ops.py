@@ -52,10 +52,15 @@ class Shape:
     context: int  # tokens per sequence for decode attention
     prefill_seqs: int
     prefill_len: int
+    vocab: int  # the LM head's logits per row, for greedy sampling's argmax (64 rows: a loaded decode step)
 
 
-GPU_SHAPE = Shape(32, 8, 128, 4096, 14336, tokens=4096, decode_batch=64, context=4096, prefill_seqs=4, prefill_len=2048)
-CPU_SHAPE = Shape(9, 3, 64, 576, 1536, tokens=1024, decode_batch=16, context=1024, prefill_seqs=2, prefill_len=512)
+GPU_SHAPE = Shape(
+    32, 8, 128, 4096, 14336, tokens=4096, decode_batch=64, context=4096, prefill_seqs=4, prefill_len=2048, vocab=128256
+)
+CPU_SHAPE = Shape(
+    9, 3, 64, 576, 1536, tokens=1024, decode_batch=16, context=1024, prefill_seqs=2, prefill_len=512, vocab=49152
+)
 
 # (layer, in features, out features) of the quantized table: a fused QKV-sized, the fused gate/up and the
 # down projection of Llama-3-8B on CUDA; SmolLM2-135M's fused QKV, gate/up and down on the CPU.
@@ -199,6 +204,8 @@ def cases(shape: Shape, dtype, device) -> list[tuple[str, str, Callable[[Callabl
             2 * (nbytes(rq) + nbytes(rk)),
         )
     )
+    logits = torch.randn(64, s.vocab, dtype=torch.float32, device=device)
+    out.append(("argmax_rows", f"64x{s.vocab} logits", lambda f: lambda: f(logits), nbytes(logits)))
     return out
 
 

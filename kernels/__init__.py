@@ -28,6 +28,7 @@ from kernels.panels import PanelWeight as PanelWeight
 from kernels.quantized import PackedWeight as PackedWeight  # (re-exported: the model layers hold one)
 from kernels.torch_ref import attention as _attn
 from kernels.torch_ref import layers as _layers
+from kernels.torch_ref import sampling as _sampling
 
 
 def _refuse_hugging_face_kernels() -> None:
@@ -59,6 +60,7 @@ _TORCH: dict[str, Callable] = {
     "quantized_linear": _quantized.reference_linear,
     "fp8_linear": _fp8.reference_linear,
     "panel_linear": _panels.reference_linear,
+    "argmax_rows": _sampling.argmax_rows,
 }
 _CUDA_NATIVE: dict[str, Callable] = {"fp8_linear": _fp8.scaled_mm_linear}  # torch's cuBLASLt FP8 GEMM
 _CPU_COMPILED = {
@@ -72,10 +74,12 @@ _CPU_COMPILED = {
     "silu_and_mul",
     "quantized_linear",
     "panel_linear",
+    "argmax_rows",
 }
-# Ops that exist for the CPU alone: a CUDA linear keeps its plain weight for cuBLAS and never holds
-# panels, so there is no Triton kernel to resolve (a CUDA tensor would get the reference).
-_CPU_ONLY = {"panel_linear"}
+# Ops with no Triton kernel, for which a CUDA tensor gets the reference: the panel linear (a CUDA linear
+# keeps its plain weight for cuBLAS and never holds panels), and the greedy argmax (torch's own CUDA
+# reduction does it well).
+_CPU_ONLY = {"panel_linear", "argmax_rows"}
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
 
 
@@ -146,6 +150,7 @@ rotary_embedding = _dispatching("rotary_embedding")
 quantized_linear = _dispatching("quantized_linear")  # (x, PackedWeight, bias=None): see kernels/quantized.py
 fp8_linear = _dispatching("fp8_linear")  # (x, Fp8Weight, bias=None): see kernels/fp8.py
 panel_linear = _dispatching("panel_linear")  # (x, PanelWeight, bias=None): float32 on the CPU, kernels/panels.py
+argmax_rows = _dispatching("argmax_rows")  # (logits [B, V]) -> [B] int64: greedy sampling's pick
 
 
 def embedding_rows(

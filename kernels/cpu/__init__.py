@@ -55,6 +55,7 @@ _LIBRARIES = {
     "quantized_matmul": ["-fopenmp"],
     "panel_matmul": ["-fopenmp"],
     "layer_ops": ["-fopenmp"],
+    "argmax": ["-fopenmp"],
     "decoder": ["-fopenmp"],  # (calls the others' kernels through pointers: its own flags are its own ops')
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -78,6 +79,7 @@ _SIGNATURES = {
     "rms_norm_f32": [_POINTER] * 3 + [_I64] * 5 + [_F32, _I64],
     "add_rms_norm_f32": [_POINTER] * 5 + [_I64] * 2 + [_F32, _I64],
     "silu_and_mul_f32": [_POINTER] * 2 + [_I64] * 3,
+    "argmax_rows_f32": [_POINTER] * 2 + [_I64] * 4,
     "decode_layers_f32": [_POINTER, _POINTER, _I64, _POINTER],
     "decoder_scratch_floats": [_POINTER, _I64, _I64, _I64],
 }
@@ -666,6 +668,27 @@ def _panel_linear(lib, x: torch.Tensor, weight: panels.PanelWeight, bias: torch.
             n,
             threads,
         )
+    return out
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Same contract as `kernels.torch_ref.sampling.argmax_rows` (kernels/cpu/argmax.c): 64 rows of 49,152
+    logits on two threads, 0.24 ms (0.70 from DRAM, as the LM head leaves them) against torch's max 0.82
+    (2.18) and argmax 2.0."""
+    lib = _load()
+    usable = logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1
+    if lib is None or not usable or logits.shape[1] == 0:  # (no values: the reference raises torch's error)
+        from kernels.torch_ref.sampling import argmax_rows as reference
+
+        return reference(logits)
+    return _argmax_rows(lib, logits)
+
+
+def _argmax_rows(lib, logits: torch.Tensor) -> torch.Tensor:
+    rows, n = logits.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        lib["argmax_rows_f32"](logits.data_ptr(), out.data_ptr(), rows, n, logits.stride(0), torch.get_num_threads())
     return out
 
 
