@@ -118,8 +118,9 @@ class EngineCoreProc:
         # The grammar backend (xgrammar, tokenizer: ~3 s of CPU) loads in its thread from here on, after
         # the warm-up rather than beside it (on 2 cores they would only slow each other's start), and at
         # the lowest priority, so that it does not slow the first requests either. It waits for the KV
-        # pool's pages first: every request needs those, and at niceness 19 it still took a core from
-        # their idle-priority threads (a 2 GiB pool was mapped ~3 s after ready, now 1.3-2.5 s after).
+        # pool's pages first, which the warm-up waits for only a while (engine.KV_PAGES_BEFORE_READY):
+        # every request needs those, and at niceness 19 it still took a core from their idle-priority
+        # threads (a 2 GiB pool was mapped ~3 s after ready, then 1.3-2.5 s after; now before it).
         if isinstance(self.engine, EngineCore):
             runner = self.engine.runner
             self.engine.structured.start(after=lambda: runner.wait_for_kv_pages(timeout=KV_PAGES_WAIT))

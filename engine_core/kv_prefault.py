@@ -16,8 +16,9 @@ blocks, and a page already mapped is left as it is. The threads are SCHED_IDLE, 
 threads always come first; they work through the pool in block order, the order blocks are handed out,
 a few MiB per call, so that each holds the address space's lock only briefly. One thread per engine
 core (torch's thread count, at most MAX_THREADS): in this VM one thread mapped 2 GiB of fresh memory in
-2.2-4.0 s, two in 0.3-0.9 s; with the grammar backend's load waiting for them (engine_core/core_proc.py),
-a fresh server's 2 GiB pool is mapped 1.3-2.5 s after it is ready instead of ~6 s (docs/decode-speed.md).
+2.2-4.0 s, two in 0.3-0.9 s. The threads start when the pool is made, so they run beside the model's
+warm-up, and the warm-up then waits for them a while (engine.KV_PAGES_BEFORE_READY): a fresh server's
+2 GiB pool is mapped before it is ready, which that wait delays by ~0.3 s (docs/decode-speed.md).
 
 Memory: the pool becomes resident as it would after a long run anyway. Where it would not fit in the
 memory available now (the host's, or the cgroup's limit), nothing is populated and the pages keep

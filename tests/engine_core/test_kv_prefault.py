@@ -9,6 +9,7 @@ import math
 import mmap
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -95,3 +96,30 @@ def test_an_engine_populates_its_pool_and_releases_it():
     assert _resident_share(engine.runner.kv_cache) > 0.99
     engine.runner.release_kv_cache()
     assert engine.runner.kv_prefault is None and job.pool is None
+
+
+def test_the_warm_up_waits_a_while_for_the_pool_to_be_mapped(monkeypatch):
+    """A server is ready with its pool mapped (engine.warm_up), unless mapping it takes longer than the
+    wait allows. Each madvise call is slowed here (the host's first touch of memory, as on a big pool), so
+    that the threads are still at work when the warm-up's request has run."""
+    real = kv_prefault._madvise()
+
+    def slow_madvise(*args):
+        time.sleep(0.01)
+        return real(*args)
+
+    monkeypatch.setattr(kv_prefault, "_madvise", lambda: slow_madvise)
+    engine = EngineCore(EngineConfig(num_kv_blocks=600, max_model_len=512))  # 10 chunks x 60 regions
+    job = engine.runner.kv_prefault
+    assert job is not None
+    engine.warm_up(kv_pages_wait=60.0)
+    assert job.done.is_set() and job.populated and _resident_share(engine.runner.kv_cache) > 0.99
+    engine.runner.release_kv_cache()
+
+    engine = EngineCore(EngineConfig(num_kv_blocks=600, max_model_len=512))
+    job = engine.runner.kv_prefault
+    assert job is not None
+    engine.warm_up(kv_pages_wait=0.0)  # (no wait: ready while the threads go on)
+    assert not job.done.is_set()
+    assert engine.runner.wait_for_kv_pages(60) and job.populated
+    engine.runner.release_kv_cache()
