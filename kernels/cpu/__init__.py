@@ -677,7 +677,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     (2.18) and argmax 2.0."""
     lib = _load()
     usable = logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1
-    if lib is None or not usable or logits.shape[1] == 0:  # (no values: the reference raises torch's error)
+    # (no values: the reference raises torch's error; the kernel counts a row's indices in 32 bits)
+    if lib is None or not usable or not 0 < logits.shape[1] < 2**31:
         from kernels.torch_ref.sampling import argmax_rows as reference
 
         return reference(logits)
