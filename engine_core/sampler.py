@@ -194,13 +194,6 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch, keep_raw: bool = 
     return logits
 
 
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (the first index of its largest value; NaN counts as largest): a compiled kernel
-    on the CPU (kernels/cpu/argmax.c), where torch's argmax took 2.4 ms over 64 rows of a 49,152-token
-    vocabulary, a few % of a 64-sequence decode step."""
-    return kernels.argmax_rows(logits)
-
-
 def distributions(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[B, V] float32: the distribution `sample` draws each row from (temperature 0: a point mass on the
     processed argmax). Speculative decoding's rejection sampling needs them whole (speculative/verify.py)."""
@@ -208,7 +201,7 @@ def distributions(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     temperature = batch.temperature.to(logits.device)
     scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
     probs = torch.softmax(apply_top_k_top_p_min_p(scaled, batch), dim=-1)
-    greedy = torch.zeros_like(probs).scatter_(-1, greedy_tokens(logits)[:, None], 1.0)
+    greedy = torch.zeros_like(probs).scatter_(-1, kernels.argmax_rows(logits)[:, None], 1.0)
     return torch.where((temperature > 0)[:, None], probs, greedy)
 
 
@@ -217,13 +210,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     raw_logits = logits
     logits = process_logits(logits, batch, keep_raw=batch.max_logprobs >= 0)
     if batch.all_greedy:
-        tokens = greedy_tokens(logits)
+        tokens = kernels.argmax_rows(logits)  # (torch's argmax rule; compiled on the CPU: kernels/cpu/argmax.c)
     else:
         temperature = batch.temperature.to(logits.device)
         scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
         scaled = apply_top_k_top_p_min_p(scaled, batch)
         tokens = _draw(torch.softmax(scaled, dim=-1), batch)
         if any(r.params.temperature == 0.0 for r in batch.requests):  # (no greedy argmax when none asks)
-            tokens = torch.where(temperature > 0, tokens, greedy_tokens(logits))
+            tokens = torch.where(temperature > 0, tokens, kernels.argmax_rows(logits))
     logprobs = gather_logprobs(raw_logits, tokens, batch) if batch.max_logprobs >= 0 else [None] * len(batch.requests)
     return SamplerOutput(tokens.tolist(), logprobs)

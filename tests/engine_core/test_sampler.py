@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_core.request import Request
-from engine_core.sampler import SamplingBatch, apply_penalties, greedy_tokens
+from engine_core.sampler import SamplingBatch, apply_penalties
 from engine_core.sampler import sample as sample_batch
 from engine_core.sampling_params import SamplingParams
 
@@ -58,24 +58,6 @@ def test_greedy_and_min_tokens():
         ],
     )
     assert out.token_ids == [1, 0, 1]  # EOS (0) is masked for the min_tokens request only
-
-
-def test_greedy_tokens_are_argmax_with_ties_infinities_and_nan():
-    """The greedy pick goes through `max` for speed (engine_core/sampler.py): it must keep argmax's rule,
-    the first index of the largest value, NaN counting as largest, in rows as long as a real vocabulary."""
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randint(-3, 4, (64, 49_152), generator=generator).float()  # (many ties in every row)
-    logits[1, 5:] = -math.inf
-    logits[2, 100] = math.inf
-    logits[2, 7] = math.inf
-    logits[3, 40_000] = math.nan
-    logits[3, 30_000] = math.nan
-    logits[4, :] = -math.inf
-    logits[5, 3] = 10.0
-    logits[5, 49_151] = 10.0
-    picked = greedy_tokens(logits)
-    assert picked.tolist() == logits.argmax(dim=-1).tolist()
-    assert picked[2].item() == 7 and picked[3].item() == 30_000 and picked[4].item() == 0 and picked[5].item() == 3
 
 
 def test_logit_bias_moves_only_its_rows_tokens_and_not_logprobs():
