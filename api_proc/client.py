@@ -166,9 +166,15 @@ class AsyncEngineClient:
         (a long /tokenize prompt is then not tokenized for nobody)."""
         queue = self._queues[message.request_id] = asyncio.Queue()
         answered = False
-        try:
+
+        async def exchange():
+            # The send is inside the timeout too: a DEALER with no connection (the server refused this
+            # client's CURVE key, or is gone) holds a send until one appears, which may be never.
             await self._send(message)
-            answer = await asyncio.wait_for(queue.get(), timeout)
+            return await queue.get()
+
+        try:
+            answer = await asyncio.wait_for(exchange(), timeout)
             answered = True
         finally:
             self._queues.pop(message.request_id, None)
