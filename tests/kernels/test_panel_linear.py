@@ -13,8 +13,8 @@ from engine_core.layers.linear import Linear
 from kernels import cpu
 from kernels.panels import PanelWeight
 from tests.kernels import isa_variants
+from tests.kernels.linear_checks import assert_close_to_exact, case
 
-U = 2.0**-24  # float32's unit roundoff
 # Every tile height and its remainders (AVX-512: 8 rows, AVX2: 6 from 4 rows on, 3 below, scalar: 2),
 # row counts past a chunk of x (~1 MiB of rows: 170 rows of 1,536 columns), and packed rows (from 48
 # rows on, in chunks of ~512 KiB: 263 = 224 + 39 rows of 576 columns; a chunk's last tile of 8 rows, or
@@ -24,23 +24,9 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 47, 48, 53, 64, 263, 400]
 SHAPES = [(1, 1), (17, 7), (33, 96), (100, 1536), (960, 576)]
 
 
-def _case(n: int, k: int, m: int, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(n, k, generator=gen), torch.randn(n, generator=gen), torch.randn(m, k, generator=gen)
-
-
-def _assert_close_to_exact(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Within float32's error bound for sums of K products, from the float64 result."""
-    exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-    magnitude = F.linear(x.double().abs(), w.double().abs()) + (0 if bias is None else bias.double().abs())
-    bound = 2 * (x.shape[-1] + 1) * U * magnitude + 1e-30
-    assert y.dtype == torch.float32 and y.shape == exact.shape
-    assert ((y.double() - exact).abs() <= bound).all(), float(((y.double() - exact).abs() / bound).max())
-
-
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_packing_round_trips_and_rows_are_the_weights_rows(n, k):
-    w = _case(n, k, 0, n * k)[0]
+    w = case(n, k, 0, n * k)[0]
     panels = PanelWeight.pack(w)
     assert panels.data.shape == (-(-n // 32) * 2, k, 16)
     assert torch.equal(panels.unpack(), w)
@@ -52,10 +38,10 @@ def test_packing_round_trips_and_rows_are_the_weights_rows(n, k):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_matches_float64_at_every_tile_shape(m, n, k):
-    w, bias, x = _case(n, k, m, m * 1000 + n + k)
+    w, bias, x = case(n, k, m, m * 1000 + n + k)
     panels = PanelWeight.pack(w)
-    _assert_close_to_exact(kernels.panel_linear(x, panels), x, w, None)
-    _assert_close_to_exact(kernels.panel_linear(x, panels, bias), x, w, bias)
+    assert_close_to_exact(kernels.panel_linear(x, panels), x, w, None)
+    assert_close_to_exact(kernels.panel_linear(x, panels, bias), x, w, bias)
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +53,16 @@ def variant_libraries(tmp_path_factory):
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k", [(17, 7), (100, 1536), (960, 576)])
 def test_other_instruction_sets_match_float64(variant_libraries, variant, m, n, k):
-    w, bias, x = _case(n, k, m, m * 1000 + n + k + 1)
+    w, bias, x = case(n, k, m, m * 1000 + n + k + 1)
     y = cpu._panel_linear(variant_libraries[variant], x, PanelWeight.pack(w), bias)
-    _assert_close_to_exact(y, x, w, bias)
+    assert_close_to_exact(y, x, w, bias)
 
 
 @pytest.mark.parametrize("m", [23, 53, 263])
 def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(m):
     """Each output is one thread's sum over k in order, whatever tile its row falls in, packed or not: a
     request's tokens do not change with what it is batched with."""
-    w, bias, x = _case(960, 576, m, 5)
+    w, bias, x = case(960, 576, m, 5)
     panels = PanelWeight.pack(w)
     batch = kernels.panel_linear(x, panels, bias)
     alone = torch.cat([kernels.panel_linear(x[i : i + 1], panels, bias) for i in range(len(x))])
@@ -96,18 +82,18 @@ def test_packed_rows_over_a_long_k(n):
     padded), each row's result the same bits as alone. N of 40, 80, 100 and 150 (4, 6, 8 and 10 panels) give
     AVX-512's three-panel tiles a partial one, a partial one at the end, two-panel ones after them, and
     two two-panel ones in place of a lone panel."""
-    w, bias, x = _case(n, 3000, 263, 9)
+    w, bias, x = case(n, 3000, 263, 9)
     panels = PanelWeight.pack(w)
     y = kernels.panel_linear(x, panels, bias)
-    _assert_close_to_exact(y, x, w, bias)
+    assert_close_to_exact(y, x, w, bias)
     assert torch.equal(y[250:], kernels.panel_linear(x[250:], panels, bias))
 
 
 def test_inputs_of_any_layout_and_rank():
-    w, bias, x = _case(100, 96, 12, 6)
+    w, bias, x = case(100, 96, 12, 6)
     panels = PanelWeight.pack(w)
     strided = torch.randn(96, 12).t()  # not contiguous
-    _assert_close_to_exact(kernels.panel_linear(strided, panels, bias), strided, w, bias)
+    assert_close_to_exact(kernels.panel_linear(strided, panels, bias), strided, w, bias)
     three_d = x.reshape(3, 4, 96)
     y = kernels.panel_linear(three_d, panels, bias)
     assert y.shape == (3, 4, 100)
@@ -125,7 +111,7 @@ def test_the_compiled_kernel_is_what_runs():
 
 def _loaded_linear(n: int, k: int, **kwargs) -> tuple[Linear, torch.Tensor, torch.Tensor]:
     layer = Linear(k, n, bias=True, dtype=torch.float32, **kwargs)
-    w, bias, _ = _case(n, k, 0, 7)
+    w, bias, _ = case(n, k, 0, 7)
     with torch.no_grad():
         layer.weight.copy_(w)
         layer.bias.copy_(bias)
@@ -139,7 +125,7 @@ def test_a_packed_linear_computes_from_panels_alone():
     assert layer.weight.numel() == 0  # no second copy, even as a tied embedding table: rows come from panels
     assert layer.weight_bytes() == layer.panels.nbytes() + 100 * 4
     x = torch.randn(5, 64)
-    _assert_close_to_exact(layer(x), x, w, bias)
+    assert_close_to_exact(layer(x), x, w, bias)
 
 
 def test_a_linear_with_a_fused_activation_keeps_onednn():
@@ -159,7 +145,7 @@ def test_avx2_and_avx512_builds_give_the_same_bits(variant_libraries):
     if "avx2" not in variant_libraries:
         pytest.skip("this machine has no AVX-512 to compare AVX2 with")
     for m in (29, 53, 263):  # (both pack the last two's rows: AVX-512 into 8-row tiles of three panels, AVX2 6 x 1)
-        w, bias, x = _case(960, 576, m, 8)
+        w, bias, x = case(960, 576, m, 8)
         panels = PanelWeight.pack(w)
         assert torch.equal(
             cpu._panel_linear(variant_libraries["avx2"], x, panels, bias), kernels.panel_linear(x, panels, bias)
