@@ -22,6 +22,7 @@ VARIABLES = {
     "PAGODA_DISABLE_ONEDNN_LINEAR": "1 = plain F.linear on the CPU instead of oneDNN's packed weights",
     "PAGODA_DISABLE_PANEL_LINEAR": "1 = oneDNN's packed weights for CPU float32 linears, not the C panel matmul",
     "PAGODA_DISABLE_FUSED_DECODE": "1 = CPU decode steps run layer by layer in torch, not as one C call per step",
+    "PAGODA_DISABLE_AMX": "1 = long prompts' float32 projections on the CPU's vector units, not Intel AMX",
 }
 
 
@@ -74,6 +75,7 @@ def configure_kernels(int8_activations: bool = False) -> None:
         triton=not _flag("PAGODA_DISABLE_TRITON"),
         build_dir=cache_root() / "kernels",
         int8_activations=int8_activations,
+        amx=not _flag("PAGODA_DISABLE_AMX"),
     )
 
 

@@ -84,16 +84,22 @@ _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton 
 
 
 def configure(
-    cpu_kernels: bool = True, triton: bool = True, build_dir: Path | None = None, int8_activations: bool = False
+    cpu_kernels: bool = True,
+    triton: bool = True,
+    build_dir: Path | None = None,
+    int8_activations: bool = False,
+    amx: bool = True,
 ) -> None:
     """Which implementations to use from now on, and where C kernels are built (default: a
     directory per user under the system's temporary directory). `int8_activations`: quantized linears
     on the CPU may round their input rows to int8 (from 2 rows on, where that is faster): quicker
-    batches, but a request's tokens then depend on what it is batched with."""
+    batches, but a request's tokens then depend on what it is batched with. `amx`: the panel linear's
+    bulk rows run on Intel's AMX where the CPU has it (kernels/cpu/amx_matmul.c)."""
     from kernels import cpu
 
     _enabled["cpu"], _enabled["cuda"] = cpu_kernels, triton
     cpu.int8_activations = int8_activations
+    cpu.amx = amx
     if build_dir is not None:
         cpu.build_dir = Path(build_dir)
     _resolve.cache_clear()
@@ -149,7 +155,8 @@ silu_and_mul = _dispatching("silu_and_mul")
 rotary_embedding = _dispatching("rotary_embedding")
 quantized_linear = _dispatching("quantized_linear")  # (x, PackedWeight, bias=None): see kernels/quantized.py
 fp8_linear = _dispatching("fp8_linear")  # (x, Fp8Weight, bias=None): see kernels/fp8.py
-panel_linear = _dispatching("panel_linear")  # (x, PanelWeight, bias=None): float32 on the CPU, kernels/panels.py
+# (x, PanelWeight, bias=None, bulk_rows_from=None): float32 on the CPU, kernels/panels.py
+panel_linear = _dispatching("panel_linear")
 argmax_rows = _dispatching("argmax_rows")  # (logits [B, V]) -> [B] int64: greedy sampling's pick
 
 

@@ -46,6 +46,13 @@ class PanelWeight:
         return self.data.numel() * self.data.element_size()
 
 
-def reference_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) through the unpacked weight: the reference, and the path without the C kernel."""
+def reference_linear(
+    x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None = None, bulk_rows_from: int | None = None
+) -> torch.Tensor:
+    """y = x W^T (+ bias) through the unpacked weight: the reference, and the path without the C kernel.
+
+    `bulk_rows_from`: the rows of x from this index on are bulk rows (a long prompt's, see
+    engine_core/model_runner.py), which the C kernel may compute on another unit (AMX) whose sums round
+    differently, each row the same whatever the other rows; the reference computes all rows alike."""
+    del bulk_rows_from  # (one path for every row here)
     return F.linear(x, weight.unpack(), bias)

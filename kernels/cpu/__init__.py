@@ -54,6 +54,7 @@ _LIBRARIES = {
     "elementwise": ["-fno-fast-math", "-ffp-contract=off"],
     "quantized_matmul": ["-fopenmp"],
     "panel_matmul": ["-fopenmp"],
+    "amx_matmul": ["-fopenmp"],
     "layer_ops": ["-fopenmp"],
     "argmax": ["-fopenmp"],
     "decoder": ["-fopenmp"],  # (calls the others' kernels through pointers: its own flags are its own ops')
@@ -76,6 +77,7 @@ _SIGNATURES = {
     "quantized_q8_workspace": [_I64] * 5,
     "quantized_batch_workspace": [_I64] * 3,
     "panel_linear_f32": [_POINTER] * 4 + [_I64] * 4,
+    "amx_linear_f32": [_POINTER] * 4 + [_I64] * 4,
     "rms_norm_f32": [_POINTER] * 3 + [_I64] * 5 + [_F32, _I64],
     "add_rms_norm_f32": [_POINTER] * 5 + [_I64] * 2 + [_F32, _I64],
     "silu_and_mul_f32": [_POINTER] * 2 + [_I64] * 3,
@@ -84,6 +86,7 @@ _SIGNATURES = {
     "decoder_scratch_floats": [_POINTER, _I64, _I64, _I64],
 }
 _RESULTS = {
+    "amx_linear_f32": ctypes.c_int,
     "varlen_attention_f32": ctypes.c_int,
     "paged_decode_attention_f16kv": ctypes.c_int,
     "paged_decode_attention_workspace": _I64,
@@ -637,15 +640,27 @@ def _tiled_matmul(lib, rows: torch.Tensor, packed: PackedWeight, bias, out: torc
             torch.addmm(b, rows, w.t(), out=out[:, start:stop])
 
 
-def panel_linear(x: torch.Tensor, weight: panels.PanelWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `kernels.panels.reference_linear` (float32 on the CPU: kernels/cpu/panel_matmul.c)."""
+def panel_linear(
+    x: torch.Tensor, weight: panels.PanelWeight, bias: torch.Tensor | None = None, bulk_rows_from: int | None = None
+) -> torch.Tensor:
+    """Same contract as `kernels.panels.reference_linear` (float32 on the CPU: kernels/cpu/panel_matmul.c;
+    with `bulk_rows_from`, those rows on Intel's AMX where the CPU has it: kernels/cpu/amx_matmul.c)."""
     lib = _load()
     if lib is None or x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
         return panels.reference_linear(x, weight, bias)
-    return _panel_linear(lib, x, weight, bias)
+    return _panel_linear(lib, x, weight, bias, bulk_rows_from)
 
 
-def _panel_linear(lib, x: torch.Tensor, weight: panels.PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
+# Bulk rows may use AMX (kernels.configure). A model's projections, one call per weight, SmolLM2's 30
+# layers on two threads (docs/decode-speed.md): panel matmul against AMX, 64 rows 37.9 / 37.2 ms, 96 rows
+# 55.0 / 47.0, 256 rows 144 / 104, 512 rows 274 / 202; one row 12.7 / 25 (AMX splits every weight into
+# bf16 pieces on each call, ~25 ms a pass). The engine sends it long prompts only (BULK_PROMPT_TOKENS).
+amx = True
+
+
+def _panel_linear(
+    lib, x: torch.Tensor, weight: panels.PanelWeight, bias: torch.Tensor | None, bulk_rows_from: int | None = None
+) -> torch.Tensor:
     k, n = weight.in_features, weight.out_features
     if x.shape[-1] != k:  # (the C kernel would read past the rows)
         raise ValueError(f"panel_linear: input has {x.shape[-1]} features, the weight takes {k}")
@@ -656,17 +671,27 @@ def _panel_linear(lib, x: torch.Tensor, weight: panels.PanelWeight, bias: torch.
         bias = bias.contiguous()
     m = rows.shape[0]
     out = torch.empty((m, n) if x.dim() == 2 else (*x.shape[:-1], n), dtype=torch.float32)
-    if m:
-        threads = torch.get_num_threads() if m * k * n >= _THREADED_WORK else 1
-        lib["panel_linear_f32"](
-            rows.data_ptr(),
+    bias_pointer = None if bias is None else bias.data_ptr()
+    split = m if bulk_rows_from is None or not amx else max(0, min(bulk_rows_from, m))
+    if split < m:  # (the bulk rows, contiguous at the end)
+        threads = torch.get_num_threads()
+        offset_in, offset_out = split * k * 4, split * n * 4
+        done = lib["amx_linear_f32"](
+            rows.data_ptr() + offset_in,
             weight.data.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            out.data_ptr(),
-            m,
+            bias_pointer,
+            out.data_ptr() + offset_out,
+            m - split,
             k,
             n,
             threads,
+        )
+        if not done:  # (the kernel refused: no AMX after all, or no memory)
+            split = m
+    if split:
+        threads = torch.get_num_threads() if split * k * n >= _THREADED_WORK else 1
+        lib["panel_linear_f32"](
+            rows.data_ptr(), weight.data.data_ptr(), bias_pointer, out.data_ptr(), split, k, n, threads
         )
     return out
 
