@@ -2,7 +2,8 @@
 
 Owns the model, the KV cache tensors (one key and one value tensor per layer, bound into each attention
 layer) and the sampler. The batch is laid out decodes first, so attention serves all single-token
-queries in one batched call.
+queries in one batched call, and long prompts' chunks last: their rows are the step's bulk rows
+(`BULK_PROMPT_TOKENS`), whose float32 projections may run on another unit of the CPU.
 
 Under tensor parallel every rank has a runner holding its shard of the model and of the KV cache (its
 K/V heads). Rank 0 hands each step's inputs to its `followers` (the executor sends them to the other
@@ -46,6 +47,15 @@ from engine_core.speculative.verify import verify
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+# A prompt of at least this many tokens computes its rows as bulk rows: the linears may take them on Intel's
+# AMX (kernels/cpu/amx_matmul.c), which a call pays for once (it splits every weight into bf16 pieces) and
+# then runs 1.3-1.5x as fast as the panel matmul. A step's rows of a model's projections, one call each
+# (docs/decode-speed.md): level at 64-80 rows, 1.17x at 96, 1.39x at 256. Whether a row is bulk depends
+# on its request alone (never on the batch around it, nor on how its prompt is chunked), so a request's
+# numbers, and its seeded samples, stay the same in any batch. (A block served from the prefix cache holds
+# what the request that first computed it computed, as bulk rows or not; the two round differently in the
+# last bits, so there a sample can depend on what ran before. PAGODA_DISABLE_AMX=1: every row alike.)
+BULK_PROMPT_TOKENS = 96
 
 
 @dataclass
@@ -261,11 +271,11 @@ class ModelRunner:
     def submit(self, sched: SchedulerOutput) -> PendingStep:
         """Start a step (the first half of `execute`): send its inputs to the other ranks and run the
         model, or under pipeline parallel the first stage, whose activations go on to the next."""
-        order = sorted(range(len(sched.requests)), key=lambda i: sched.num_scheduled_tokens[i] != 1)
+        order, bulk_requests = _layout(sched.requests, sched.num_scheduled_tokens)
         requests = [sched.requests[i] for i in order]
         counts = [sched.num_scheduled_tokens[i] for i in order]
         proposals = sched.spec_token_ids
-        step = _prepare(requests, counts, self.block_size, proposals)
+        step = _prepare(requests, counts, self.block_size, proposals, bulk_requests)
         sampling = []  # a request samples once its tokens are all computed: at its last row, or at each proposal
         for i, r in enumerate(requests):
             drafts = proposals.get(r.request_id, ())
@@ -414,10 +424,13 @@ class ModelRunner:
         stage must pass the same)."""
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         seq_lens, block_tables, num_decodes, query_start_loc = _attention_rows(step)
-        output_rows = None
+        output_rows, bulk_output_rows_from = None, step.bulk_rows_from
         if rows is not None and num_decodes < len(step.token_ids):
             needed = np.unique(rows.indices())
-            output_rows = to(needed) if len(needed) < len(step.token_ids) else None
+            if len(needed) < len(step.token_ids):
+                output_rows = to(needed)
+                if step.bulk_rows_from is not None:  # (where the bulk rows start among the kept ones)
+                    bulk_output_rows_from = int(np.searchsorted(needed, step.bulk_rows_from))
         meta = AttentionMetadata(
             slot_mapping=to(step.slot_mapping),
             num_decodes=num_decodes,
@@ -427,6 +440,8 @@ class ModelRunner:
             query_start_loc=to(query_start_loc),
             prefills_from_start=bool((seq_lens[num_decodes:] == np.diff(query_start_loc)).all()),
             output_rows=output_rows,
+            bulk_rows_from=step.bulk_rows_from,
+            bulk_output_rows_from=bulk_output_rows_from,
         )
         return to(step.token_ids), to(step.positions), meta
 
@@ -443,6 +458,7 @@ class StepInputs:
     num_decodes: int
     query_start_loc: np.ndarray  # [P+1] over the prefill sequences
     last_token_index: list[int]  # [B] row of each sequence's last token in the flat batch
+    bulk_rows_from: int | None = None  # rows from this one on are long prompts' (see BULK_PROMPT_TOKENS)
 
 
 # Query chunks of at most this many tokens attend as that many decodes (see `_attention_rows`).
@@ -468,10 +484,29 @@ def _attention_rows(step: StepInputs) -> tuple[np.ndarray, np.ndarray, int, np.n
     return seq_lens, block_tables, num_tokens, np.zeros(1, dtype=np.int64)
 
 
+def _layout(requests: list[Request], counts: list[int]) -> tuple[list[int], int]:
+    """The step's order of `requests` (each computing `counts` tokens): single-token decodes, then other
+    chunks, then chunks of long prompts (`BULK_PROMPT_TOKENS`, of any length); and how many of those."""
+    bulk = [_bulk(request, count) for request, count in zip(requests, counts, strict=True)]
+    order = sorted(range(len(requests)), key=lambda i: (bulk[i], counts[i] != 1))
+    return order, sum(bulk)
+
+
+def _bulk(request: Request, count: int) -> bool:
+    """Whether a request's rows this step are bulk rows: a chunk of a long prompt."""
+    start = request.num_computed_tokens - count  # (already advanced by the scheduler)
+    return request.num_prompt_tokens >= BULK_PROMPT_TOKENS and start < request.num_prompt_tokens
+
+
 def _prepare(
-    requests: list[Request], counts: list[int], block_size: int, proposals: dict[str, list[int]] | None = None
+    requests: list[Request],
+    counts: list[int],
+    block_size: int,
+    proposals: dict[str, list[int]] | None = None,
+    bulk_requests: int = 0,
 ) -> StepInputs:
-    """The step's flat inputs; a request with `proposals` computes them after its last token."""
+    """The step's flat inputs; a request with `proposals` computes them after its last token. The last
+    `bulk_requests` requests' rows are bulk rows."""
     total = sum(counts)
     token_ids = np.empty(total, dtype=np.int64)
     positions = np.empty(total, dtype=np.int64)
@@ -491,7 +526,8 @@ def _prepare(
         offset += n
     row_of_token = np.repeat(np.arange(len(requests)), counts)
     slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
-    num_decodes = sum(1 for n in counts if n == 1)
+    first_bulk = len(counts) - bulk_requests
+    num_decodes = next((i for i, n in enumerate(counts[:first_bulk]) if n != 1), first_bulk)  # (bulk: prompts)
     prefill_counts = np.asarray(counts[num_decodes:], dtype=np.int64)
     return StepInputs(
         token_ids,
@@ -502,6 +538,7 @@ def _prepare(
         num_decodes,
         query_start_loc=np.concatenate(([0], np.cumsum(prefill_counts))),
         last_token_index=(np.cumsum(counts) - 1).tolist(),
+        bulk_rows_from=int(sum(counts[:first_bulk])),
     )
 
 

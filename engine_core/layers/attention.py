@@ -33,6 +33,11 @@ class AttentionMetadata:
     # The rows whose final hidden states the step reads (LM head, prompt logprobs), sorted; None: all of
     # them. Past the last layer's attention, the other rows feed nothing (see LlamaForCausalLM.forward).
     output_rows: torch.Tensor | None = None
+    # Rows from this one on are bulk rows, long prompts' (engine_core/model_runner.py BULK_PROMPT_TOKENS),
+    # which the linears may compute on another unit; None: none are. `bulk_output_rows_from`: the same
+    # among `output_rows`.
+    bulk_rows_from: int | None = None
+    bulk_output_rows_from: int | None = None
 
 
 @dataclass
@@ -41,6 +46,7 @@ class VarlenMetadata:
     query_start_loc[b]:query_start_loc[b+1]."""
 
     query_start_loc: torch.Tensor  # [B+1] int64
+    bulk_rows_from: int | None = None  # (as AttentionMetadata's)
 
 
 class Attention(nn.Module):

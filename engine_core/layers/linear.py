@@ -237,24 +237,26 @@ class Linear(nn.Module):
             return (slice(None), self.in_span.slice()) if kind == "weight" else None
         return (self.out_spans[part or 0].slice(),)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
+        """`bulk_rows_from`: x's rows from this one on are a step's bulk rows (long prompts'), which the
+        float32 panel matmul may compute on Intel's AMX (kernels.panel_linear)."""
         if self.activation is not None:
             function, post_op, algorithm = ACTIVATIONS[self.activation]
             if self.packed is not None:
                 return self._packed_matmul(x, self.bias, post_op, algorithm)
-            return function(self._matmul(x, self.bias))
+            return function(self._matmul(x, self.bias, bulk_rows_from))
         if not self.reduces:
-            return self._matmul(x, self.bias)
-        out = self.tp.all_reduce(self._matmul(x, None))
+            return self._matmul(x, self.bias, bulk_rows_from)
+        out = self.tp.all_reduce(self._matmul(x, None, bulk_rows_from))
         if self.bias is not None:
             out += self.bias
         return out
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, bulk_rows_from: int | None = None) -> torch.Tensor:
         if self.quantized is not None:
             return self._quantized_linear(x, self.quantized, bias)
         if self.panels is not None:
-            return kernels.panel_linear(x, self.panels, bias)
+            return kernels.panel_linear(x, self.panels, bias, bulk_rows_from)
         if self.packed is not None:
             return self._packed_matmul(x, bias, "none", "")
         return F.linear(x, self.weight, bias)

@@ -1,6 +1,7 @@
 """The fused CPU decode path of the Llama family: a decode step's layers as one C call.
 
-A step whose tokens are all single-token decodes runs `kernels.cpu.decoder.FusedDecoder` over this
+A step whose tokens are all single-token decodes (and none a long prompt's bulk rows: their linears are
+the layer-by-layer forward's) runs `kernels.cpu.decoder.FusedDecoder` over this
 stage's layers instead of the layer-by-layer forward, when every projection is a float32 panel matmul
 (no quantized weights), there is no tensor parallel (its all-reduces sit between the layers' ops), and
 `PAGODA_DISABLE_FUSED_DECODE` is not set. Prefill and mixed steps keep the layer-by-layer forward, whose
@@ -39,6 +40,7 @@ class FusedDecodeSeat:
             not self.enabled
             or not isinstance(meta, AttentionMetadata)
             or meta.num_decodes != hidden.shape[0]
+            or (meta.bulk_rows_from is not None and meta.bulk_rows_from < hidden.shape[0])  # (their own linears)
             or hidden.device.type != "cpu"
             or hidden.dtype != torch.float32
         ):

@@ -69,7 +69,7 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """`keep`: the rows to return (all by default); every row's K/V is still written."""
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.out_sizes, dim=-1)
+        q, k, v = self.qkv_proj(hidden, meta.bulk_rows_from).split(self.qkv_proj.out_sizes, dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
@@ -79,7 +79,7 @@ class LlamaAttention(nn.Module):
         out = self.attn(q, k, v, meta)
         if keep is not None:
             out = out[keep]
-        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim), _bulk_after(meta, keep))
 
 
 class LlamaMLP(nn.Module):
@@ -88,8 +88,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, parallel="column")
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, parallel="row")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x, bulk_rows_from)), bulk_rows_from)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -111,7 +111,15 @@ class LlamaDecoderLayer(nn.Module):
         if keep is not None:
             residual = residual[keep]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, _bulk_after(meta, keep)), residual
+
+
+def _bulk_after(meta: AttentionMetadata | VarlenMetadata, keep: torch.Tensor | None) -> int | None:
+    """Where the step's bulk rows start among the rows past attention (`keep`'s, or all of them)."""
+    if keep is None:
+        return meta.bulk_rows_from
+    assert isinstance(meta, AttentionMetadata)  # (only its steps keep rows)
+    return meta.bulk_output_rows_from
 
 
 def _head_cost_in_layers(cfg: ModelConfig) -> float:

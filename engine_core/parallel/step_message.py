@@ -32,6 +32,7 @@ class _Header(msgspec.Struct, array_like=True):
     kind: int
     num_decodes: int = 0
     shapes: list[list[int]] = []
+    bulk_rows_from: int | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -64,7 +65,7 @@ def encode_step(step: StepInputs, rows: LogitsRows) -> list[bytes | memoryview]:
         np.ascontiguousarray(rows.prompt_spans, dtype=np.int64),
         np.ascontiguousarray(rows.sample_rows, dtype=np.int64),
     ]
-    header = _Header(STEP, step.num_decodes, [list(a.shape) for a in arrays])
+    header = _Header(STEP, step.num_decodes, [list(a.shape) for a in arrays], step.bulk_rows_from)
     return [_framed(header), *(a.reshape(-1).data.cast("B") if a.size else b"" for a in arrays)]
 
 
@@ -102,5 +103,6 @@ def decode(buffer: bytes | memoryview) -> StepMessage | int:
         header.num_decodes,
         arrays["query_start_loc"],
         last_token_index=[],  # (rank 0 samples; the rows to join are in `rows`)
+        bulk_rows_from=header.bulk_rows_from,
     )
     return StepMessage(step, LogitsRows(arrays["prompt_spans"], arrays["sample_rows"]))

@@ -102,6 +102,19 @@ def test_switched_off_by_the_environment(tmp_path, monkeypatch):
     assert check.calls == 0
 
 
+def test_a_long_prompts_short_chunk_keeps_its_bulk_linears(tmp_path, monkeypatch):
+    """A step of short chunks attends as decodes, but a chunk of a long prompt holds bulk rows
+    (BULK_PROMPT_TOKENS), whose linears (AMX where the CPU has it) the fused path does not run."""
+    from engine_core import model_runner
+
+    monkeypatch.setattr(model_runner, "BULK_PROMPT_TOKENS", 20)
+    tiny_models.build("llama").save_pretrained(tmp_path / "m")
+    engine = EngineCore(EngineConfig(model=str(tmp_path / "m"), max_num_batched_tokens=16, num_kv_blocks=64))
+    with LayeredCheck(engine.runner.model) as check:  # 24 tokens: chunks of 16 and 8
+        run_engine(engine, [list(range(5, 29))], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert check.batches == {1}  # (the decodes; not the 8-token chunk)
+
+
 def test_the_decoder_refuses_layouts_it_cannot_read():
     """The C code reads raw pointers: a wrong shape or dtype is refused before it gets there."""
     from kernels.panels import PanelWeight

@@ -137,6 +137,47 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(llm):
     assert _tokens(llm.generate(PROMPTS[0], other_seed, use_tqdm=False))[0] != alone
 
 
+def _numbers(outputs):
+    """Each request's sampled tokens and every logprob it returned (floats, in which a row computed
+    otherwise shows)."""
+    numbers = []
+    for output in outputs:
+        completion = output.outputs[0]
+        steps = zip(completion.token_ids, completion.logprobs or [], strict=True)
+        numbers.append([(token, sorted((k, v.logprob) for k, v in top.items())) for token, top in steps])
+    return numbers
+
+
+def test_long_and_short_prompts_give_the_same_numbers_in_any_batch(default_model_dir):
+    """A long prompt's rows are bulk rows (engine_core/model_runner.py BULK_PROMPT_TOKENS), which the
+    linears may compute on another unit (AMX): whether a row is one depends on its request alone. So a
+    shorter prompt prefilled beside a long one, a long one beside others and decodes, and a long one
+    prefilled in chunks (the last of 8 tokens: a step of short chunks, which decode paths serve) give the
+    numbers each gives alone, to the bit. (No prefix cache: a block it holds was computed by whichever
+    request came first, as bulk rows or not.)"""
+    from engine_core.llm import LLM
+    from engine_core.model_runner import BULK_PROMPT_TOKENS
+
+    llm = LLM(str(default_model_dir), enable_prefix_caching=False)
+    short_prompt, long_prompt = " ".join(PROMPTS * 2), " ".join(PROMPTS * 8)
+    assert 16 < len(llm.tokenizer.encode(short_prompt)) < BULK_PROMPT_TOKENS
+    assert len(llm.tokenizer.encode(long_prompt)) == 248
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=6, logprobs=20, ignore_eos=True)
+    short_alone = _numbers(llm.generate(short_prompt, seeded, use_tqdm=False))[0]
+    long_alone = _numbers(llm.generate(long_prompt, seeded, use_tqdm=False))[0]
+    together = _numbers(
+        llm.generate(
+            [PROMPTS[1], long_prompt, short_prompt],
+            [SamplingParams(temperature=1.0, max_tokens=12, logprobs=20, ignore_eos=True), seeded, seeded],
+            use_tqdm=False,
+        )
+    )
+    assert together[2] == short_alone
+    assert together[1] == long_alone
+    chunked = LLM(str(default_model_dir), max_num_batched_tokens=64, enable_prefix_caching=False)  # 3 x 64 + 56
+    assert _numbers(chunked.generate(long_prompt, seeded, use_tqdm=False))[0] == long_alone
+
+
 def test_top_k_1_equals_greedy(llm):
     greedy = _tokens(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False))
     top1 = _tokens(llm.generate(PROMPTS, SamplingParams(temperature=1.3, top_k=1, max_tokens=20), use_tqdm=False))
