@@ -18,7 +18,9 @@ copy bandwidth, the least time any weight-only kernel can take while the weights
 The dense table (CPU only) times one pass over a whole model's float32 projections, each layer its own
 copy of the weights as in a real step (so they stream from memory, not from cache): the panel matmul
 the engine uses (kernels/panels.py) against oneDNN's packed matmul, the path it replaced
-(`PAGODA_DISABLE_PANEL_LINEAR=1`), and MKL's F.linear, at decode and prefill row counts.
+(`PAGODA_DISABLE_PANEL_LINEAR=1`), and MKL's F.linear, at decode and prefill row counts; and the same
+rows as bulk rows (a long prompt's: on Intel's AMX where the CPU has it, kernels/cpu/amx_matmul.c)
+against the panel matmul.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ CPU_LINEARS = [("qkv", 576, 960), ("gate_up", 576, 3072), ("down", 1536, 576)]
 # The dense table: SmolLM2-135M's four projections (QKV, output, gate/up, down) in each of its 30 layers.
 DENSE_LAYER = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576)]
 DENSE_LAYERS = 30
-DENSE_ROWS = (1, 4, 16, 64, 512, 2048)
+DENSE_ROWS = (1, 4, 16, 64, 128, 512, 2048)
 QUANTIZED_ROWS = (1, 16, 256)  # decode, batched decode, prefill-sized
 QUANTIZED_FORMATS = [(4, 128, True), (8, -1, False)]  # (bits, group size, with mins): GPTQ/AWQ-like, per-channel
 
@@ -305,7 +307,7 @@ def dense_table(bandwidth: float) -> list[dict]:
         f"panels ({fn.__module__}.{fn.__name__}) against oneDNN packed and F.linear, {torch.get_num_threads()} threads"
     )
     header = f"{'rows':>5} {'panels ms':>9} {'oneDNN ms':>9} {'MKL ms':>8} {'oneDNN/panels':>13} {'MKL/panels':>10}"
-    header += f" {'GB/s':>5}"
+    header += f" {'GB/s':>5} {'bulk ms':>8} {'panels/bulk':>11}"
     print(header)
     print("-" * len(header))
     rows = []
@@ -318,6 +320,9 @@ def dense_table(bandwidth: float) -> list[dict]:
 
         return run
 
+    def bulk_matmul(x, w):
+        return fn(x, w, None, 0)  # (every row a bulk row)
+
     def onednn_matmul(x, w):
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
@@ -328,12 +333,15 @@ def dense_table(bandwidth: float) -> list[dict]:
         ours = timed(one_pass(fn, panels, inputs), cpu, seconds)
         packed = timed(one_pass(onednn_matmul, onednn, inputs), cpu, seconds)
         mkl = timed(one_pass(torch.nn.functional.linear, layers, inputs), cpu, seconds)
+        bulk = timed(one_pass(bulk_matmul, panels, inputs), cpu, seconds)
         row = {"rows": m, "panels_ms": ours * 1e3, "onednn_ms": packed * 1e3, "mkl_ms": mkl * 1e3}
         row |= {"onednn_over_panels": packed / ours, "mkl_over_panels": mkl / ours, "gb_s": weight_bytes / ours / 1e9}
+        row |= {"bulk_ms": bulk * 1e3, "panels_over_bulk": ours / bulk}
         rows.append(row)
         print(
             f"{m:>5} {row['panels_ms']:>9.2f} {row['onednn_ms']:>9.2f} {row['mkl_ms']:>8.2f} "
-            f"{row['onednn_over_panels']:>12.2f}x {row['mkl_over_panels']:>9.2f}x {row['gb_s']:>5.1f}"
+            f"{row['onednn_over_panels']:>12.2f}x {row['mkl_over_panels']:>9.2f}x {row['gb_s']:>5.1f} "
+            f"{row['bulk_ms']:>8.2f} {row['panels_over_bulk']:>10.2f}x"
         )
     print(f"(the weights' read bound at the copy bandwidth: {weight_bytes / bandwidth * 1e3:.2f} ms per pass)")
     return rows

@@ -56,6 +56,19 @@ def test_bulk_rows_match_float64(m, n, k):
 
 
 @pytest.mark.parametrize("n,k", [(40, 100), (960, 576), (100, 1536)])
+def test_bulk_rows_are_as_close_to_float64_as_the_panel_matmuls(n, k):
+    """fp32's error bound above is loose (K roundings); the six piece products give fp32's result to
+    within its rounding, so the bulk rows' worst error is no larger than the panel matmul's, where a
+    missing 2^-16 product would make it ~20x larger."""
+    w, bias, x = case(n, k, 200, 13)
+    panels = PanelWeight.pack(w)
+    exact = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+    bulk_error = (_bulk(x, panels, bias).double() - exact).abs().max()
+    panel_error = (_panel(x, panels, bias).double() - exact).abs().max()
+    assert bulk_error <= panel_error, (float(bulk_error), float(panel_error))
+
+
+@pytest.mark.parametrize("n,k", [(40, 100), (960, 576), (100, 1536)])
 def test_a_bulk_rows_result_does_not_depend_on_its_batch_or_the_thread_count(n, k):
     """Each output sums its row's pieces in one order, whatever the other rows, the row count (blocks
     padded with zero rows, chunks of pieces) and the threads: a long prompt's numbers do not change with
