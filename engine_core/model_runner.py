@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+import kernels
 from engine_core.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from engine_core.cuda_graphs import DecodeGraphs
 from engine_core.environment import configure_kernels
@@ -167,6 +168,8 @@ class ModelRunner:
             if draft_model is None
             else DraftModel(draft_model, model_dir, model_cfg, self.dtype, self.device, self.block_size)
         )
+        # Long prompts' rows as bulk rows, where the linears then compute them otherwise (AMX; float32 panels)
+        self.bulk_prompts = self.dtype == torch.float32 and kernels.bulk_rows_differ(self.device)
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
         self.followers: Followers | None = None  # set by the parallel executor on rank 0
         self.kv_cache: torch.Tensor | None = None
@@ -271,7 +274,7 @@ class ModelRunner:
     def submit(self, sched: SchedulerOutput) -> PendingStep:
         """Start a step (the first half of `execute`): send its inputs to the other ranks and run the
         model, or under pipeline parallel the first stage, whose activations go on to the next."""
-        order, bulk_requests = _layout(sched.requests, sched.num_scheduled_tokens)
+        order, bulk_requests = _layout(sched.requests, sched.num_scheduled_tokens, self.bulk_prompts)
         requests = [sched.requests[i] for i in order]
         counts = [sched.num_scheduled_tokens[i] for i in order]
         proposals = sched.spec_token_ids
@@ -484,18 +487,22 @@ def _attention_rows(step: StepInputs) -> tuple[np.ndarray, np.ndarray, int, np.n
     return seq_lens, block_tables, num_tokens, np.zeros(1, dtype=np.int64)
 
 
-def _layout(requests: list[Request], counts: list[int]) -> tuple[list[int], int]:
-    """The step's order of `requests` (each computing `counts` tokens): single-token decodes, then other
-    chunks, then chunks of long prompts (`BULK_PROMPT_TOKENS`, of any length); and how many of those."""
-    bulk = [_bulk(request, count) for request, count in zip(requests, counts, strict=True)]
+def _layout(requests: list[Request], counts: list[int], bulk_prompts: bool = True) -> tuple[list[int], int]:
+    """The step's order of `requests` (each computing `counts` tokens): single-token chunks (decodes),
+    then other chunks, then chunks of long prompts (`BULK_PROMPT_TOKENS`) if `bulk_prompts`; and how many
+    of those."""
+    bulk = [bulk_prompts and _bulk(request, count) for request, count in zip(requests, counts, strict=True)]
     order = sorted(range(len(requests)), key=lambda i: (bulk[i], counts[i] != 1))
     return order, sum(bulk)
 
 
 def _bulk(request: Request, count: int) -> bool:
-    """Whether a request's rows this step are bulk rows: a chunk of a long prompt."""
+    """Whether a request's rows this step are bulk rows: a chunk of a long prompt. Not a chunk of one
+    token (a fully cached prompt's last, say): that attends as a decode, whatever is batched with it, so
+    it computes as one too. (A preempted request's recomputation counts its generated tokens with the
+    prompt chunk they fall in.)"""
     start = request.num_computed_tokens - count  # (already advanced by the scheduler)
-    return request.num_prompt_tokens >= BULK_PROMPT_TOKENS and start < request.num_prompt_tokens
+    return count > 1 and request.num_prompt_tokens >= BULK_PROMPT_TOKENS and start < request.num_prompt_tokens
 
 
 def _prepare(
@@ -527,7 +534,7 @@ def _prepare(
     row_of_token = np.repeat(np.arange(len(requests)), counts)
     slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
     first_bulk = len(counts) - bulk_requests
-    num_decodes = next((i for i, n in enumerate(counts[:first_bulk]) if n != 1), first_bulk)  # (bulk: prompts)
+    num_decodes = sum(1 for n in counts[:first_bulk] if n == 1)  # (they come first; bulk chunks are longer)
     prefill_counts = np.asarray(counts[num_decodes:], dtype=np.int64)
     return StepInputs(
         token_ids,

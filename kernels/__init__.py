@@ -136,6 +136,16 @@ def compiled(name: str, device: torch.device) -> bool:
     return _resolve(name, device.type) is not _TORCH[name]
 
 
+def bulk_rows_differ(device: torch.device) -> bool:
+    """Whether `panel_linear`'s bulk rows run on another unit than its other rows on `device` (Intel's AMX,
+    kernels/cpu/amx_matmul.c); where they do not, a caller need not tell them apart."""
+    if device.type != "cpu" or not compiled("panel_linear", device):
+        return False
+    from kernels import cpu
+
+    return cpu.amx_used()
+
+
 def _dispatching(name: str) -> Callable:
     def call(first: torch.Tensor, *args, **kwargs):
         return implementation(name, first.device)(first, *args, **kwargs)

@@ -46,7 +46,7 @@ class VarlenMetadata:
     query_start_loc[b]:query_start_loc[b+1]."""
 
     query_start_loc: torch.Tensor  # [B+1] int64
-    bulk_rows_from: int | None = None  # (as AttentionMetadata's)
+    bulk_rows_from: int | None = None  # (as AttentionMetadata's; pooling steps set none)
 
 
 class Attention(nn.Module):

@@ -656,6 +656,23 @@ def panel_linear(
 # 55.0 / 47.0, 256 rows 144 / 104, 512 rows 274 / 202; one row 12.7 / 25 (AMX splits every weight into
 # bf16 pieces on each call, ~25 ms a pass). The engine sends it long prompts only (BULK_PROMPT_TOKENS).
 amx = True
+_amx_works: bool | None = None  # (the kernel's answer to one small call, once per process)
+
+
+def amx_used() -> bool:
+    """Whether the panel linear's bulk rows run on AMX in this process: the switch is on, the kernels
+    built, and the AMX kernel computes (the CPU has AMX and Linux lets the process use it)."""
+    global _amx_works
+    lib = _load()
+    if not amx or lib is None:
+        return False
+    if _amx_works is None:
+        weight = panels.PanelWeight.pack(torch.ones(32, 32))
+        x, out = torch.ones(1, 32), torch.empty(1, 32)
+        _amx_works = bool(
+            lib["amx_linear_f32"](x.data_ptr(), weight.data.data_ptr(), None, out.data_ptr(), 1, 32, 32, 1)
+        )
+    return _amx_works
 
 
 def _panel_linear(

@@ -24,8 +24,9 @@
  * columns (weights); four fp32 accumulator tiles hold a 32 x 32 block of y.
  *
  * Out of range: |x| within ~0.4 % of FLT_MAX (its first piece rounds to infinity), and subnormals (the
- * conversion and the tile multiply treat them as zero). An infinite input gives NaN where it meets a
- * weight (its second piece is inf - inf); NaN stays NaN.
+ * conversion and the tile multiply treat them as zero: a piece product below ~2^-126 is lost, so products
+ * under ~2^-100 lose the last bits fp32 would keep, an absolute error below 2^-120). An infinite input
+ * gives NaN where it meets a weight (its second piece is inf - inf); NaN stays NaN.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -234,7 +235,7 @@ int amx_linear_f32(const float *x, const float *wp, const float *bias, float *y,
         /* this thread's column blocks, the same in every chunk; their pieces in turns of two buffers */
         const int64_t team = omp_get_num_threads(), me = omp_get_thread_num();
         const int64_t first = col_blocks * me / team, last = col_blocks * (me + 1) / team;
-        const int64_t block_words = PIECES * 2 * kp * 16, pairs = kp / 2;
+        const int64_t block_words = PIECES * 2 * (kp / TILE_K) * W_TILE, pairs = kp / 2;
         uint32_t *w = thread_buffer(W_PIECES, 2 * block_words * 4);
         float out[BLOCK_ROWS * BLOCK_COLS] __attribute__((aligned(64)));
         if (w == NULL) {

@@ -30,20 +30,24 @@ def test_decodes_first_long_prompts_last():
         (_request("long-chunk", long + 50, 64), 64),  # the first 64 tokens of a long prompt
         (_request("decode", 20, 22, outputs=2), 1),
         (_request("short-prompt", 30, 30), 30),
-        (_request("long-tail", long, long), 1),  # a long prompt's last token, alone: still bulk rows
+        (_request("long-tail", long, long), 1),  # a long prompt's last token alone: it attends as a decode
         (_request("long-decode", long, long + 1, outputs=1), 1),  # past its prompt: a decode
+        (_request("long-two", long, long), 2),  # a long prompt's last two tokens: bulk rows
         (_request("short-tail", 10, 10), 1),  # a short prompt's last token: computed as a decode
     ]
     requests, counts = [r for r, _ in scheduled], [n for _, n in scheduled]
     order, bulk = _layout(requests, counts)
     names = [requests[i].request_id for i in order]
-    assert names == ["decode", "long-decode", "short-tail", "short-prompt", "long-tail", "long-chunk"]
+    assert names == ["decode", "long-tail", "long-decode", "short-tail", "short-prompt", "long-chunk", "long-two"]
     assert bulk == 2
     step = _prepare([requests[i] for i in order], [counts[i] for i in order], BLOCK, None, bulk)
-    assert step.num_decodes == 3  # (the lone bulk token is a prompt chunk of one)
-    assert step.bulk_rows_from == 3 + 30
-    assert np.diff(step.query_start_loc).tolist() == [30, 1, 64]
-    assert len(step.token_ids) == 3 + 30 + 1 + 64
+    assert step.num_decodes == 4
+    assert step.bulk_rows_from == 4 + 30
+    assert np.diff(step.query_start_loc).tolist() == [30, 64, 2]
+    assert len(step.token_ids) == 4 + 30 + 64 + 2
+    # where bulk rows would compute as the others do (no AMX), nothing is laid out as bulk
+    order, bulk = _layout(requests, counts, bulk_prompts=False)
+    assert bulk == 0 and _prepare([requests[i] for i in order], [counts[i] for i in order], BLOCK).num_decodes == 4
 
 
 def test_other_ranks_receive_where_the_bulk_rows_start():
