@@ -652,9 +652,9 @@ def panel_linear(
 
 
 # Bulk rows may use AMX (kernels.configure). A model's projections, one call per weight, SmolLM2's 30
-# layers on two threads (docs/decode-speed.md): panel matmul against AMX, 64 rows 37.9 / 37.2 ms, 96 rows
-# 55.0 / 47.0, 256 rows 144 / 104, 512 rows 274 / 202; one row 12.7 / 25 (AMX splits every weight into
-# bf16 pieces on each call, ~25 ms a pass). The engine sends it long prompts only (BULK_PROMPT_TOKENS).
+# layers on two threads (benchmarks/kernel_ops.py --only dense, docs/decode-speed.md): panel matmul against
+# AMX, 1 row 14.2 / 26.5 ms (AMX splits every weight into bf16 pieces on each call), 64 rows 39.1 / 36.4,
+# 128 rows 72.4 / 56.9, 512 rows 276 / 190. The engine sends it long prompts' rows only.
 amx = True
 _amx_works: bool | None = None  # (the kernel's answer to one small call, once per process)
 

@@ -88,6 +88,10 @@ def test_pad_rows_point_at_the_null_block_after_a_larger_batch(default_model_dir
     """Rows past the batch must be one-token sequences on block 0, never a previous batch's slots (a
     replayed pad row writes its K/V: into a reused block, that would corrupt another request)."""
     engine = EngineCore(EngineConfig(model=str(default_model_dir), num_kv_blocks=40, max_model_len=128, max_num_seqs=8))
+    assert engine.runner.kv_cache is not None
+    # The rows below attend over 19 positions nothing wrote: zeros, not whatever the pool's memory held
+    # (torch.empty; a full run once left NaN there, and the output check below read it).
+    engine.runner.kv_cache.zero_()
     graphs = DecodeGraphs(engine.runner.model, 8, engine.max_model_len, 16, torch.device("cpu"), capture=False)
     seen = []
     real_model = graphs.model
