@@ -52,8 +52,8 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 # AMX (kernels/cpu/amx_matmul.c), which a call pays for once (it splits every weight into bf16 pieces) and
 # then runs 1.3-1.5x as fast as the panel matmul. A step's rows of a model's projections, one call each
 # (docs/decode-speed.md): level at 64-80 rows, 1.17x at 96, 1.39x at 256. Whether a row is bulk depends
-# on its request alone (never on the batch around it, nor on how its prompt is chunked), so a request's
-# numbers, and its seeded samples, stay the same in any batch. (A block served from the prefix cache holds
+# on its request alone (never on the batch around it; a chunk of one token excepted, see `_bulk`), so a
+# request's numbers, and its seeded samples, stay the same in any batch. (A block served from the prefix cache holds
 # what the request that first computed it computed, as bulk rows or not; the two round differently in the
 # last bits, so there a sample can depend on what ran before. PAGODA_DISABLE_AMX=1: every row alike.)
 BULK_PROMPT_TOKENS = 96

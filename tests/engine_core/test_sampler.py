@@ -152,9 +152,9 @@ def test_long_and_short_prompts_give_the_same_numbers_in_any_batch(default_model
     """A long prompt's rows are bulk rows (engine_core/model_runner.py BULK_PROMPT_TOKENS), which the
     linears may compute on another unit (AMX): whether a row is one depends on its request alone. So a
     shorter prompt prefilled beside a long one, a long one beside others and decodes, and a long one
-    prefilled in chunks (the last of 8 tokens: a step of short chunks, which decode paths serve) give the
-    numbers each gives alone, to the bit. (No prefix cache: a block it holds was computed by whichever
-    request came first, as bulk rows or not.)"""
+    prefilled in chunks of 64 give the numbers each gives alone, to the bit. (Not a last chunk of 16
+    tokens or fewer: such a step attends as decodes, which rounds otherwise, with AMX or without. No
+    prefix cache: a block it holds was computed by whichever request came first, as bulk rows or not.)"""
     from engine_core.llm import LLM
     from engine_core.model_runner import BULK_PROMPT_TOKENS
 
