@@ -148,9 +148,11 @@ async def openai_errors(request: web.Request, handler):
         return error_response(
             ApiError(503, "The tokenizer process did not answer in time.", error_type="server_error", code="timeout")
         )
-    except Exception as exc:  # a bug must still answer in OpenAI's shape, not plain text
+    except Exception:  # a bug must still answer in OpenAI's shape, not plain text
         logger.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(ApiError(500, f"Internal server error: {type(exc).__name__}", error_type="server_error"))
+        return error_response(
+            ApiError(500, "Internal server error (the server log has the details).", error_type="server_error")
+        )
 
 
 class ApiServer:

@@ -213,12 +213,16 @@ class DetokProc:
             self._failed(client, _peek_request_id(frame), exc)
 
     def _failed(self, client: bytes, request_id: str, exc: Exception) -> None:
-        logger.exception("request from a client failed", exc_info=exc)
+        """Answer a request this process failed on with a 500 that names no internal detail (logged)."""
+        logger.error("request %r from a client failed", request_id, exc_info=exc)
         self._abort(client, [request_id])
         self._reply(
             client,
             protocol.RequestError(
-                request_id=request_id, status=500, error_type="server_error", message=f"{type(exc).__name__}: {exc}"
+                request_id=request_id,
+                status=500,
+                error_type="server_error",
+                message="the request failed on an internal error (the server log has the details)",
             ),
         )
 
@@ -506,6 +510,8 @@ class DetokProc:
             self._deliver(replica, message.deltas, message.timestamp)
         elif isinstance(message, protocol.RequestRejected):
             self._rejected(message)
+        elif isinstance(message, protocol.RequestFailed):
+            self._engine_failed(message)
         elif isinstance(message, protocol.PrefixCacheReset):
             reset = self._pending_resets.get(message.request_id)
             if reset is not None and replica.index in reset.waiting:
@@ -570,7 +576,7 @@ class DetokProc:
                     started = time.perf_counter()
                     out = sample.delta(delta, self._token_text)
                     RequestTracing.tokens(sample.trace, delta, step_time, time.perf_counter() - started)
-            except Exception as exc:  # e.g. a tokenizer that cannot decode: end this one only
+            except Exception:  # e.g. a tokenizer that cannot decode: end this one only
                 logger.exception("detokenizing request %s failed", sample.client_request_id)
                 self._abort(sample.identity, [sample.client_request_id])
                 self._reply(
@@ -579,7 +585,7 @@ class DetokProc:
                         request_id=sample.client_request_id,
                         status=500,
                         error_type="server_error",
-                        message=f"the output could not be detokenized: {type(exc).__name__}: {exc}",
+                        message="the output could not be detokenized (the server log has the details)",
                     ),
                 )
                 continue
@@ -620,6 +626,24 @@ class DetokProc:
         self._abort(sample.identity, [sample.client_request_id])
         self._reply(
             sample.identity, RequestInvalid(message.message, message.param).to_message(sample.client_request_id)
+        )
+
+    def _engine_failed(self, message: protocol.RequestFailed) -> None:
+        """A request the engine ended mid-way because of its own data: it (with its `n` siblings) fails
+        with a 500; the engine serves on."""
+        sample = self.samples.get(message.request_id)
+        if sample is None:  # (its client is gone, or a sibling's failure already ended it)
+            return
+        self._abort(sample.identity, [sample.client_request_id])
+        self._reply(
+            sample.identity,
+            protocol.RequestError(
+                request_id=sample.client_request_id,
+                status=500,
+                message=message.message,
+                error_type="server_error",
+                code="request_failed",
+            ),
         )
 
     def _token_text(self, token_id: int) -> str:

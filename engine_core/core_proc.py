@@ -32,7 +32,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000
+# What clients are told; the exception's text and traceback go to the log only.
+ENGINE_FAILED = "the engine stopped on an internal error (the server log has the details)"
+ADD_FAILED = "the engine could not take this request (an internal error; the server log has the details)"
 KV_PAGES_WAIT = 30.0  # most seconds the grammar backend's load waits for the KV pool's pages (huge pools take longer)
+
+
+def dead_message(exc: BaseException) -> protocol.EngineDead:
+    """What clients are told of the failure that stopped the engine: the exception's own words only when
+    it was written for them (`client_safe`, e.g. which worker rank died), never internal text."""
+    return protocol.EngineDead(str(exc) if getattr(exc, "client_safe", False) else ENGINE_FAILED)
 
 
 class EngineCoreProc:
@@ -77,8 +86,11 @@ class EngineCoreProc:
                     message.cache_salt,
                     pooling=message.pooling,
                 )
-            except ValueError as exc:
+            except ValueError as exc:  # our own checks: their messages are written for the client
                 self._send(protocol.RequestRejected(message.request_id, str(exc), param_of(exc)))
+            except Exception:  # nothing was queued, so this request alone is to blame: the engine goes on
+                logger.exception("adding request %s failed", message.request_id)
+                self._send(protocol.RequestFailed(message.request_id, ADD_FAILED))
         elif isinstance(message, protocol.AbortRequests):
             for request_id in message.request_ids:  # idempotent: unknown or finished ids are ignored
                 if self.engine.abort_request(request_id):
@@ -105,8 +117,8 @@ class EngineCoreProc:
         self._pending = []
         if self.engine.has_unfinished_requests():
             deltas += self.engine.step()
-            for request_id, message, param in self.engine.take_rejected():  # bad structured-output specs
-                self._send(protocol.RequestRejected(request_id, message, param))
+            for ended in self.engine.take_rejected():  # bad structured-output specs, requests that failed
+                self._send(ended)
         self._send(protocol.StepOutputs(deltas, self.engine.stats(), time.time()))
 
     def load(self, config: EngineConfig, ranks: WorkerRanks | None = None) -> None:
@@ -204,9 +216,9 @@ def run_engine_core(
                 max_model_len=proc.engine.max_model_len,
             )
         proc.run()
-    except Exception as exc:  # report any failure to the clients, then exit non-zero
+    except Exception as exc:  # report any failure to the clients (not its text: that is logged), then exit non-zero
         logger.exception("engine core failed")
-        proc._send(protocol.EngineDead(f"{type(exc).__name__}: {exc}"))
+        proc._send(dead_message(exc))
         proc.close()
         raise SystemExit(1) from exc
     proc.close()

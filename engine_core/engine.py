@@ -28,7 +28,7 @@ from engine_core.parallel.sharding import check_model_splits
 from engine_core.pooling.config import runs_pooling
 from engine_core.pooling.engine import PoolingEngineCore
 from engine_core.pooling.params import PoolingParams
-from engine_core.protocol import RequestDelta, SchedulerStatsMessage
+from engine_core.protocol import RequestDelta, RequestFailed, RequestRejected, SchedulerStatsMessage
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler, SchedulerOutput
@@ -43,6 +43,14 @@ if TYPE_CHECKING:
     from engine_core.parallel.ranks import WorkerRanks
 
 logger = logging.getLogger(__name__)
+
+# What a client whose request's logits were not finite is told (the log has the request id).
+NON_FINITE_LOGITS = (
+    "the model's logits for this request were not finite (NaN or infinity), so no token could be "
+    "sampled; the request was stopped (other requests are not affected)"
+)
+# What a client whose request raised inside the engine is told: never the exception's text (logged).
+REQUEST_RAISED = "this request failed inside the engine; the server log has the details under its request id"
 
 # The most seconds the warm-up waits, once its request has run, for the KV pool's pages to be mapped
 # (engine_core/kv_prefault.py). A 2 GiB pool on this machine kind took 0.9 s on two threads beside the
@@ -146,7 +154,7 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             self.model_dir, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids
         )
-        self.rejected: list[tuple[str, str, str | None]] = []  # (request id, why, param): see take_rejected
+        self.ended_early: list[RequestRejected | RequestFailed] = []  # see take_rejected
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens, %s; max concurrency at full context "
             "length (%d): %.2fx; model %s loaded in %.1fs",
@@ -210,11 +218,12 @@ class EngineCore:
         else:
             self.scheduler.add_request(request)
 
-    def take_rejected(self) -> list[tuple[str, str, str | None]]:
-        """Requests refused after `add_request` returned (a structured-output spec that does not
-        compile): (request id, message, the request field to blame). None of them computed anything."""
-        rejected, self.rejected = self.rejected, []
-        return rejected
+    def take_rejected(self) -> list[RequestRejected | RequestFailed]:
+        """Requests ended after `add_request` returned, since the last call: rejected before computing
+        anything (a structured-output spec that does not compile), or failed mid-way because of their
+        own data (`RequestFailed`: logits that were not finite, an error taking their tokens)."""
+        ended, self.ended_early = self.ended_early, []
+        return ended
 
     def _admit_compiled(self) -> None:
         if not self.structured.num_pending:
@@ -226,7 +235,9 @@ class EngineCore:
             self.scheduler.add_request(request)
         for request, message in refused:  # the field to blame: where its structured output came from
             spec = request.params.structured_outputs
-            self.rejected.append((request.request_id, message, spec.source if spec is not None else None))
+            self.ended_early.append(
+                RequestRejected(request.request_id, message, spec.source if spec is not None else None)
+            )
 
     def abort_request(self, request_id: str) -> bool:
         return self.structured.abort(request_id) or self.scheduler.abort(request_id) is not None
@@ -342,7 +353,15 @@ class EngineCore:
                 request.spec_accepted += kept
                 assert self.spec_counters is not None
                 self.spec_counters.record(len(proposed), kept)
+        for request_id in result.failed:
+            logger.error("request %s failed: its logits were not finite (NaN or infinity)", request_id)
+            if self.scheduler.abort(request_id) is not None:
+                self.ended_early.append(RequestFailed(request_id, NON_FINITE_LOGITS))
+        live = [r for r in live if not r.status.finished]
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled)}
+        for request in self.scheduler.take_failed():  # (logged by the scheduler)
+            self.ended_early.append(RequestFailed(request.request_id, REQUEST_RAISED))
+            live.remove(request)
         if self.spec_counters is not None:
             self.spec_counters.maybe_log()
         outputs = []

@@ -197,8 +197,8 @@ class LLM:
                     if out.finish_reason is not None:
                         reasons[out.request_id] = out.finish_reason
                         bar.update(1)
-                for request_id, message, _ in self.engine.take_rejected():  # a structured-output spec
-                    raise ValueError(f"prompt {slots[request_id][0]}: {message}")
+                for ended in self.engine.take_rejected():  # a structured-output spec, or a failed request
+                    raise ValueError(f"prompt {slots[ended.request_id][0]}: {ended.message}")
         finally:  # interrupted (Ctrl-C, an engine error): leave nothing of this call queued
             bar.close()
             for request_id in slots.keys() - reasons.keys():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -67,6 +67,8 @@ class StepResult:
     logprobs: dict[str, list[TokenLogprobs]]  # request id -> packed logprobs per new token, when asked for
     # request id -> the prompt logprobs this step's tokens gave, for requests that still owe them
     prompt_logprobs: dict[str, PromptLogprobsChunk]
+    # requests that sampled no token because their logits were not finite (NaN or infinite): failed
+    failed: set[str] = field(default_factory=set)
 
 
 def kv_bytes_per_block(
@@ -332,8 +334,8 @@ class ModelRunner:
         # One logits row per request, or per proposal plus one of a request that verifies proposals.
         requests = [r for r, _ in pending.sampling]
         drafts = [pending.proposals.get(r.request_id, []) for r in requests]
-        sampled, logprobs = verify(logits, requests, drafts, self.model_cfg.vocab_size)
-        return StepResult(sampled, logprobs, prompt_logprobs)
+        sampled, logprobs, failed = verify(logits, requests, drafts, self.model_cfg.vocab_size)
+        return StepResult(sampled, logprobs, prompt_logprobs, failed)
 
     @torch.inference_mode()
     def draft_logits(self, requests: list[Request], token_ids: list[int], positions: list[int]) -> torch.Tensor:

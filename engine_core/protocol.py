@@ -226,6 +226,15 @@ class RequestRejected(msgspec.Struct, tag="rejected", array_like=True):
     param: str | None = None  # the request field at fault, when known (e.g. "response_format")
 
 
+class RequestFailed(msgspec.Struct, tag="failed", array_like=True):
+    """A request ended by the engine mid-way because of its own data (its logits were not finite, or
+    handling it raised): it alone fails, with a 500, and the engine goes on serving the others. The
+    message is for the client: it names what happened, never an exception's text (that is logged)."""
+
+    request_id: str
+    message: str
+
+
 class EngineReady(msgspec.Struct, tag="ready", array_like=True):
     num_blocks: int
     block_size: int
@@ -261,7 +270,7 @@ class PrefixCacheReset(msgspec.Struct, tag="prefix_cache_reset", array_like=True
     num_blocks: int  # cached blocks forgotten
 
 
-EngineOutput = StepOutputs | RequestRejected | EngineReady | EngineDead | PrefixCacheReset
+EngineOutput = StepOutputs | RequestRejected | RequestFailed | EngineReady | EngineDead | PrefixCacheReset
 
 # ---- frontend: clients -> detok_proc ------------------------------------------------------------
 

@@ -15,9 +15,8 @@ import logging
 import socket
 import time
 
-from engine_core import protocol
 from engine_core.config import EngineConfig
-from engine_core.core_proc import EngineCoreProc
+from engine_core.core_proc import EngineCoreProc, dead_message
 from engine_core.environment import log_settings
 from engine_core.lifecycle import Role, configure_logging, name_process
 from engine_core.zmq_security import EngineLinkKeys
@@ -69,5 +68,5 @@ class EngineActor:
 
     def _fail(self, exc: Exception) -> None:
         logger.exception("engine core failed")
-        self.proc._send(protocol.EngineDead(f"{type(exc).__name__}: {exc}"))
+        self.proc._send(dead_message(exc))
         self.proc.close()

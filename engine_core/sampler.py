@@ -7,6 +7,11 @@ own generator (so a seeded request gives the same tokens whatever else shares it
 A row is drawn by inverting its cumulative distribution with one uniform number: on the CPU that is
 ~20x cheaper than an exponential race (argmax(p / E), E ~ Exp(1) per vocabulary entry), whose
 `exponential_` over [batch, vocab] took 29 ms of a 16-row step here (docs/decode-speed.md).
+
+A row whose logits are not finite (NaN, or +inf, or every token masked) has no distribution to draw
+from: it yields no token but is reported in `SamplerOutput.failed_rows`, and the engine fails that
+request alone. The check costs O(rows): a greedy row's chosen logit is NaN or infinite exactly when
+the row is bad (the argmax takes NaN as the largest), and a sampled row's softmax total is not 1.
 """
 
 from __future__ import annotations
@@ -68,8 +73,9 @@ class SamplingBatch:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    token_ids: list[int]  # per row (0 for a failed row)
     logprobs: list[TokenLogprobs | None]  # per row; None when the request did not ask for them
+    failed_rows: list[int]  # rows whose logits were not finite: their token is no token
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -143,14 +149,17 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     if batch.top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-        sorted_logits = sorted_logits.masked_fill(mass_before >= batch.top_p.to(logits.device)[:, None], _NEG_INF)
+        beyond = mass_before >= batch.top_p.to(logits.device)[:, None]
+        beyond[:, 0] = False  # the best token always stays (a top_p that rounds to 0 in float32 masked it)
+        sorted_logits = sorted_logits.masked_fill(beyond, _NEG_INF)
     return torch.full_like(logits, _NEG_INF).scatter_(-1, order, sorted_logits)
 
 
-def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _draw(probs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of `probs` [B, V] (each row's weights need not sum to 1): the first whose
     cumulative weight exceeds u * total, u ~ U[0, 1) from the request's own generator if it has a seed.
-    Strictly exceeds: a zero-weight token can never be the one."""
+    Strictly exceeds: a zero-weight token can never be the one. Also: which rows had a distribution
+    (a positive, finite total; a row of NaN weights draws an index past the vocabulary)."""
     uniforms = torch.rand(len(batch.requests))
     for row, request in enumerate(batch.requests):
         if request.generator is not None and request.params.temperature > 0:
@@ -158,7 +167,15 @@ def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     cumulative = probs.cumsum(dim=-1)
     total = cumulative[:, -1:]
     targets = torch.minimum(uniforms.to(probs.device)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+    drawable = (torch.isfinite(total) & (total > 0)).squeeze(1)
+    return torch.searchsorted(cumulative, targets, right=True).squeeze(1), drawable
+
+
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (torch's rule; compiled on the CPU: kernels/cpu/argmax.c), and whether the
+    row was finite: its chosen logit is NaN if any is, +inf if any is, -inf if every token is masked."""
+    tokens = kernels.argmax_rows(logits)
+    return tokens, torch.isfinite(logits.gather(-1, tokens[:, None]).squeeze(1))
 
 
 def gather_logprobs(raw_logits: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch):
@@ -196,12 +213,15 @@ def process_logits(logits: torch.Tensor, batch: SamplingBatch, keep_raw: bool = 
 
 def distributions(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[B, V] float32: the distribution `sample` draws each row from (temperature 0: a point mass on the
-    processed argmax). Speculative decoding's rejection sampling needs them whole (speculative/verify.py)."""
+    processed argmax). Speculative decoding's rejection sampling needs them whole (speculative/verify.py).
+    A row whose logits are not finite comes back with NaN in it, as softmax gives it, greedy or not."""
     logits = process_logits(logits, batch)
     temperature = batch.temperature.to(logits.device)
     scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
     probs = torch.softmax(apply_top_k_top_p_min_p(scaled, batch), dim=-1)
-    greedy = torch.zeros_like(probs).scatter_(-1, kernels.argmax_rows(logits)[:, None], 1.0)
+    tokens, finite = _greedy(logits)
+    greedy = torch.zeros_like(probs).scatter_(-1, tokens[:, None], 1.0)
+    greedy[~finite] = float("nan")
     return torch.where((temperature > 0)[:, None], probs, greedy)
 
 
@@ -210,13 +230,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     raw_logits = logits
     logits = process_logits(logits, batch, keep_raw=batch.max_logprobs >= 0)
     if batch.all_greedy:
-        tokens = kernels.argmax_rows(logits)  # (torch's argmax rule; compiled on the CPU: kernels/cpu/argmax.c)
+        tokens, finite = _greedy(logits)
     else:
         temperature = batch.temperature.to(logits.device)
         scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
         scaled = apply_top_k_top_p_min_p(scaled, batch)
-        tokens = _draw(torch.softmax(scaled, dim=-1), batch)
+        tokens, finite = _draw(torch.softmax(scaled, dim=-1), batch)
         if any(r.params.temperature == 0.0 for r in batch.requests):  # (no greedy argmax when none asks)
-            tokens = torch.where(temperature > 0, tokens, kernels.argmax_rows(logits))
+            greedy_tokens, greedy_finite = _greedy(logits)
+            sampled = temperature > 0
+            tokens = torch.where(sampled, tokens, greedy_tokens)
+            finite = torch.where(sampled, finite, greedy_finite)
+    failed_rows: list[int] = []
+    if not bool(finite.all()):
+        failed_rows = (~finite).nonzero().flatten().tolist()
+        tokens = torch.where(finite, tokens, 0)  # (an index past the vocabulary must not reach the gather)
     logprobs = gather_logprobs(raw_logits, tokens, batch) if batch.max_logprobs >= 0 else [None] * len(batch.requests)
-    return SamplerOutput(tokens.tolist(), logprobs)
+    return SamplerOutput(tokens.tolist(), logprobs, failed_rows)

@@ -1,6 +1,11 @@
 """Per-request sampling parameters, shaped like vLLM's so its users can switch.
 
 A msgspec Struct so the same object crosses process boundaries unchanged.
+
+Every float parameter is bounded to a range where the sampler's float32 arithmetic stays finite
+(NaN fails every range check): logits divided by a temperature of 1e-45, or by a repetition penalty
+of 1e-45, overflow float32, and softmax then gives NaN. A temperature below `GREEDY_BELOW` (vLLM's
+threshold) is taken as greedy: a 1e-50 would otherwise round to 0.0 in float32 and sample.
 """
 
 from __future__ import annotations
@@ -9,6 +14,14 @@ import msgspec
 
 from engine_core.structured_params import StructuredOutputsParams
 from engine_core.validation import TOKEN_ID_LIMIT, ParamError, check_token_ids
+
+# A temperature below this is greedy decoding (vLLM's threshold, 1e-5): at such a temperature the most
+# likely token wins anyway unless two logits tie to within ~1e-4.
+GREEDY_BELOW = 1e-5
+# The largest temperature: far beyond it every token is equally likely, and float32 is nowhere near overflow.
+MAX_TEMPERATURE = 1e4
+# Repetition penalty divides (or multiplies) logits: within [1/100, 100] a logit of any sane size stays finite.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -39,17 +52,27 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
+        if 0.0 <= self.temperature < GREEDY_BELOW:  # (also turns -0.0 into 0.0)
+            self.temperature = 0.0
         self.validate()
 
     def validate(self) -> None:
         """Raise ParamError (a ValueError naming the field) if a field is out of range."""
         checks = [
             (self.n >= 1, "n", "must be at least 1"),
-            (self.temperature >= 0.0, "temperature", "must be non-negative"),
+            (
+                0.0 <= self.temperature <= MAX_TEMPERATURE,
+                "temperature",
+                f"must be in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g} it means greedy)",
+            ),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (0 <= self.top_k < TOKEN_ID_LIMIT, "top_k", "must be -1 (disabled) or a positive integer below 2**31"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", "must be positive"),
+            (
+                REPETITION_PENALTY_RANGE[0] <= self.repetition_penalty <= REPETITION_PENALTY_RANGE[1],
+                "repetition_penalty",
+                "must be in [{:g}, {:g}]".format(*REPETITION_PENALTY_RANGE),
+            ),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (

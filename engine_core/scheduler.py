@@ -9,6 +9,7 @@ progress reset) and put back at the head of the waiting queue, to be recomputed 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Collection
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from engine_core.kv_cache import KVCacheManager
 from engine_core.protocol import SchedulerStatsMessage
 from engine_core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,6 +63,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions_total = 0
+        # Requests whose own tokens raised while being taken in (`update_from_output`): ended, for the
+        # engine to report as failed (`take_failed`).
+        self.failed: list[Request] = []
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -234,15 +240,31 @@ class Scheduler:
             tokens = sampled.get(request.request_id)
             if not tokens or request.status.finished:
                 continue
-            for token in tokens:
-                request.append_token(token)
-                status = request.stop_status(self.max_model_len)
-                if status is not None:
-                    self.finish(request, status)
-                    finished.append(request)
-                    break
-            else:
-                if request.request_id in out.spec_token_ids:
-                    request.num_computed_tokens = request.num_tokens - 1
-                    self.kv.trim(request)
+            try:  # (what raises here comes from this request's tokens: it ends alone, see `failed`)
+                status = self._take_tokens(request, tokens, request.request_id in out.spec_token_ids)
+            except Exception:
+                logger.exception("request %s failed while taking its sampled tokens", request.request_id)
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+                self.failed.append(request)
+                continue
+            if status is not None:
+                self.finish(request, status)
+                finished.append(request)
         return finished
+
+    def _take_tokens(self, request: Request, tokens: list[int], verified: bool) -> RequestStatus | None:
+        """Append tokens until one stops the request; the status it stops in (None: it goes on)."""
+        for token in tokens:
+            request.append_token(token)
+            status = request.stop_status(self.max_model_len)
+            if status is not None:
+                return status
+        if verified:
+            request.num_computed_tokens = request.num_tokens - 1
+            self.kv.trim(request)
+        return None
+
+    def take_failed(self) -> list[Request]:
+        """The requests `update_from_output` ended because their tokens raised, since the last call."""
+        failed, self.failed = self.failed, []
+        return failed

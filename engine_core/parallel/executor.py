@@ -212,7 +212,7 @@ class ParallelExecutor:
         while time.monotonic() < deadline:
             dead = self.ranks.first_dead()
             if dead is not None:
-                return WorkerDied(f"{dead} ({type(exc).__name__}: {exc})")
+                return WorkerDied(str(dead))  # (the broken connection is its cause: `raise ... from`, logged)
             time.sleep(0.05)
         return None
 

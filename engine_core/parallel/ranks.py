@@ -26,7 +26,10 @@ START_TIMEOUT_S = 120.0  # for a rank to start (a process: spawn, imports) and b
 
 
 class WorkerDied(RuntimeError):
-    """A worker rank exited or stopped answering; the engine cannot go on."""
+    """A worker rank exited or stopped answering; the engine cannot go on. Its message (which rank, how)
+    is written for operators and clients alike (`core_proc.dead_message`)."""
+
+    client_safe = True
 
 
 class WorkerRanks(Protocol):

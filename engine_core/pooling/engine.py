@@ -24,7 +24,14 @@ from engine_core.pooling.config import pooler_config
 from engine_core.pooling.params import PoolingParams
 from engine_core.pooling.runner import PoolingRunner
 from engine_core.pooling.scheduler import PoolingRequest, PoolingScheduler
-from engine_core.protocol import FinishReason, PooledVectors, RequestDelta, SchedulerStatsMessage
+from engine_core.protocol import (
+    FinishReason,
+    PooledVectors,
+    RequestDelta,
+    RequestFailed,
+    RequestRejected,
+    SchedulerStatsMessage,
+)
 from engine_core.sampling_params import SamplingParams
 from engine_core.validation import ParamError, check_token_ids
 
@@ -106,7 +113,7 @@ class PoolingEngineCore:
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
 
-    def take_rejected(self) -> list[tuple[str, str, str | None]]:
+    def take_rejected(self) -> list[RequestRejected | RequestFailed]:
         return []  # (every refusal happens in add_request)
 
     def has_unfinished_requests(self) -> bool:

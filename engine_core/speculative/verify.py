@@ -114,9 +114,10 @@ def draw(weights: torch.Tensor, generator) -> int:
 
 def verify(
     logits: torch.Tensor, requests: list[Request], proposals: list[list[int]], vocab_size: int
-) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]]]:
+) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs]], set[str]]:
     """Each request's new tokens (and their packed logprobs, when asked for) from its logits rows: one row
-    per proposal plus one, the requests' rows one after another in `requests` order."""
+    per proposal plus one, the requests' rows one after another in `requests` order. Also the requests
+    that get no token because a row of theirs was not finite (NaN or infinite logits): they have failed."""
     # (request, its proposals, its first row): point masses (n-gram, greedy) or drafts sampled from q
     point_masses: list[tuple[Request, list[int], int]] = []
     rejecting: list[tuple[Request, list[int], int]] = []
@@ -127,12 +128,18 @@ def verify(
         row += 1 + len(drafts)
     sampled: dict[str, list[int]] = {}
     logprobs: dict[str, list[TokenLogprobs]] = {}
+    failed: set[str] = set()
     if point_masses:
         rows = [first + j for _, drafts, first in point_masses for j in range(1 + len(drafts))]
         views = [view for request, drafts, _ in point_masses for view in sampler_views(request, drafts)]
         out = sample(logits if not rejecting else logits[rows], SamplingBatch.from_requests(views, vocab_size))
+        failed_rows = set(out.failed_rows)
         offset = 0
         for request, drafts, _ in point_masses:
+            if failed_rows.intersection(range(offset, offset + 1 + len(drafts))):
+                failed.add(request.request_id)
+                offset += 1 + len(drafts)
+                continue
             kept = accepted(out.token_ids[offset : offset + 1 + len(drafts)], drafts)
             sampled[request.request_id] = kept
             if request.params.logprobs is not None:
@@ -143,13 +150,16 @@ def verify(
         rows_of = logits[first : first + 1 + len(drafts)]
         assert request.spec_draft_probs is not None
         p = distributions(rows_of, SamplingBatch.from_requests(views, vocab_size)).cpu()
+        if not bool(torch.isfinite(p).all()):
+            failed.add(request.request_id)
+            continue
         kept = rejection_sample(p, request.spec_draft_probs[: len(drafts)].cpu(), drafts, request.generator)
         sampled[request.request_id] = kept
         if request.params.logprobs is not None:
             token_ids = torch.tensor(kept, dtype=torch.int64, device=logits.device)
             batch = SamplingBatch.from_requests(views[: len(kept)], vocab_size)
             logprobs[request.request_id] = _present(gather_logprobs(rows_of[: len(kept)], token_ids, batch))
-    return sampled, logprobs
+    return sampled, logprobs, failed
 
 
 def _present(logprobs: list[TokenLogprobs | None]) -> list[TokenLogprobs]:
