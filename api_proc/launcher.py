@@ -291,6 +291,7 @@ def serve(args) -> int:
             seed=args.seed,
             link_keys=link_keys,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
+            metrics_interval=args.metrics_interval,
         )
         for i in range(args.api_workers):
             supervisor.start(Role.API, run_api_worker, settings, index=i, worker=i)

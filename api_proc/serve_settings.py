@@ -147,6 +147,14 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         help="send OpenTelemetry traces (one per request) over OTLP/HTTP to this collector, e.g. "
         "http://127.0.0.1:4318 (needs the otel extra: pip install 'pagoda-llm[otel]')",
     )
+    g.add_argument(
+        "--metrics-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="/metrics is rendered at most once per this many seconds, off the request path; scrapes "
+        "meanwhile get that text (0 = a fresh render for every scrape)",
+    )
     g = parser.add_argument_group("limits")
     g.add_argument("--max-body-size", default="32MiB", help="largest request body (413 above)")
     g.add_argument(

@@ -18,6 +18,10 @@ worker's /metrics asks for the rendered text (MetricsQuery -> MetricsReport).
   changes. The sum over workers is exported, so any worker's /metrics shows them all, and a snapshot
   can be neither lost nor counted twice in a way that matters (the latest one per worker wins).
 - process_* metrics of every process (process_metrics.py).
+- This process's own work: `pagoda:tokenizer_bytes` (text handed to the tokenizer, by where it ran:
+  "inline" in the loop or on the "background" thread; a prompt refused from its length never counts)
+  and `pagoda:metrics_renders` (how often this text was rendered: at most once per --metrics-interval,
+  on a thread of its own, however often /metrics is asked for; metrics_cache.py).
 
 Times are this process's time.monotonic(): a sample arrives when its request reaches this process
 (before tokenization), a token when its step's message arrives here; queue time is the engine's own
@@ -27,7 +31,7 @@ Times are this process's time.monotonic(): a sample arrives when its request rea
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -144,8 +148,15 @@ EngineStates = Callable[[], Sequence[tuple[bool, protocol.SchedulerStatsMessage]
 
 
 class DetokMetrics:
-    def __init__(self, model_name: str, engines: EngineStates, num_engines: int = 1):
-        """`engines()`: (serving, latest stats) of each engine replica, read at scrape time."""
+    def __init__(
+        self,
+        model_name: str,
+        engines: EngineStates,
+        num_engines: int = 1,
+        tokenizer_bytes: Callable[[], Mapping[str, int]] = dict,
+    ):
+        """`engines()`: (serving, latest stats) of each engine replica, read at scrape time;
+        `tokenizer_bytes()`: the text handed to the tokenizer so far, by where it ran."""
         self.model_name = model_name
         self.num_engines = num_engines
         self.registry = CollectorRegistry()
@@ -153,7 +164,8 @@ class DetokMetrics:
         self.api_workers = ApiWorkerCounters(model_name)
         engine_stats = EngineStatsCollector(model_name, engines)
         self.device_memory = DeviceMemoryCollector(model_name)
-        for collector in (engine_stats, self.device_memory, self.api_workers, self.processes):
+        self.own_work = OwnWorkCollector(model_name, tokenizer_bytes)
+        for collector in (engine_stats, self.device_memory, self.api_workers, self.processes, self.own_work):
             self.registry.register(collector)
         r = self.registry
         prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", LABELS, registry=r)
@@ -318,7 +330,9 @@ class DetokMetrics:
             self.request_prompt_tokens[engine].observe(num_prompt_tokens)
 
     def render(self) -> bytes:
-        """Every metric in Prometheus' text format."""
+        """Every metric in Prometheus' text format (counted in pagoda:metrics_renders, this one included).
+        Safe to call from a thread beside the loop's (metrics_cache.py)."""
+        self.own_work.renders += 1
         return generate_latest(self.registry)
 
     # ---- the web dashboard (detok_proc/dashboard.py) -------------------------------------------------
@@ -333,6 +347,31 @@ class DetokMetrics:
     def dashboard(self, in_flight: Iterable[SampleState]) -> dict:
         """The dashboard's report (GET /dashboard.json); `in_flight`: the samples running now."""
         return {"model": self.model_name, **self.activity.report(time.monotonic(), self.numbers(), in_flight)}
+
+
+class OwnWorkCollector(Collector):
+    """The tokenizer process's own work: text tokenized (by where it ran) and renders of /metrics."""
+
+    def __init__(self, model_name: str, tokenizer_bytes: Callable[[], Mapping[str, int]]):
+        self.model_name = model_name
+        self.tokenizer_bytes = tokenizer_bytes
+        self.renders = 0
+
+    def collect(self) -> Iterable[Metric]:
+        tokenized = CounterMetricFamily(
+            "pagoda:tokenizer_bytes",
+            "Bytes of text handed to the tokenizer (prompts, chat renders; 4 per token to detokenize), by "
+            "where it ran: inline in the tokenizer process's loop, or on its background thread.",
+            labels=["model_name", "path"],
+        )
+        for path, size in sorted(dict(self.tokenizer_bytes()).items()):
+            tokenized.add_metric([self.model_name, path], size)
+        yield tokenized
+        renders = CounterMetricFamily(
+            "pagoda:metrics_renders", "Renders of this text (one per --metrics-interval at most).", labels=LABELS[:1]
+        )
+        renders.add_metric([self.model_name], self.renders)
+        yield renders
 
 
 class EngineStatsCollector(Collector):

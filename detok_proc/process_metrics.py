@@ -35,7 +35,7 @@ class ProcessesCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         families: dict[str, Metric] = {}
-        for pid, (role, collector) in self._collectors.items():
+        for pid, (role, collector) in list(self._collectors.items()):  # (the loop may add one meanwhile)
             for family in collector.collect():
                 merged = families.get(family.name)
                 if merged is None:

@@ -35,6 +35,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from detok_proc.incremental import IncrementalDetokenizer
 from detok_proc.limits import FrontendLimits
 from detok_proc.metrics import DetokMetrics
+from detok_proc.metrics_cache import DEFAULT_INTERVAL, MetricsCache
 from detok_proc.pooling import PoolingFrontend
 from detok_proc.replicas import EngineReplica
 from detok_proc.requests import RequestInvalid, SampleState, check_context, check_request_options
@@ -81,8 +82,10 @@ class DetokProc:
         seed: int = 0,
         link_keys: EngineLinkKeys | None = None,
         otlp_traces_endpoint: str | None = None,
+        metrics_interval: float = DEFAULT_INTERVAL,
     ):
-        """`engine_addrs`: each engine replica's (input, output) addresses, which the engines bind."""
+        """`engine_addrs`: each engine replica's (input, output) addresses, which the engines bind;
+        `metrics_interval`: the longest a rendered /metrics text is served (metrics_cache.py)."""
         self.model_dir = model_dir
         self.tokenizer = load_tokenizer(model_dir)
         self.prompts = PromptTokenizer(self.tokenizer)  # inline, or on its background thread
@@ -128,8 +131,13 @@ class DetokProc:
         self.on_stalled = lambda index: None  # a replica stalled (N > 1): the parent kills and restarts it
         self.limits = limits or FrontendLimits()
         self.metrics = DetokMetrics(
-            model_name or model_dir, lambda: [(r.serving, r.stats) for r in self.replicas], len(self.replicas)
+            model_name or model_dir,
+            lambda: [(r.serving, r.stats) for r in self.replicas],
+            len(self.replicas),
+            lambda: self.prompts.handed_bytes,
         )
+        self.metrics_cache: MetricsCache[tuple[bytes, str]] = MetricsCache(self.metrics.render, metrics_interval)
+        self.poller.register(self.metrics_cache.fileno(), zmq.POLLIN)
         self.tracing = RequestTracing(otlp_traces_endpoint, model_name or model_dir) if otlp_traces_endpoint else None
         # Embedding requests (an embedding model: detok_proc/pooling.py)
         self.pooling = PoolingFrontend(
@@ -182,8 +190,10 @@ class DetokProc:
             self._abort(identity, message.request_ids, by_client=True)
         elif isinstance(message, protocol.HealthQuery):
             self._reply(identity, self._health(message.request_id))
-        elif isinstance(message, protocol.MetricsQuery):
-            self._reply(identity, protocol.MetricsReport(message.request_id, self.metrics.render()))
+        elif isinstance(message, protocol.MetricsQuery):  # rendered off this loop (metrics_cache.py)
+            text = self.metrics_cache.get((identity, message.request_id))
+            if text is not None:
+                self._reply(identity, protocol.MetricsReport(message.request_id, text))
         elif isinstance(message, protocol.DashboardQuery):
             report = self.metrics.dashboard(self.samples.values())
             self._reply(identity, protocol.DashboardReport(message.request_id, msgspec.json.encode(report)))
@@ -658,6 +668,8 @@ class DetokProc:
             for socket, _ in self.poller.poll(_POLL_MS):
                 if socket == self.prompts.fileno():
                     self._background_done()
+                elif socket == self.metrics_cache.fileno():
+                    self._metrics_rendered()
                 elif socket == self._wake_read:
                     self._handle_commands()
                 elif socket in self.frontends:
@@ -679,10 +691,19 @@ class DetokProc:
             self._check_stalls()
             self.metrics.tick()  # the dashboard's rates: totals once a second (the poll wakes twice a second)
 
+    def _metrics_rendered(self) -> None:
+        waiters, text, error = self.metrics_cache.finished()
+        for identity, request_id in waiters:
+            if text is not None:
+                self._reply(identity, protocol.MetricsReport(request_id, text))
+            else:
+                self._failed(identity, request_id, error or RuntimeError("the metrics were not rendered"))
+
     def close(self) -> None:
         if self.tracing is not None:
             self.tracing.shutdown()
         self.prompts.close()
+        self.metrics_cache.close()
         if self.auth is not None:
             self.auth.stop()
         for socket in self.frontends:
@@ -721,6 +742,7 @@ def run_detok(
     seed: int = 0,
     link_keys: EngineLinkKeys | None = None,
     otlp_traces_endpoint: str | None = None,
+    metrics_interval: float = DEFAULT_INTERVAL,
 ) -> None:
     """Process entry point; exits 0 on SIGTERM/SIGINT or the parent's "stop". `engine_addrs`: each
     engine replica's (input, output) addresses; with `link_keys` this process binds them (tcp, CURVE)
@@ -740,6 +762,7 @@ def run_detok(
         seed,
         link_keys,
         otlp_traces_endpoint,
+        metrics_interval,
     )
     link = ParentLink(parent_conn, runtime_dir, proc.ipc_files) if parent_conn is not None else None
 

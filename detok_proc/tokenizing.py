@@ -5,6 +5,10 @@ inline, where a thread hop would cost more than the work. Long ones go to the ba
 (background.py), within a budget of queued text: past it, clients get a 429 rather than a queue of
 seconds. The loop collects finished work with `finished()` when `fileno()` turns readable, and a
 request aborted meanwhile is dropped (not started, or its result thrown away).
+
+`handed_bytes` counts the text handed to the tokenizer, inline and in the background (what
+/metrics exports as pagoda:tokenizer_bytes): a prompt refused from its length never counts, so tests
+and operators can see that it was never tokenized.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class PromptTokenizer:
         self.max_token_bytes = longest_token_bytes(tokenizer)
         self.background = BackgroundWork()
         self.queued_bytes = 0
+        self.handed_bytes = {"inline": 0, "background": 0}  # text handed to the tokenizer, by where it ran
         self._pending: dict[Key, _Pending] = {}
         self._by_job: dict[int, Key] = {}
         self._jobs = itertools.count()
@@ -78,6 +83,7 @@ class PromptTokenizer:
     def run(self, key: Key, size: int, work: Callable[[], object], then: Callable) -> None:
         """`then(work())`: now if `size` is small, else after the background thread has run `work`."""
         if size <= BACKGROUND_BYTES:
+            self.handed_bytes["inline"] += size
             then(work())
             return
         if key in self._pending:
@@ -93,6 +99,7 @@ class PromptTokenizer:
         self._pending[key] = _Pending(job, size, then)
         self._by_job[job] = key
         self.queued_bytes += size
+        self.handed_bytes["background"] += size
         self.background.submit(job, work)
 
     def cancel(self, key: Key) -> bool:

@@ -99,6 +99,10 @@ class PagodaServer:
         env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_root)}
         if source_dir is not None:
             env["PYTHONPATH"] = str(source_dir)
+        # A test reads /metrics right after what it counts: a fresh render for every scrape, not the text
+        # of up to a second ago (a later --metrics-interval in `extra_args` wins). An older checkout
+        # (`source_dir`) may not know the flag.
+        fresh_metrics = ["--metrics-interval", "0"] if source_dir is None else []
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - the server writes to it until stop()
         self.process = subprocess.Popen(
             [
@@ -112,6 +116,7 @@ class PagodaServer:
                 "256MiB",
                 "--frontend",
                 self.frontend,
+                *fresh_metrics,
                 *extra_args,
             ],
             stdout=self._log,

@@ -3,7 +3,11 @@ requests did (the usage the API returned, one count per sample, gauges back to z
 
 from __future__ import annotations
 
-from api_proc.bench.local_server import MODEL_NAME
+from concurrent.futures import ThreadPoolExecutor
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from api_proc.bench.local_server import MODEL_NAME, http
 from tests.metrics_scrape import Scrape, delta, scrape_until
 
 VLLM_METRICS = {  # name -> type, as vLLM exports them
@@ -148,3 +152,22 @@ def test_client_disconnect_counts_as_abort_and_frees_everything(server, client):
         assert delta(before, after, name + "_count") == 1, name
     assert delta(before, after, "pagoda:request_rejected_total") == 0
     assert delta(before, after, "pagoda:request_timeout_total") == 0
+
+
+def test_a_flood_of_scrapes_renders_once_per_interval_and_generation_goes_on(start_server):
+    """/metrics is public by default, and a flood of it once starved generation: the tokenizer process
+    rendered every scrape in its request loop. Now every scrape of one interval (here an hour, so the whole
+    flood is one interval) gets the same text, rendered once, and a completion sent into the flood is
+    answered."""
+    server = start_server("--metrics-interval", "3600")
+    with ThreadPoolExecutor(32) as pool:
+        scrapes = [pool.submit(http, "GET", server.base_url + "/metrics") for _ in range(200)]
+        completion = pool.submit(
+            http, "POST", server.base_url + "/v1/completions", {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}
+        )
+        bodies = {future.result()[1] for future in scrapes}
+    assert completion.result()[0] == 200
+    assert len(bodies) == 1, len(bodies)  # one text: the same render for all
+    (text,) = bodies
+    samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    assert [s.value for s in samples if s.name == "pagoda:metrics_renders_total"] == [1]
