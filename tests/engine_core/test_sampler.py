@@ -105,6 +105,87 @@ def test_logprobs_are_of_the_raw_distribution():
     assert top_ids == [2, 1] and top_lps[1] == pytest.approx(ref[1].item())
 
 
+# ---- rows that have no distribution ----------------------------------------------------------------
+
+NAN, INF = math.nan, math.inf
+BAD_ROWS = {
+    "a NaN": [0.0, NAN, 1.0, 0, 0, 0, 0, 0],
+    "+inf": [0.0, INF, 1.0, 0, 0, 0, 0, 0],
+    "every token masked": [-INF] * VOCAB,
+    "all NaN": [NAN] * VOCAB,
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_ROWS))
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_a_row_of_non_finite_logits_fails_alone(bad, temperature, logprobs):
+    good = [0.0, 0.0, 3.0, 0, 0, 0, 0, 0]
+    requests = [req([1], temperature=0.0), req([1], temperature=temperature, logprobs=logprobs), req([1], top_k=1)]
+    out = sample([good, BAD_ROWS[bad], good], requests)
+    assert out.failed_rows == [1]
+    assert out.token_ids[0] == out.token_ids[2] == 2  # the other rows are untouched
+    assert all(0 <= t < VOCAB for t in out.token_ids)  # never a token past the vocabulary
+
+
+def test_finite_rows_fail_nothing():
+    row = [0.0, 50.0, -1e30, 0, 0, 0, 0, -INF]  # large and masked values are fine
+    out = sample([row, row], [req([1], temperature=0.0), req([1], temperature=1e-5, top_p=1e-6, min_p=1.0)])
+    assert out.failed_rows == [] and out.token_ids == [1, 1]
+
+
+def test_a_top_p_that_rounds_to_zero_in_float32_keeps_the_best_token():
+    row = [0.0, 2.0, 1.0, 0, 0, 0, 0, 0]
+    out = sample([row], [req([1], temperature=1.0, top_p=1e-300)])
+    assert out.failed_rows == [] and out.token_ids == [1]
+
+
+def test_distributions_of_a_bad_row_are_nan_greedy_or_not():
+    from engine_core.sampler import distributions
+
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0, 0, 0, 0, 0], BAD_ROWS["a NaN"], BAD_ROWS["a NaN"]])
+    requests = [req([1], temperature=0.0), req([1], temperature=0.0), req([1], temperature=1.0)]
+    p = distributions(logits, SamplingBatch.from_requests(requests, VOCAB))
+    assert torch.isfinite(p).all(dim=-1).tolist() == [True, False, False]
+
+
+# ---- the parameters' ranges ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-40, 1e-50, 5e-324, 0.0, -0.0, 9.99e-6])
+def test_temperatures_below_the_threshold_are_greedy(temperature):
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy and params.temperature == 0.0 and math.copysign(1, params.temperature) == 1
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -1e-45),
+        ("temperature", math.inf),
+        ("temperature", math.nan),
+        ("temperature", 1e300),
+        ("repetition_penalty", 1e-45),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", 1e300),
+        ("repetition_penalty", math.nan),
+        ("top_p", 0.0),
+        ("top_p", math.nan),
+        ("top_p", 1.0000001),
+        ("min_p", math.nan),
+        ("min_p", -5e-324),
+        ("presence_penalty", math.inf),
+        ("frequency_penalty", -math.nan),
+        ("logit_bias", {1: math.nan}),
+        ("logit_bias", {1: math.inf}),
+    ],
+)
+def test_values_outside_the_finite_range_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError) as error:
+        SamplingParams(**{field: value})
+    assert getattr(error.value, "param", None) == field
+
+
 # ---- on the real model ---------------------------------------------------------------------------
 
 
