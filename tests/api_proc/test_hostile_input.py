@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http, wait_until
+from tests.metrics_scrape import Scrape, delta
 
 KEY = "hostile-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -137,49 +138,62 @@ def _rss_mb(pid: int) -> float:
 
 
 def test_a_huge_prompt_is_refused_before_tokenizing_and_others_keep_flowing(server, tokenizer):
+    """What the tokenizer process tokenized is read from its counter, pagoda:tokenizer_bytes (by where it
+    ran: inline in its loop, or on its background thread), not from which answer came first."""
     from api_proc.client import AsyncEngineClient, EngineError
     from detok_proc.prompt_size import longest_token_bytes
     from detok_proc.tokenizing import QUEUE_BYTES
     from engine_core.sampling_params import SamplingParams
 
+    tokenized = "pagoda:tokenizer_bytes_total"
     detok = server.child_named("pagoda-detok")
     assert _post(server, "/v1/completions", _completion())[0] == 200
     rss_before = _rss_mb(detok)
-    # 31 MB ("a " x 15 Mi), gzipped to ~30 KB: refused from its length, without tokenizing it.
+    # 31 MB ("a " x 15 Mi), gzipped to ~30 KB: refused from its length; the tokenizer never sees a byte of it.
+    before = Scrape(server)
     huge = gzip.compress(json.dumps(_completion(prompt="a " * (15 * 2**20))).encode())
     status, answer = _post(server, "/v1/completions", huge, {"Content-Encoding": "gzip"})
     assert _assert_openai_error(status, answer, "prompt")["code"] == "context_length_exceeded"
+    assert delta(before, Scrape(server), tokenized) == 0
 
     # Prompts just under that bound, of long tokens (80 '#' are one token), pass every check that needs
-    # no tokenizing and are tokenized on the tokenizer process's background thread, within a budget:
-    # past it they get a 429. A small request sent after them is answered before they all are (inline,
-    # it would have waited for every one).
+    # no tokenizing and go to the tokenizer process's background thread, within a budget: past it they
+    # get a 429, untokenized. A small request sent after them is tokenized inline: it never waits behind
+    # them, and it succeeds.
     max_model_len = http("GET", server.base_url + "/v1/models", headers=AUTH)[1]["data"][0]["max_model_len"]
     big = ("#" * 80 + " ") * ((max_model_len * longest_token_bytes(tokenizer) - 100) // 81)
     count = QUEUE_BYTES // len(big) + 3
+    small = "Hello"
 
-    async def race() -> list[tuple[str, str]]:
+    async def send_all() -> dict[str, str]:
         client = AsyncEngineClient(server.frontend)
-        answered: list[tuple[str, str]] = []
+        answered: dict[str, str] = {}
 
         async def run(name: str, prompt: str) -> None:
             try:
                 async for _ in client.generate(prompt, SamplingParams(max_tokens=1, temperature=0)):
                     pass
-                answered.append((name, "ok"))
+                answered[name] = "ok"
             except EngineError as exc:
-                answered.append((name, exc.code))
+                answered[name] = exc.code
 
         try:  # tasks start in order, and one socket keeps the order of what they send
-            await asyncio.gather(*[run(f"big{i}", big) for i in range(count)], run("small", "Hello"))
+            await asyncio.gather(*[run(f"big{i}", big) for i in range(count)], run("small", small))
         finally:
             client.close()
         return answered
 
-    answered = asyncio.run(race())
-    codes = dict(answered)
-    assert codes["small"] == "ok" and answered.index(("small", "ok")) < len(answered) - 1, answered
-    assert {codes[f"big{i}"] for i in range(count)} == {"context_length_exceeded", "too_many_requests"}
+    before = Scrape(server)
+    codes = asyncio.run(send_all())
+    after = Scrape(server)
+    assert codes["small"] == "ok"
+    bigs = [codes[f"big{i}"] for i in range(count)]
+    assert set(bigs) == {"context_length_exceeded", "too_many_requests"}, bigs
+    # Every big one that was not refused for the budget was tokenized on the background thread (and then
+    # refused for its token count); the small one, and only it, inline.
+    tokenized_bigs = len(bigs) - bigs.count("too_many_requests")
+    assert delta(before, after, tokenized, path="background") == tokenized_bigs * len(big)
+    assert delta(before, after, tokenized, path="inline") == len(small)
     # The memory of these prompts is given back.
     assert _rss_mb(detok) - rss_before < 150, (rss_before, _rss_mb(detok))
 

@@ -6,7 +6,6 @@ test_tensor_parallel.py."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -180,10 +179,9 @@ def test_shared_memory_all_reduce_gives_up_on_a_peer_that_is_gone_or_late(tmp_pa
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     alone = _shm_pair(tmp_path / "a", lambda: False)[0]
-    started = time.monotonic()
+    # (Raising at all is the property: a rank that waited for ever would hang here.)
     with pytest.raises(RuntimeError, match="a tensor-parallel rank is gone"):
         alone.all_reduce(torch.ones(4))
     late = _shm_pair(tmp_path / "b", timeout_s=0.2)[0]
     with pytest.raises(RuntimeError, match=r"rank 1 did not join an all-reduce within 0\.2s"):
         late.all_reduce(torch.ones(4))
-    assert time.monotonic() - started < 10
