@@ -13,11 +13,14 @@ class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     """`task`: "embed" pools the prompt into one vector (the model's pooling and normalization);
     "token_embed" returns every prompt token's final hidden state, as they are. `dimensions`: keep the
     first d of an embedding's values (Matryoshka models only), renormalized when the model normalizes.
-    `normalize`: override the model's own choice (None keeps it)."""
+    `normalize`: override the model's own choice (None keeps it). `batch_id`: the client request this
+    input is one of (the tokenizer process sets it, overriding a client's): the engine's scheduler lets
+    client requests take turns (engine_core/pooling/scheduler.py); None = a batch of its own."""
 
     task: str = "embed"
     dimensions: int | None = None
     normalize: bool | None = None
+    batch_id: str | None = None
 
     def validate(self, hidden_size: int, matryoshka: bool, matryoshka_dimensions: list[int] | None) -> None:
         """ParamError naming the field, for what this model cannot do."""

@@ -156,8 +156,53 @@ def test_scheduler_batches_whole_prompts_under_the_budget():
         steps.append([r.request_id for r in scheduler.schedule()])
         assert sum(len(r.prompt_token_ids) for r in scheduler.running) <= 100
         scheduler.finish()
-    assert steps == [["0", "1"], ["2", "3", "5"], ["6"]]  # in order, whole, within budget and max_num_seqs
+    # Whole, within the budget and max_num_seqs; "2" does not fit what "0" and "1" leave, so it sits out
+    # step 1 (where "3" fits) and leads step 2, where "6" does not fit and leads step 3.
+    assert steps == [["0", "1", "3"], ["2", "5"], ["6"]]
     assert not scheduler.running and not scheduler.waiting
+
+
+def test_scheduler_lets_client_requests_take_turns():
+    """The inputs of one client request (one batch_id) take turns with other requests', one each, so a
+    small request runs in the next step, not after a large batch; no input waits forever."""
+    scheduler = PoolingScheduler(max_num_batched_tokens=100, max_num_seqs=8)
+    big, other = PoolingParams(batch_id="big"), PoolingParams(batch_id="other")
+    for i in range(6):
+        scheduler.add_request(PoolingRequest(f"big{i}", [1] * 30, big))
+    steps = [[r.request_id for r in scheduler.schedule()]]
+    scheduler.finish()
+    scheduler.add_request(PoolingRequest("small", [1] * 5, PoolingParams()))
+    for i in range(2):
+        scheduler.add_request(PoolingRequest(f"other{i}", [1] * 60, other))
+    assert scheduler.abort("big4")
+    while scheduler.has_unfinished():
+        steps.append([r.request_id for r in scheduler.schedule()])
+        assert sum(len(r.prompt_token_ids) for r in scheduler.running) <= 100
+        scheduler.finish()
+    assert steps == [
+        ["big0", "big1", "big2"],  # alone: whole batches in arrival order, as many as fit
+        ["big3", "small", "other0"],  # each batch's next input in turn
+        ["big5", "other1"],  # (big5 leads: other0 and small were served after big3)
+    ]
+    assert not scheduler.waiting
+
+
+def test_a_small_request_runs_beside_a_large_batch(tiny_qwen2):
+    """In the engine: a one-input request added while a large batch runs finishes in the next step,
+    beside part of that batch, and gets the same vector as alone."""
+    model_dir, _ = tiny_qwen2
+    engine = create_engine(EngineConfig(model=str(model_dir), runner="pooling", max_num_batched_tokens=64))
+    prompts = _prompts(4)
+    batch = PoolingParams(batch_id="batch")
+    for i in range(8):
+        engine.add_request(f"batch{i}", prompts[5][:30], pooling=batch)
+    assert sorted(d.request_id for d in engine.step()) == ["batch0", "batch1"]
+    engine.add_request("small", prompts[2], pooling=PoolingParams())
+    second = {d.request_id: d.pooled.array() for d in engine.step()}
+    assert set(second) == {"batch2", "small"}  # the small request beside the batch's next input
+    assert engine.has_unfinished_requests()  # five of the batch's inputs still to run
+    alone = _run(engine, [prompts[2]])[0]
+    np.testing.assert_allclose(second["small"], alone, atol=1e-6)
 
 
 def test_each_engine_refuses_the_other_kind_and_bad_inputs(tmp_path, minilm):
