@@ -3,7 +3,9 @@
 - `read_body`: the body's bytes, decompressed per Content-Encoding, at most `max_bytes` after
   decompression (so a gzip bomb is a 413 like any large body). A client that stops sending mid-body
   for `idle_timeout` seconds, or drips it slower than MIN_BODY_RATE on average, gets a 408 rather
-  than holding the connection. A body that does not decode as its Content-Encoding says is a 400.
+  than holding the connection. A body that does not decode as its Content-Encoding says is a 400,
+  and so is a Content-Encoding other than one coding aiohttp decodes (`x-gzip`, `gzip, identity`,
+  `gzip;q=1`): aiohttp would pass such a body on undecoded, to be misread as plain JSON.
 - `decode_json`: nesting measured before parsing (engine_core/json_limits.py), then msgspec, with
   `null` meaning the same as an absent field: OpenAI allows `null` on its optional fields, and a
   client that sends `"max_tokens": null` means "the default", not "unbounded".
@@ -26,9 +28,13 @@ T = TypeVar("T")
 # Bytes per second a body must average (after a first `idle_timeout` of grace): a byte every few
 # seconds would otherwise hold a connection for as long as the client likes.
 MIN_BODY_RATE = 1024
+# The codings aiohttp decodes (its HTTP parser, case-insensitively), and "no coding".
+DECODED_CODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
+PLAIN_CODINGS = frozenset({"", "identity"})
 
 
 async def read_body(request: web.Request, max_bytes: int, idle_timeout: float | None) -> bytes:
+    _check_coding(request.headers.get("Content-Encoding", ""))
     if request.content_length is not None and request.content_length > max_bytes:
         raise _too_large(max_bytes)  # said up front: no need to read any of it
     body = bytearray()
@@ -74,6 +80,18 @@ async def read_body(request: web.Request, max_bytes: int, idle_timeout: float | 
         body += chunk
         if len(body) > max_bytes:
             raise _too_large(max_bytes)
+
+
+def _check_coding(value: str) -> None:
+    coding = value.strip().lower() if value.isascii() else value
+    if coding not in DECODED_CODINGS | PLAIN_CODINGS:  # (the value is not echoed: it is the client's bytes)
+        raise ApiError(
+            400,
+            "The request body could not be read: its Content-Encoding is not one this server decodes "
+            f"(send one of {', '.join(sorted(DECODED_CODINGS))}, or none).",
+            code="invalid_body_encoding",
+            closes="after_body",
+        )
 
 
 def _too_large(max_bytes: int) -> ApiError:

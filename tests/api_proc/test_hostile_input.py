@@ -290,6 +290,18 @@ def test_bodies_that_do_not_match_their_encoding_or_grow_too_large(server):
     assert "Traceback" not in server.log()
 
 
+def test_a_content_encoding_other_than_one_decoded_coding_is_refused(server):
+    """aiohttp decodes only the exact codings; any other value would leave the body undecoded, read as
+    plain JSON. Each is the documented 400, whether the body happens to be plain or gzipped."""
+    plain = json.dumps(_completion()).encode()
+    for coding in ("x-gzip", "gzip, identity", "gzip;q=1", "identity, gzip", "compress"):
+        for body in (plain, gzip.compress(plain)):
+            status, answer = _post(server, "/v1/completions", body, {"Content-Encoding": coding})
+            assert _assert_openai_error(status, answer)["code"] == "invalid_body_encoding", coding
+    assert _post(server, "/v1/completions", gzip.compress(plain), {"Content-Encoding": "GZIP"})[0] == 200
+    assert _post(server, "/v1/completions", plain, {"Content-Encoding": "identity"})[0] == 200
+
+
 # ---- 5. requests that are not HTTP ------------------------------------------------------------------
 
 SECRET = b"SECRETSECRET" * 1000
