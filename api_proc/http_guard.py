@@ -13,6 +13,9 @@
   request is closed to make room; when every connection is busy with a request, a new one gets a 503
   and is closed at once (so it holds no file descriptor).
 
+- `Expect`: a route made with `expect_handler=expect_continue` answers `100-continue` as aiohttp does,
+  and any other expectation with a JSON 417 (aiohttp's own is plain text that quotes the header).
+
 `GuardedAppRunner` is aiohttp's AppRunner with its protocol handler replaced by `GuardedRequestHandler`.
 """
 
@@ -36,6 +39,7 @@ from aiohttp.http_exceptions import (
     LineTooLong,
     TransferEncodingError,
 )
+from aiohttp.web_urldispatcher import _default_expect_handler as _aiohttp_expect
 
 logger = logging.getLogger("pagoda.http")
 LOG_INTERVAL = 10.0  # seconds between two log lines about the same kind of bad request
@@ -278,6 +282,25 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
         )
         response.force_close()
         return response
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """aiohttp's Expect handling (it runs before any middleware), with a 417 in OpenAI's envelope."""
+    if request.headers.get("Expect", "").lower() == "100-continue" or request.version < (1, 1):
+        return await _aiohttp_expect(request)  # "100 Continue" on HTTP/1.1; HTTP/1.0 has no Expect
+    body = msgspec.json.encode(
+        {
+            "error": {
+                "message": "Only 'Expect: 100-continue' is supported.",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "expectation_failed",
+            }
+        }
+    )
+    response = web.Response(status=417, body=body, content_type="application/json")
+    response.force_close()  # the body the client holds back is never read
+    return response
 
 
 class ClosingResponse(web.Response):

@@ -455,6 +455,15 @@ def test_no_backend_up(start_router):
     assert Scrape(router).value("pagoda_router_failed_requests_total", code="no_backend") == 1
 
 
+def test_an_unknown_expectation_is_a_417_in_openais_shape(start_router):
+    router = start_router([f"http://127.0.0.1:{free_port()}"])
+    for path in ("/v1/completions", "/health"):
+        method = "POST" if path.startswith("/v1") else "GET"
+        status, body = http(method, router.base_url + path, b"{}", headers={"Expect": "200-ok"})
+        assert status == 417 and body["error"]["code"] == "expectation_failed", body
+        assert "200-ok" not in body["error"]["message"]  # nothing the client sent is echoed
+
+
 def test_config_file_and_systemd_notifications(fleet, start_router, tmp_path):
     """`--config router.yaml` names the backends and the policy; under systemd (Type=notify) the router
     says READY=1 once it listens, STOPPING=1 on SIGTERM, then exits 0 (the fixture checks)."""
