@@ -27,15 +27,19 @@ def install_cors(app: web.Application, cors: CorsSettings) -> None:
     """Answer preflights, and add the CORS headers to every response just before its headers go out
     (on_response_prepare: a streamed response has sent them before its handler returns)."""
 
+    # Echo the origin rather than "*" when credentials are allowed: browsers refuse "*" then.
+    wildcard = "*" in cors.allowed_origins and not cors.allow_credentials
+
     async def add_headers(request: web.Request, response: web.StreamResponse) -> None:
+        if not cors.allowed_origins:
+            return
+        if not wildcard:  # the answer depends on Origin, for allowed and refused origins alike: caches
+            vary = response.headers.get("Vary")  # must not give one origin's answer to another
+            response.headers["Vary"] = "Origin" if not vary else vary if "origin" in vary.lower() else vary + ", Origin"
         origin = request.headers.get("Origin")
         if not cors.origin_allowed(origin):
             return
-        # Echo the origin rather than "*" when credentials are allowed: browsers refuse "*" then.
-        wildcard = "*" in cors.allowed_origins and not cors.allow_credentials
         response.headers["Access-Control-Allow-Origin"] = "*" if wildcard else origin
-        if not wildcard:
-            response.headers["Vary"] = "Origin"
         if cors.allow_credentials:
             response.headers["Access-Control-Allow-Credentials"] = "true"
 
