@@ -252,7 +252,11 @@ def serve(args) -> int:
     frontend = f"ipc://{runtime_dir}/frontend.sock"
     frontends = [frontend] + ([args.frontend] if args.frontend and not args.frontend.startswith("tcp://") else [])
     names = args.served_model_name or [args.model or DEFAULT_SERVED_MODEL_NAME]
-    settings = api_settings(args, frontend, names)
+    try:
+        settings = api_settings(args, frontend, names)
+    except ValueError:  # e.g. a key too short: nothing started, so nothing of this instance may stay
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+        raise
 
     supervisor = Supervisor(runtime_dir)
     status = 1

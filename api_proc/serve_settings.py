@@ -60,6 +60,8 @@ def frontend_limits(args: argparse.Namespace) -> FrontendLimits:
         max_pending_requests=args.max_pending_requests,
         max_tokens_cap=args.max_tokens_cap,
         max_batch_inputs=args.max_batch_inputs or None,
+        max_batch_tokens=args.max_batch_tokens or None,
+        max_token_embed_values=args.max_token_embed_values or None,
     )
 
 
@@ -176,6 +178,20 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=2048,
         help="embedding models: most inputs in one /v1/embeddings or /pooling request (400 above; 0 = no limit)",
+    )
+    g.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=65_536,
+        help="embedding models: most tokens in one /v1/embeddings or /pooling request, its inputs together "
+        "(400 above; 0 = no limit)",
+    )
+    g.add_argument(
+        "--max-token-embed-values",
+        type=int,
+        default=4_194_304,
+        help="embedding models: most values (tokens x dimensions) in one request's per-token output, "
+        "/pooling's token_embed (400 above; 0 = no limit)",
     )
     g.add_argument(
         "--max-pending-requests",

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from detok_proc.limits import FrontendLimits
 from detok_proc.metrics import DetokMetrics
 from detok_proc.replicas import EngineReplica
@@ -140,14 +142,18 @@ class PoolingFrontend:
         def admit(token_ids: list[list[int]]) -> None:
             self._admit(key, params, token_ids, engine, route, arrival)
 
-        self.prompts.run(key, size, lambda: self._checked(work, engine.max_model_len), admit)
+        values_per_token = info.hidden_size if params.task == "token_embed" else None
+        self.prompts.run(key, size, lambda: self._checked(work, engine.max_model_len, values_per_token), admit)
 
-    def _checked(self, work: Callable[[], list[list[int]]], max_model_len: int) -> list[list[int]]:
+    def _checked(
+        self, work: Callable[[], list[list[int]]], max_model_len: int, values_per_token: int | None
+    ) -> list[list[int]]:
         token_ids = work()
         try:
             inputs.check_lengths(token_ids, min(max_model_len, self.limits.max_prompt_tokens or max_model_len))
         except ParamError as exc:
             raise RequestInvalid(str(exc), exc.param, code="context_length_exceeded") from None
+        self.limits.check_pooling(sum(len(ids) for ids in token_ids), values_per_token)
         return token_ids
 
     def _admit(
@@ -160,12 +166,15 @@ class PoolingFrontend:
         arrival: float,
     ) -> None:
         replica = route(token_ids[0])
-        pending = PendingEmbed(key[0], key[1], replica.index, [], [len(ids) for ids in token_ids], params.task, arrival)
+        engine_ids = [self.new_engine_id() for _ in token_ids]
+        lengths = [len(ids) for ids in token_ids]
+        pending = PendingEmbed(key[0], key[1], replica.index, engine_ids, lengths, params.task, arrival)
         self.by_client[key] = pending
         replica.sent_since_stats += len(token_ids)
-        for index, ids in enumerate(token_ids):
-            engine_id = self.new_engine_id()
-            pending.engine_ids.append(engine_id)
+        # The inputs form one batch in the engine, which lets batches take turns (a client's own
+        # batch_id is replaced: it could otherwise join another client's batch).
+        params = msgspec.structs.replace(params, batch_id=engine_ids[0] if len(engine_ids) > 1 else None)
+        for index, (engine_id, ids) in enumerate(zip(engine_ids, token_ids, strict=True)):
             self.by_engine_id[engine_id] = (pending, index)
             replica.send(protocol.AddRequest(engine_id, protocol.pack_tokens(ids), _UNUSED, None, params))
 

@@ -62,6 +62,24 @@ def server(start_server, model_dir):
 
 
 @pytest.fixture(scope="module")
+def limited(start_server, model_dir):
+    """Steps of two of the longest inputs, and low caps on one request's tokens and per-token values."""
+    return start_server(
+        "--model",
+        str(model_dir),
+        "--max-num-batched-tokens",
+        "512",
+        "--max-batch-tokens",
+        "4096",
+        "--max-token-embed-values",
+        "200000",
+    )
+
+
+LONGEST = [101, *range(2000, 2254), 102]  # 256 token ids: the model's longest input
+
+
+@pytest.fixture(scope="module")
 def reference(model_dir):
     return st.SentenceTransformer(str(model_dir), device="cpu")
 
@@ -178,6 +196,70 @@ def test_pooling_route_gives_token_vectors_and_embeddings(server, reference):
     assert cosine(rows, expected).min() >= 0.9999
     status, pooled = http("POST", server.base_url + "/pooling", body={"input": text, "task": "embed"})
     assert status == 200 and cosine(np.array(pooled["data"][0]["data"]), reference.encode([text])[0]) >= 0.9999
+
+
+def test_base64_token_vectors_are_the_float32_bytes_of_the_rows(server):
+    body = {"input": [LONGEST[:40], LONGEST[:7]]}
+    status, floats = http("POST", server.base_url + "/pooling", body=body)
+    assert status == 200
+    status, packed = http("POST", server.base_url + "/pooling", body={**body, "encoding_format": "base64"})
+    assert status == 200 and packed["usage"] == floats["usage"]
+    for f, b in zip(floats["data"], packed["data"], strict=True):
+        rows = np.frombuffer(base64.b64decode(b["data"]), dtype="<f4").reshape(-1, 384)  # (the hidden size)
+        assert np.array_equal(rows, np.asarray(f["data"], dtype=np.float32))
+
+
+def test_per_token_output_over_the_values_cap_is_refused_naming_the_flag(limited):
+    over = {"input": [LONGEST[:200]] * 3}  # 600 tokens x 384 dimensions = 230,400 values > 200,000
+    status, answer = http("POST", limited.base_url + "/pooling", body=over)
+    assert status == 400, answer
+    assert "--max-token-embed-values" in answer["error"]["message"] and "230,400" in answer["error"]["message"]
+    assert answer["error"]["code"] == "too_many_values" and answer["error"]["param"] == "input"
+    status, pooled = http("POST", limited.base_url + "/pooling", body={**over, "task": "embed"})  # one vector each
+    assert status == 200 and len(pooled["data"]) == 3
+    status, rows = http("POST", limited.base_url + "/pooling", body={"input": [LONGEST[:200]] * 2})
+    assert status == 200 and len(rows["data"][1]["data"]) == 200
+
+
+def test_a_request_over_the_token_cap_is_refused_naming_the_flag(limited):
+    for route in ("/v1/embeddings", "/pooling"):
+        status, answer = http("POST", limited.base_url + route, body={"input": [LONGEST] * 17})
+        assert status == 400, answer  # 17 x 256 = 4,352 tokens > 4,096
+        assert "--max-batch-tokens" in answer["error"]["message"] and "4,352" in answer["error"]["message"]
+        assert answer["error"]["code"] == "too_many_tokens" and answer["error"]["param"] == "input"
+    status, ok = http("POST", limited.base_url + "/v1/embeddings", body={"input": [LONGEST] * 16})
+    assert status == 200 and len(ok["data"]) == 16
+
+
+def test_a_small_request_is_not_queued_behind_a_large_one(limited):
+    """A one-sentence request sent after a 16-input one (eight steps of two inputs) is answered first: it
+    runs in the large request's first step, instead of after all of its inputs."""
+    import os
+    import signal
+    import threading
+    import time
+
+    finished: list[str] = []
+
+    def post(name: str, inputs: list) -> None:
+        status, _ = http("POST", limited.base_url + "/v1/embeddings", body={"input": inputs}, timeout=120)
+        assert status == 200
+        finished.append(name)
+
+    engine = limited.child_named("pagoda-engine")
+    os.kill(engine, signal.SIGSTOP)  # (so both requests wait in the engine's input queue, the large one first)
+    try:
+        large = threading.Thread(target=post, args=("large", [LONGEST] * 16))
+        large.start()
+        time.sleep(0.5)
+        small = threading.Thread(target=post, args=("small", ["one sentence"]))
+        small.start()
+        time.sleep(0.5)
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    large.join(120)
+    small.join(120)
+    assert finished == ["small", "large"]
 
 
 def test_direct_client_embed(server, reference):

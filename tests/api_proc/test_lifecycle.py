@@ -88,6 +88,18 @@ def _stream_in_thread(server: PagodaServer, max_tokens: int, outcome: dict) -> t
     return thread, first_chunk
 
 
+def test_a_start_refused_for_its_settings_leaves_no_runtime_directory(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "api_proc.cli", "serve", "--port", str(free_port()), "--api-key", "short"],
+        env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "at least 8 characters" in run.stderr, run.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sigterm_drains_in_flight_request_then_exits_0(tmp_path):
     server = PagodaServer(tmp_path)
     outcome: dict = {}
