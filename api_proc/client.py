@@ -148,17 +148,21 @@ class AsyncEngineClient:
 
     async def _read(self) -> None:
         while True:
-            frame = await self.socket.recv(copy=False)
-            message = protocol.frontend_response_decoder.decode(frame.buffer)
-            if isinstance(message, protocol.GenerateOutputs):
-                for delta in message.deltas:
-                    queue = self._queues.get(delta.request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
-            else:
-                queue = self._queues.get(message.request_id)
+            # (Handed on at once: a local here would hold the last message, e.g. a 100 MB EmbedResult,
+            # until the next one arrives.)
+            self._dispatch(await self.socket.recv(copy=False))
+
+    def _dispatch(self, frame: zmq.Frame) -> None:
+        message = protocol.frontend_response_decoder.decode(frame.buffer)
+        if isinstance(message, protocol.GenerateOutputs):
+            for delta in message.deltas:
+                queue = self._queues.get(delta.request_id)
                 if queue is not None:
-                    queue.put_nowait(message)
+                    queue.put_nowait(delta)
+        else:
+            queue = self._queues.get(message.request_id)
+            if queue is not None:
+                queue.put_nowait(message)
 
     async def _call(self, message, timeout: float | None):
         """Send a one-answer request and wait for its answer. A caller that stops waiting (timeout,

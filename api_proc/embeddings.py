@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -18,6 +19,7 @@ from api_proc.openai_schema import ApiError
 from engine_core import protocol
 
 ENCODING_FORMATS = ("float", "base64")
+_json = msgspec.json.Encoder()
 _INPUT_TYPES = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
 
 
@@ -90,27 +92,33 @@ def usage(result: protocol.EmbedResult) -> dict:
     return {"prompt_tokens": tokens, "total_tokens": tokens}
 
 
-def embeddings_response(result: protocol.EmbedResult, model: str, encoding_format: str) -> dict:
-    """OpenAI's embeddings list."""
-    data = [
+def embeddings_response(result: protocol.EmbedResult, model: str, encoding_format: str) -> Iterator[bytes]:
+    """OpenAI's embeddings list, as JSON pieces (api_proc/json_reply.py)."""
+    data = (
         {"object": "embedding", "index": i, "embedding": _vectors(v, encoding_format, rows=False)}
         for i, v in enumerate(result.outputs)
-    ]
-    return {"object": "list", "data": data, "model": model, "usage": usage(result)}
+    )
+    return _list_pieces({"object": "list", "model": model}, data, usage(result))
 
 
-def pooling_response(result: protocol.EmbedResult, response_id: str, model: str, req: PoolingRequest) -> dict:
-    """vLLM's pooling response: per input, its embedding ("embed") or its tokens' vectors ("token_embed")."""
+def pooling_response(
+    result: protocol.EmbedResult, response_id: str, model: str, req: PoolingRequest
+) -> Iterator[bytes]:
+    """vLLM's pooling response: per input, its embedding ("embed") or its tokens' vectors ("token_embed"),
+    as JSON pieces (api_proc/json_reply.py)."""
     rows = req.task != "embed"
-    data = [
+    data = (
         {"index": i, "object": "pooling", "data": _vectors(v, req.encoding_format, rows)}
         for i, v in enumerate(result.outputs)
-    ]
-    return {
-        "id": response_id,
-        "object": "list",
-        "created": int(time.time()),
-        "model": model,
-        "data": data,
-        "usage": usage(result),
-    }
+    )
+    head = {"id": response_id, "object": "list", "created": int(time.time()), "model": model}
+    return _list_pieces(head, data, usage(result))
+
+
+def _list_pieces(head: dict, data: Iterator[dict], usage: dict) -> Iterator[bytes]:
+    """One JSON object: `head`'s fields, then "data" (each item encoded only when its turn comes, so one
+    input's Python floats exist at a time), then "usage"."""
+    yield _json.encode(head)[:-1] + b',"data":['
+    for index, item in enumerate(data):
+        yield (b"," if index else b"") + _json.encode(item)
+    yield b'],"usage":' + _json.encode(usage) + b"}"

@@ -18,6 +18,7 @@ from aiohttp import web
 from api_proc.auth import AuthPolicy
 from api_proc.client import AsyncEngineClient, EngineError
 from api_proc.embeddings import EmbeddingRequest, PoolingRequest, embeddings_response, pooling_response
+from api_proc.json_reply import send_json
 from api_proc.http_guard import ClosingResponse
 from api_proc.metrics import count_rejected, count_timed_out
 from api_proc.metrics import install as install_metrics
@@ -505,21 +506,21 @@ class ApiServer:
     async def pooling(self, request: web.Request) -> web.StreamResponse:
         return await self._generation(request, "pooling", "pool", self._pooling)
 
-    async def _embeddings(self, request: web.Request, record: RequestRecord) -> web.Response:
+    async def _embeddings(self, request: web.Request, record: RequestRecord) -> web.StreamResponse:
         req = decode_json(await self._body(request), EmbeddingRequest)
         model = self._check_model(req.model)
         record.prompt = req.input if self.settings.log_requests else None
         result = await self._embed(req.embed_options())
         record.prompt_tokens = dict(enumerate(result.num_prompt_tokens))
-        return json_response(embeddings_response(result, model, req.encoding_format))
+        return await send_json(request, embeddings_response(result, model, req.encoding_format))
 
-    async def _pooling(self, request: web.Request, record: RequestRecord) -> web.Response:
+    async def _pooling(self, request: web.Request, record: RequestRecord) -> web.StreamResponse:
         req = decode_json(await self._body(request), PoolingRequest)
         model = self._check_model(req.model)
         record.prompt = req.input if self.settings.log_requests else None
         result = await self._embed(req.embed_options(req.task))
         record.prompt_tokens = dict(enumerate(result.num_prompt_tokens))
-        return json_response(pooling_response(result, record.request_id, model, req))
+        return await send_json(request, pooling_response(result, record.request_id, model, req))
 
     async def _embed(self, options: dict) -> protocol.EmbedResult:
         """The tokenizer process's answer, or 504 once the request has run for `request_timeout` seconds

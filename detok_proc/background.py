@@ -12,21 +12,12 @@ process's RSS for good.
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import os
 import queue
 import threading
 from collections.abc import Callable, Hashable
 
-_libc_name = ctypes.util.find_library("c")
-_malloc_trim = getattr(ctypes.CDLL(_libc_name), "malloc_trim", None) if _libc_name else None
-
-
-def release_freed_memory() -> None:
-    """Return the C heap's free pages to the system (glibc only; a no-op elsewhere)."""
-    if _malloc_trim is not None:
-        _malloc_trim(0)
+from engine_core.host_memory import release_freed_memory
 
 
 class BackgroundWork:

@@ -16,6 +16,10 @@ The heap may hold a few freed blocks beside the ones in use (an aligned request 
 block of its own size until neighbours coalesce), then stops growing: `soak.py --requests 1000` grew
 the engine by 75 MiB (5 %) against 43 MiB without; tests/engine_core/test_host_memory.py checks both.
 Other C libraries (musl) have no `mallopt`: nothing changes there.
+
+Processes that only now and then build something large (the tokenizer process's long prompts, the HTTP
+worker's large embedding replies) do the opposite, `release_freed_memory` after it: without it their
+RSS stays at the largest such peak for good.
 """
 
 from __future__ import annotations
@@ -30,6 +34,16 @@ _M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 256 << 20  # larger blocks are still mapped (and returned) one by one
 TRIM_THRESHOLD = 512 << 20  # free memory kept at the top of the heap
+
+
+_libc_name = ctypes.util.find_library("c")
+_malloc_trim = getattr(ctypes.CDLL(_libc_name), "malloc_trim", None) if _libc_name else None
+
+
+def release_freed_memory() -> None:
+    """Return the C heap's free pages to the system (glibc's `malloc_trim`; a no-op elsewhere)."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def keep_freed_memory() -> bool:
