@@ -18,8 +18,8 @@ from aiohttp import web
 from api_proc.auth import AuthPolicy
 from api_proc.client import AsyncEngineClient, EngineError
 from api_proc.embeddings import EmbeddingRequest, PoolingRequest, embeddings_response, pooling_response
-from api_proc.json_reply import send_json
 from api_proc.http_guard import ClosingResponse
+from api_proc.json_reply import send_json
 from api_proc.metrics import count_rejected, count_timed_out
 from api_proc.metrics import install as install_metrics
 from api_proc.middleware import CorsSettings, auth_middleware, install_cors, preflight_middleware
