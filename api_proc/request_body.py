@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from functools import cache
 from typing import Any, TypeVar
 
@@ -122,7 +123,8 @@ def decode_json(body: bytes, schema: type[T] | None = None) -> T | dict[str, Any
         value = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise ApiError(
-            400, f"We could not parse the JSON body of your request ({exc}). The API expects a JSON payload."
+            400,
+            f"We could not parse the JSON body of your request ({_why(exc, body)}). The API expects a JSON payload.",
         ) from None
     if not isinstance(value, dict):
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_type")
@@ -158,6 +160,18 @@ def _struct_fields(schema: type) -> dict[str, type]:
             if isinstance(t, msgspec.inspect.StructType):
                 out[field.encode_name] = t.cls
     return out
+
+
+def _why(exc: msgspec.DecodeError, body: bytes) -> str:
+    """msgspec's reason, except where it misleads: it says "truncated" of a lone UTF-16 surrogate escape
+    ("\\ud800" without its pair), which Python's json (error path only) accepts."""
+    if "truncated" in str(exc) and b"\\u" in body:
+        try:
+            json.loads(body)
+        except ValueError:
+            return str(exc)
+        return "it contains a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), which is not text"
+    return str(exc)
 
 
 def _cause(exc: BaseException) -> str:

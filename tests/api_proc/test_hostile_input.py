@@ -290,6 +290,16 @@ def test_bodies_that_do_not_match_their_encoding_or_grow_too_large(server):
     assert "Traceback" not in server.log()
 
 
+def test_a_lone_surrogate_is_named_not_called_truncated(server):
+    body = b'{"model": "%s", "max_tokens": 2, "prompt": "\\ud800"}' % MODEL_NAME.encode()
+    status, answer = _post(server, "/v1/completions", body)
+    message = _assert_openai_error(status, answer)["message"]
+    assert "surrogate" in message and "truncated" not in message, message
+    status, answer = _post(server, "/v1/completions", body[:-2])  # truly cut short: said so
+    message = _assert_openai_error(status, answer)["message"]
+    assert "truncated" in message, message
+
+
 def test_a_content_encoding_other_than_one_decoded_coding_is_refused(server):
     """aiohttp decodes only the exact codings; any other value would leave the body undecoded, read as
     plain JSON. Each is the documented 400, whether the body happens to be plain or gzipped."""
