@@ -3,9 +3,14 @@
 About 2,000 requests (bounded in count and time, loopback only) against a real `pagoda serve` with an
 API key and limits: valid completions and chats (streamed and not), malformed JSON, wrong types,
 oversized bodies, over-long prompts, clients that disconnect mid-stream or time out, and clients with
-no key or a wrong key. Afterwards: every valid request answered 200 with exactly its tokens (none lost,
-hung or 5xx), every bad one got its 4xx, the engine holds no request and no KV block, and the server
-processes' memory grew by less than 10 % between the end of the warm-up and the end.
+no key or a wrong key; and the hostile-input probe's mix: temperatures too small for float32 (greedy),
+a repetition penalty that would overflow it, a 20,000-property JSON schema beside small constrained
+requests, public /metrics scrapes, odd Content-Encodings and lone surrogates.
+
+Afterwards: every valid request answered 200 with exactly its tokens (none lost, hung or 5xx), every
+bad one got its 4xx, the server kept the same processes (none restarted), the engine holds no request
+and no KV block, and the server processes' memory grew by less than 10 % between the end of the
+warm-up and the end.
 
     python benchmarks/soak.py                      # ~2,000 requests, concurrency 64
     python benchmarks/soak.py --requests 500 --concurrency 32
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import gzip
 import json
 import random
 import sys
@@ -43,9 +49,23 @@ MIX = {
     "client_timeout": 4,
     "no_key": 4,
     "wrong_key": 4,
+    # the hostile-input probe's mix
+    "tiny_temperature": 4,
+    "overflowing_penalty": 2,
+    "small_regex": 4,
+    "huge_schema": 1,
+    "metrics_scrape": 6,
+    "odd_encoding": 2,
+    "lone_surrogate": 2,
 }
-VALID = {"completion", "completion_stream", "chat", "chat_stream"}
+VALID = {"completion", "completion_stream", "chat", "chat_stream", "tiny_temperature"}  # exactly their tokens
 EXPECTED_STATUS = {
+    "small_regex": 200,
+    "metrics_scrape": 200,
+    "overflowing_penalty": 400,
+    "huge_schema": 400,
+    "odd_encoding": 400,
+    "lone_surrogate": 400,
     "malformed_json": 400,
     "wrong_type": 400,
     "oversized": 413,
@@ -53,6 +73,11 @@ EXPECTED_STATUS = {
     "no_key": 401,
     "wrong_key": 401,
 }
+
+
+# A schema whose grammar would take minutes to compile (20,000 properties, ~570 KB): refused by size.
+HUGE_SCHEMA = {"type": "object", "properties": {f"field_{i}": {"type": "string"} for i in range(20_000)}}
+ODD_ENCODING = {**AUTH, "Content-Encoding": "x-gzip"}
 
 
 def body_for(kind: str, rng: random.Random) -> tuple[str, dict | bytes, dict]:
@@ -85,6 +110,13 @@ def body_for(kind: str, rng: random.Random) -> tuple[str, dict | bytes, dict]:
         "disconnect": ("/v1/completions", {**completion, **stream, "max_tokens": 64}, AUTH),
         "client_timeout": ("/v1/chat/completions", {**chat, "max_tokens": 64}, AUTH),
         "no_key": ("/v1/completions", completion, {}),
+        "tiny_temperature": ("/v1/completions", {**completion, "temperature": rng.choice([1e-45, 1e-40, 1e-50])}, AUTH),
+        "overflowing_penalty": ("/v1/completions", {**completion, "repetition_penalty": 1e-45}, AUTH),
+        "small_regex": ("/v1/completions", {**completion, "guided_regex": "[0-9]+", "ignore_eos": False}, AUTH),
+        "huge_schema": ("/v1/completions", {**completion, "guided_json": HUGE_SCHEMA}, AUTH),
+        "metrics_scrape": ("/metrics", b"", {}),
+        "odd_encoding": ("/v1/completions", gzip.compress(json.dumps(completion).encode()), ODD_ENCODING),
+        "lone_surrogate": ("/v1/completions", json.dumps(completion)[:-1].encode() + b', "user": "\\ud800"}', AUTH),
         "wrong_key": ("/v1/completions", completion, {"Authorization": "Bearer not-the-key-at-all"}),
     }[kind]
 
@@ -104,8 +136,9 @@ async def one(session: aiohttp.ClientSession, url: str, kind: str, rng: random.R
             except asyncio.TimeoutError:
                 pass
             return kind, "ok"
-        async with session.post(
-            url + path, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=300)
+        method = "GET" if kind == "metrics_scrape" else "POST"
+        async with session.request(
+            method, url + path, data=data or None, headers=headers, timeout=aiohttp.ClientTimeout(total=300)
         ) as response:
             if kind == "disconnect":
                 await response.content.readline()
@@ -113,7 +146,7 @@ async def one(session: aiohttp.ClientSession, url: str, kind: str, rng: random.R
             raw = await response.read()
             if kind not in VALID:
                 expected = EXPECTED_STATUS[kind]
-                ok = response.status == expected and "error" in json.loads(raw)
+                ok = response.status == expected and (expected == 200 or "error" in json.loads(raw))
                 return kind, "ok" if ok else f"status {response.status}, expected {expected}"
             if response.status != 200:
                 return kind, f"status {response.status}: {raw[:200]!r}"
@@ -189,6 +222,7 @@ def main() -> int:
         wait_until(lambda: "KV pool" in server.log() and "populated" in server.log(), timeout=60)
         started = time.monotonic()
         deadline = started + args.max_seconds
+        processes = sorted(process_names(server))  # (a restarted engine or tokenizer process has a new pid)
         results = asyncio.run(run(url, kinds[: args.warmup], args.concurrency, args.seed, deadline))
         rss_start = server_rss(server)
         results += asyncio.run(run(url, kinds[args.warmup :], args.concurrency, args.seed + 1, deadline))
@@ -197,6 +231,7 @@ def main() -> int:
         state = asyncio.run(engine_state(url))
         rss_end = server_rss(server)
         alive = server.process.poll() is None
+        same_processes = sorted(process_names(server)) == processes
     finally:
         server.stop()
     outcomes = collections.Counter((kind, outcome) for kind, outcome in results)
@@ -206,7 +241,7 @@ def main() -> int:
     growth = sum(rss_end.values()) / sum(rss_start.values()) - 1
     print(
         f"{len(results)} requests ({skipped} skipped by the time bound) in {elapsed:.0f} s at concurrency "
-        f"{args.concurrency}; server alive: {alive}"
+        f"{args.concurrency}; server alive: {alive}; the same processes throughout: {same_processes}"
     )
     print(f"{'kind':<20} {'requests':>8} {'as required':>12}")
     for kind in MIX:
@@ -223,6 +258,7 @@ def main() -> int:
     )
     clean = (
         alive
+        and same_processes
         and not failures
         and state.get("vllm:num_requests_running") == 0
         and state.get("vllm:num_requests_waiting") == 0
