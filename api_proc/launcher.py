@@ -28,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from pathlib import Path
 
 from engine_core.identity import DEFAULT_SERVED_MODEL_NAME
 from engine_core.lifecycle import ChildLink, Command, Report, Role
@@ -212,6 +213,19 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+def metrics_model_name(served_model_names: list[str] | None, model: str | None) -> str:
+    """The `model_name` label of the public /metrics: the first served name, except that a local model
+    directory or .gguf file served under its path (no --served-model-name) is named by its last path
+    component, so an unauthenticated scrape learns no file path (/v1/models, behind the key, still
+    lists the path, which requests name)."""
+    if served_model_names:
+        return served_model_names[0]
+    if model is None:
+        return DEFAULT_SERVED_MODEL_NAME
+    path = Path(model).expanduser()
+    return path.resolve().name if path.exists() else model  # (else a hub id: owner/name, no path)
+
+
 def make_runtime_dir() -> str:
     """A private (0700) directory for this instance's ipc sockets."""
     base = os.environ.get("XDG_RUNTIME_DIR")
@@ -290,7 +304,7 @@ def serve(args) -> int:
             curve and args.frontend,
             curve,
             limits=frontend_limits(args),
-            model_name=names[0],
+            model_name=metrics_model_name(args.served_model_name, args.model),
             routing=args.dp_routing,
             seed=args.seed,
             link_keys=link_keys,

@@ -5,7 +5,8 @@ stats and every request: /metrics asks it for the text over the frontend socket 
 each worker answers with the whole server's metrics. What only an HTTP worker knows — requests
 refused with 429/413, ended by a client disconnect, or ended by the request timeout — it counts here
 and sends to the tokenizer process as a cumulative `ApiWorkerStats` snapshot at start-up and whenever
-a count changes; that process sums the workers (and reports each worker's process_* metrics by pid).
+a count changes; that process sums the workers (and reports each worker's process_* metrics, labelled
+by its worker number).
 Snapshots rather than increments: a repeated or reordered message cannot count anything twice.
 
 The API for the rest of the HTTP layer (one worker per process, so the counts are module state):
@@ -13,6 +14,7 @@ The API for the rest of the HTTP layer (one worker per process, so the counts ar
     count_rejected(status)  a request refused with 429 (at capacity) or 413 (body too large)
     count_timed_out()       a request ended by the server's request timeout
     count_aborted()         a request whose client disconnected (api_proc/request_log.py counts it)
+    set_worker(worker)      this process is HTTP worker number `worker` (api_proc/worker.py, at start)
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ from engine_core import protocol
 _rejected: Counter[int] = Counter()
 _counts = {"aborted": 0, "timed_out": 0}
 _client: AsyncEngineClient | None = None  # where the snapshots go; set by install()
+_worker = 0  # this process's number among the HTTP workers; set by set_worker()
+
+
+def set_worker(worker: int) -> None:
+    """This process is HTTP worker number `worker`: its snapshots say so."""
+    global _worker
+    _worker = worker
 
 
 def count_rejected(status: int) -> None:
@@ -51,7 +60,11 @@ def count_aborted() -> None:
 
 def snapshot() -> protocol.ApiWorkerStats:
     return protocol.ApiWorkerStats(
-        pid=os.getpid(), rejected=dict(_rejected), aborted=_counts["aborted"], timed_out=_counts["timed_out"]
+        pid=os.getpid(),
+        worker=_worker,
+        rejected=dict(_rejected),
+        aborted=_counts["aborted"],
+        timed_out=_counts["timed_out"],
     )
 
 

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 
 from aiohttp import web
 
+from api_proc import metrics as api_metrics
 from api_proc.http_guard import GuardedAppRunner, HttpGuard, allow_open_files
 from api_proc.server import ApiServer, ApiSettings
 from engine_core.lifecycle import Command, ParentLink, Report, Role, freeze_startup_heap, init_child_process
@@ -91,6 +92,7 @@ def run_api_worker(
 ) -> None:
     """Process entry point of HTTP worker number `worker` (its title: "pagoda: api <worker>")."""
     init_child_process(Role.API.process_name(), Role.API.process_title(worker))
+    api_metrics.set_worker(worker)
     link = None
     if parent_conn is not None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which decides

@@ -238,7 +238,7 @@ class DetokMetrics:
         return [metric.labels(self.model_name, str(engine)) for engine in range(self.num_engines)]
 
     def engine_ready(self, engine: int, ready: protocol.EngineReady) -> None:
-        self.processes.add(ready.pid, "engine")
+        self.processes.add(ready.pid, "engine", engine)
         self._engine_pids[engine] = ready.pid
         if ready.device_memory_total:
             self.device_memory.engines[engine] = (ready.device_memory_used, ready.device_memory_total)
@@ -282,7 +282,7 @@ class DetokMetrics:
 
     def api_worker_stats(self, stats: protocol.ApiWorkerStats) -> None:
         self.api_workers.update(stats)
-        self.processes.add(stats.pid, "api")
+        self.processes.add(stats.pid, "api", stats.worker)
 
     # ---- one sample's life -----------------------------------------------------------------------
     def tokens(self, sample: SampleState, delta: protocol.RequestDelta) -> None:

@@ -363,6 +363,7 @@ class ApiWorkerStats(msgspec.Struct, tag="api_stats", kw_only=True):
     whenever one changes, so the tokenizer process can add them to every worker's /metrics."""
 
     pid: int
+    worker: int = 0  # its number among the HTTP workers (its process title: "pagoda: api <worker>")
     rejected: dict[int, int] = {}  # requests refused, by HTTP status (429, 413)
     aborted: int = 0  # requests whose client disconnected before the response was complete
     timed_out: int = 0  # requests ended by the server's request timeout

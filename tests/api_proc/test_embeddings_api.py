@@ -284,6 +284,16 @@ def test_metrics_count_pooling_requests(server):
     assert delta(before, after, "vllm:prompt_tokens_total") == 9  # [CLS] word [SEP] each
 
 
+def test_public_metrics_name_the_model_without_its_path(server, model_dir, model_name):
+    """Served from a local directory without --served-model-name: /v1/models (behind the key when there
+    is one) lists the path as given, the public /metrics only the directory's name."""
+    assert model_name == str(model_dir)
+    status, text = http("GET", server.base_url + "/metrics")
+    assert status == 200 and str(model_dir) not in text and str(model_dir.parent) not in text
+    labelled = [s for s in Scrape(server).samples if "model_name" in s.labels]
+    assert labelled and {s.labels["model_name"] for s in labelled} == {model_dir.name}
+
+
 def test_engine_death_fails_an_embedding_request_without_a_hang(tmp_path, model_dir):
     import os
     import signal
