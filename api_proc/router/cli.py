@@ -84,6 +84,13 @@ def add_router_parser(subcommands) -> None:
         help="seconds a backend may send nothing, before its first byte (the whole generation, for a "
         "request that does not stream) or between two chunks; then 504, or an error event (0 = off)",
     )
+    g.add_argument(
+        "--backend-keepalive-timeout",
+        type=_interval,
+        default=15.0,
+        help="seconds an idle connection to a backend stays open for the next request (keep it below "
+        "the backends' --keepalive-timeout, 75 by default)",
+    )
     g = router.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address the router listens on")
     g.add_argument("--port", type=int, default=9000, help="port the router listens on")
@@ -137,6 +144,7 @@ def router_settings(args: argparse.Namespace) -> RouterSettings:
         load_poll_interval=args.load_poll_interval or None,
         connect_timeout=args.connect_timeout,
         read_timeout=args.read_timeout,
+        backend_keepalive_timeout=args.backend_keepalive_timeout,
         max_body_bytes=parse_size(args.max_body_size),
         body_timeout=args.body_timeout,
         header_timeout=args.header_timeout,

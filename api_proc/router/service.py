@@ -26,21 +26,35 @@ from api_proc.sd_notify import Notifier
 logger = logging.getLogger("pagoda.router")
 
 
-def _session() -> aiohttp.ClientSession:
-    # No cap on connections to backends (the client connection cap bounds them); idle ones are closed
-    # after 15 s, well before a Pagoda backend's 75 s keep-alive, so a reused one is rarely closed under us.
+def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
     # No cookie jar: a cookie one backend sets must never ride along on another client's request.
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=15.0)
     return aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=None), cookie_jar=aiohttp.DummyCookieJar()
+    )
+
+
+def _proxy_session(settings: RouterSettings) -> aiohttp.ClientSession:
+    """For the clients' requests. No cap on connections to backends (the client connection cap bounds
+    them); idle ones close after --backend-keepalive-timeout (15 s), well before a Pagoda backend's 75 s
+    keep-alive, so a reused one is rarely closed under us."""
+    return _session(aiohttp.TCPConnector(limit=0, keepalive_timeout=settings.backend_keepalive_timeout))
+
+
+def _probe_session(settings: RouterSettings) -> aiohttp.ClientSession:
+    """For the health probes and /load polls: one connection per backend. Sent through the proxy's pool
+    they kept every idle connection of a past burst open: aiohttp hands out the oldest idle connection
+    first and stamps it fresh, so a poll every 250 ms reached each of 60 connections within the 15 s
+    keep-alive, and none ever expired."""
+    return _session(
+        aiohttp.TCPConnector(limit=0, limit_per_host=1, keepalive_timeout=settings.backend_keepalive_timeout)
     )
 
 
 async def run_router(settings: RouterSettings) -> int:
     notifier = Notifier(os.environ.pop("NOTIFY_SOCKET", None))
     metrics = RouterMetrics(settings.backends)
-    async with _session() as session:
-        pool = BackendPool(settings, metrics, session)
+    async with _proxy_session(settings) as session, _probe_session(settings) as probe_session:
+        pool = BackendPool(settings, metrics, probe_session)
         await pool.probe_all_at_start()
         proxy = RouterProxy(settings, pool, metrics, session)
         guard = HttpGuard(

@@ -22,6 +22,7 @@ class RouterSettings:
     load_poll_interval: float | None = 0.25  # GET /load of Pagoda backends; None = off
     connect_timeout: float = 5.0  # seconds to open a connection to a backend (then the next one is tried)
     read_timeout: float | None = 300.0  # seconds a backend may send nothing: before the first byte, or mid-body
+    backend_keepalive_timeout: float = 15.0  # seconds an idle proxied connection to a backend stays open
     max_body_bytes: int = 32 * 1024 * 1024
     body_timeout: float | None = 30.0  # a client's request body: seconds without a byte (api_proc/request_body.py)
     header_timeout: float | None = 30.0  # a client's request head (api_proc/http_guard.py)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
 from api_proc.bench.local_router import LocalRouter
@@ -393,6 +394,41 @@ def test_a_client_that_leaves_aborts_the_request_on_the_backend(fleet, start_rou
 
     assert aborted(scrape_until(backend, aborted))
     assert wait_until(lambda: in_flight(router, backend) == 0, 10)
+
+
+def backend_connections(router: LocalRouter, backend: PagodaServer) -> int:
+    """The router's open (ESTABLISHED) TCP connections to the backend's port."""
+    connections = psutil.Process(router.process.pid).net_connections(kind="tcp")
+    return sum(
+        1 for c in connections if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port == backend.port
+    )
+
+
+def test_idle_backend_connections_of_a_burst_close_though_load_polls_go_on(fleet, start_router):
+    """A burst opens a connection per request; once idle for --backend-keepalive-timeout they close. The
+    /load polls (here every 50 ms) and health probes keep one connection of their own: through the
+    proxy's pool they once kept every connection of the burst open (aiohttp reuses the oldest idle one
+    first, so frequent polls kept them all fresh)."""
+    backend = fleet[0]
+    router = start_router(
+        [backend],
+        "--backend-api-key",
+        BACKEND_KEY,
+        "--api-key",
+        ROUTER_KEY,
+        "--load-poll-interval",
+        "0.05",
+        "--backend-keepalive-timeout",
+        "1",
+        "--health-check-interval",
+        "600",  # (the backend is stopped for a while below: no ejection)
+    )
+    with ThreadPoolExecutor(24) as burst:
+        with Stopped(backend):  # every request of the burst waits on a connection of its own
+            replies = [burst.submit(complete, router.base_url, f"Burst {i}") for i in range(24)]
+            assert wait_until(lambda: backend_connections(router, backend) >= 24, 60, 0.1)
+        assert all(f.result()[0] == 200 for f in replies)
+    assert wait_until(lambda: backend_connections(router, backend) <= 2, 60, 0.2), backend_connections(router, backend)
 
 
 def test_prefix_policy_keeps_a_prefix_on_one_backend(fleet, start_router):
