@@ -13,6 +13,7 @@ from api_proc.server import ApiSettings
 from detok_proc.limits import FrontendLimits
 from detok_proc.routing import POLICIES as ROUTING_POLICIES
 from engine_core.config import add_engine_args, parse_size
+from engine_core.structured_limits import StructuredOutputLimits
 
 
 def auth_policy(args: argparse.Namespace) -> AuthPolicy:
@@ -51,6 +52,9 @@ def api_settings(args: argparse.Namespace, frontend_addr: str, served_model_name
         log_requests=args.log_requests,
         ui=not args.no_ui,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        structured_limits=StructuredOutputLimits(
+            args.structured_output_max_bytes, args.structured_output_max_properties, args.structured_output_max_choices
+        ),
     )
 
 

@@ -46,12 +46,13 @@ from api_proc.request_body import decode_json, read_body
 from api_proc.request_log import RequestRecord, logged, observed
 from api_proc.request_trace import HttpTracing
 from api_proc.streams import merge
-from api_proc.structured import structured_outputs_of
+from api_proc.structured import check_constraint_size, structured_outputs_of
 from api_proc.tool_parsing import ToolCallStream, tool_response
 from api_proc.tools import plan_tools
 from api_proc.web_ui import install_dashboard_data, install_pages
 from engine_core import protocol
 from engine_core.identity import PAGODA_VERSION
+from engine_core.structured_limits import StructuredOutputLimits
 from engine_core.validation import ParamError, check_token_ids
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ class ApiSettings:
     log_requests: bool = False  # put prompts into the per-request log lines
     ui: bool = True  # serve the web app at / (api_proc/web_ui.py; --no-ui)
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces (api_proc/request_trace.py)
+    # The largest structured-output constraint (the engine checks it too, for direct clients).
+    structured_limits: StructuredOutputLimits = field(default_factory=StructuredOutputLimits)
 
     def completion_max_tokens(self) -> int:
         """OpenAI's default max_tokens for /v1/completions (16), or the server's cap if lower."""
@@ -318,8 +321,10 @@ class ApiServer:
             )
 
     def _limited(self, params):
-        """The server's cap on n (the max_tokens cap needs the prompt's length: the tokenizer process
-        applies it, for direct clients too)."""
+        """The server's cap on n and its size limits on a constraint (the max_tokens cap needs the
+        prompt's length: the tokenizer process applies it, for direct clients too)."""
+        if params.structured_outputs is not None:
+            check_constraint_size(params.structured_outputs, self.settings.structured_limits)
         if params.n > self.settings.max_n:
             raise ApiError(
                 400,

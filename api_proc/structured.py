@@ -9,8 +9,9 @@ Three spellings reach the same constraint, on both /v1/completions and /v1/chat/
 At most one may be given, and none together with callable tools (a forced `tool_choice` is a
 constraint of its own, and `auto` leaves the output free). Nothing is silently ignored: an unknown
 `response_format` type, an option this server does not implement (`guided_whitespace_pattern`,
-`structured_outputs.disable_any_whitespace`, ...) or two constraints at once are a 400. Whether the
-spec itself compiles is checked by the engine, before any compute.
+`structured_outputs.disable_any_whitespace`, ...) or two constraints at once are a 400. A spec over the
+server's size limits is a 400 here (`check_constraint_size`), before it leaves this process; whether
+the spec compiles is checked by the engine, before any compute.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import msgspec
 
 from api_proc.openai_schema import ApiError
 from api_proc.tools import ToolPlan
+from engine_core.structured_limits import StructuredOutputLimits
 from engine_core.structured_params import StructuredOutputsParams
+from engine_core.validation import ParamError
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _BACKENDS = (None, "auto", "xgrammar")
@@ -64,6 +67,14 @@ def structured_outputs_of(request, tools: ToolPlan | None = None) -> StructuredO
         names = ", ".join(f"'{c.source}'" for c in found)
         raise ApiError(400, f"Only one output constraint may be given; this request has {names}.", found[1].source)
     return found[0] if found else None
+
+
+def check_constraint_size(spec: StructuredOutputsParams, limits: StructuredOutputLimits) -> None:
+    """The 400 (naming the field, the limit and its flag) for a spec over the server's size limits."""
+    try:
+        limits.check(spec)
+    except ParamError as exc:
+        raise ApiError(400, str(exc), exc.param, "constraint_too_large") from None
 
 
 def _from_response_format(response_format: dict[str, Any]) -> list[StructuredOutputsParams]:

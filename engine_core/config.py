@@ -11,6 +11,13 @@ from typing import TYPE_CHECKING
 
 from engine_core.cpu_binding import check_spec as check_cpu_spec
 from engine_core.quantization import CHOICES as QUANTIZATION_CHOICES
+from engine_core.structured_limits import (
+    COMPILE_TIMEOUT_FLAG,
+    MAX_BYTES_FLAG,
+    MAX_CHOICES_FLAG,
+    MAX_PROPERTIES_FLAG,
+    StructuredOutputLimits,
+)
 
 if TYPE_CHECKING:  # torch is imported lazily: the server's parent and frontends never load it
     import torch
@@ -111,6 +118,13 @@ class EngineConfig:
     runner: str = "auto"
     pooling_type: str | None = None  # "mean", "cls" or "last"
     normalize: bool | None = None
+    # Structured output (docs/structured-output.md#limits): the largest constraint accepted (None = no
+    # limit), seconds one grammar compile may run (None = no limit), and compiles at once.
+    structured_output_max_bytes: int | None = StructuredOutputLimits.max_bytes
+    structured_output_max_properties: int | None = StructuredOutputLimits.max_properties
+    structured_output_max_choices: int | None = StructuredOutputLimits.max_choices
+    structured_output_compile_timeout: float | None = 10.0
+    structured_output_compile_workers: int = 2
 
     def __post_init__(self):
         if self.runner not in RUNNERS:
@@ -134,6 +148,8 @@ class EngineConfig:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError("tensor_parallel_size and pipeline_parallel_size must be at least 1")
         check_cpu_spec(self.cpu_threads_bind)
+        if self.structured_output_compile_workers < 1:
+            raise ValueError("structured_output_compile_workers must be at least 1")
         from engine_core.speculative.config import SpeculativeConfig
 
         speculative = SpeculativeConfig.parse(self.speculative_config, self.speculative_disable_batch_size)
@@ -148,6 +164,11 @@ class EngineConfig:
                 f"--speculative-config: the draft model {speculative.model!r} does not exist "
                 "(a Hugging Face model directory or a .gguf file)"
             )
+
+    def structured_limits(self) -> StructuredOutputLimits:
+        return StructuredOutputLimits(
+            self.structured_output_max_bytes, self.structured_output_max_properties, self.structured_output_max_choices
+        )
 
     @property
     def num_ranks(self) -> int:
@@ -309,6 +330,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(e.g. per --data-parallel-size replica), which then uses one torch thread per core",
     )
 
+    add_structured_output_args(parser)
     p = parser.add_argument_group("pooling (embedding models)")
     p.add_argument(
         "--runner",
@@ -332,6 +354,70 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="L2-normalize embeddings (default: yes if the model's sentence-transformers modules.json lists a "
         "Normalize module, or if it has no modules.json)",
+    )
+
+
+def _size_or_off(text: str) -> int | None:
+    try:
+        return parse_size(text) or None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _count_or_off(text: str) -> int | None:
+    count = int(text)
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"expected 0 (no limit) or a positive number, not {text!r}")
+    return count or None
+
+
+def _seconds_or_off(text: str) -> float | None:
+    seconds = float(text)
+    if not seconds >= 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds (0 = no limit), not {text!r}")
+    return seconds or None
+
+
+def add_structured_output_args(parser: argparse.ArgumentParser) -> None:
+    """Limits on structured-output constraints (engine_core/structured_limits.py): each refusal is a
+    400 that names its flag."""
+    limits = StructuredOutputLimits()
+    g = parser.add_argument_group("structured output")
+    g.add_argument(
+        MAX_BYTES_FLAG,
+        type=_size_or_off,
+        default=limits.max_bytes,
+        metavar="SIZE",
+        help="largest constraint: a JSON schema, regex, grammar or list of choices, as text (e.g. 128KiB; "
+        "400 above; 0 = no limit)",
+    )
+    g.add_argument(
+        MAX_PROPERTIES_FLAG,
+        type=_count_or_off,
+        default=limits.max_properties,
+        metavar="N",
+        help="most object properties in a JSON schema, all levels counted (400 above; 0 = no limit)",
+    )
+    g.add_argument(
+        MAX_CHOICES_FLAG,
+        type=_count_or_off,
+        default=limits.max_choices,
+        metavar="N",
+        help="most strings in a choice constraint (400 above; 0 = no limit)",
+    )
+    g.add_argument(
+        COMPILE_TIMEOUT_FLAG,
+        type=_seconds_or_off,
+        default=EngineConfig.structured_output_compile_timeout,
+        metavar="SECONDS",
+        help="seconds one grammar compile may run; then it is stopped and its requests get a 400 (0 = no limit)",
+    )
+    g.add_argument(
+        "--structured-output-compile-workers",
+        type=int,
+        default=EngineConfig.structured_output_compile_workers,
+        metavar="N",
+        help="grammar compiles at once, each in a worker process of the engine (smallest spec first when all are busy)",
     )
 
 
@@ -364,4 +450,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         runner=args.runner,
         pooling_type=args.pooling_type,
         normalize=args.normalize,
+        structured_output_max_bytes=args.structured_output_max_bytes,
+        structured_output_max_properties=args.structured_output_max_properties,
+        structured_output_max_choices=args.structured_output_max_choices,
+        structured_output_compile_timeout=args.structured_output_compile_timeout,
+        structured_output_compile_workers=args.structured_output_compile_workers,
     )

@@ -150,9 +150,14 @@ class EngineCore:
         self.spec_counters = (
             None if self.speculative is None else SpecDecodeCounters(self.speculative.num_speculative_tokens)
         )
-        # Constrained requests wait here, off the scheduler, while a worker thread compiles their grammar.
+        # Constrained requests wait here, off the scheduler, while worker processes compile their grammar.
         self.structured = StructuredOutputManager(
-            self.model_dir, self.model_cfg.vocab_size, self.model_cfg.eos_token_ids
+            self.model_dir,
+            self.model_cfg.vocab_size,
+            self.model_cfg.eos_token_ids,
+            limits=config.structured_limits(),
+            compile_timeout=config.structured_output_compile_timeout,
+            num_workers=config.structured_output_compile_workers,
         )
         self.ended_early: list[RequestRejected | RequestFailed] = []  # see take_rejected
         logger.info(
@@ -282,7 +287,9 @@ class EngineCore:
             self.executor.check_alive()
 
     def close(self) -> None:
-        """Stop the worker ranks, if any (idempotent; the engine cannot step afterwards)."""
+        """Stop the worker ranks, if any, and the grammar compile workers (idempotent; the engine cannot
+        step afterwards)."""
+        self.structured.close()
         if self.executor is not None:
             self._finalizer()
 

@@ -2,20 +2,25 @@
 one batched token bitmask per step (xgrammar on the CPU).
 
 How a constrained request flows:
-1. `EngineCore.add_request` hands it to `StructuredOutputManager.submit`. It waits there, outside the
-   scheduler, while the worker thread compiles its grammar (or finds it in the cache).
+1. `EngineCore.add_request` hands it to `StructuredOutputManager.submit`, which refuses a spec over the
+   size limits (ParamError). It waits there, outside the scheduler, while a compile worker compiles
+   its grammar (or finds it in the cache); aborting it cancels a compile nobody else waits for.
 2. `collect()` (each step) attaches a `RequestGrammar` to requests whose grammar is ready, and returns
-   those whose spec failed; the engine rejects them (RequestRejected -> a 400), before any compute.
+   those whose spec failed or ran past the compile time limit; the engine rejects them
+   (RequestRejected -> a 400), before any compute.
 3. The sampler calls `apply_grammar_bitmask` for the rows with a grammar: one batch fill of the
    bitmask, one in-place apply on the logits. Rows without a grammar pay nothing.
 4. `Request.append_token` advances the matcher with every token the request keeps; a terminated
    matcher ends the request ("stop").
 
-Why here, and why a thread: xgrammar and the tokenizer it needs import torch and transformers, which
-the API and tokenizer processes are kept free of; the engine has them anyway. Compilation releases the
-GIL (measured: the engine thread kept its full speed during a 90 ms compile), so a slow schema never
-stalls other requests' steps. One compile per schema serves every request that uses it; nothing is
-compiled twice or shipped between processes. Typical schemas compile in 5-70 ms on 2 cores.
+Why here, and why worker processes: xgrammar and the tokenizer it needs import torch and
+transformers, which the API and tokenizer processes are kept free of; the engine has them anyway. The
+compiles run in a small pool of worker processes (engine_core/grammar_pool.py: several at once,
+smallest spec first, each under a time limit, killed when every request waiting for it has gone),
+because an xgrammar compile cannot be interrupted and a runaway one must not keep the engine's CPU
+and memory. Oversized specs are refused before any compile (engine_core/structured_limits.py). One
+compile per spec serves every request that uses it; nothing is compiled twice. Typical schemas
+compile in 5-70 ms on 2 cores.
 
 Whitespace: JSON grammars are compiled with `any_whitespace=False`: separators are exactly ", " and
 ": ", no newlines or indentation, so a sampled output cannot run away in whitespace and ends the
@@ -29,18 +34,20 @@ tokens kept, needs no rollback; finishing or aborting a request drops its matche
 from __future__ import annotations
 
 import contextlib
-import json
+import functools
 import logging
 import os
-import re
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine_core.json_schema_support import unsupported_feature
+from engine_core.grammar_pool import LOAD_NICENESS, CompileNotDone, GrammarCompilePool
+from engine_core.grammar_worker import SpecError, choice_grammar, compile_spec
+from engine_core.structured_limits import StructuredOutputLimits
 from engine_core.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -49,15 +56,7 @@ if TYPE_CHECKING:
     from engine_core.request import Request
 
 logger = logging.getLogger(__name__)
-LOAD_NICENESS = 19  # the backend's start-up load takes only what the engine leaves (see `start`)
-_XGRAMMAR_LOCATION = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")  # "[12:00:00] /project/cpp/x.cc:94: "
-_KIND_NAMES = {
-    "json": "JSON schema",
-    "json_object": "JSON object",
-    "regex": "regex",
-    "choice": "choice",
-    "grammar": "grammar",
-}
+__all__ = ["LOAD_NICENESS", "GrammarBackend", "GrammarError", "StructuredOutputManager", "choice_grammar"]
 
 
 class GrammarError(ValueError):
@@ -65,7 +64,8 @@ class GrammarError(ValueError):
 
 
 class GrammarBackend:
-    """xgrammar for one model: its tokenizer's vocabulary and a compiler. Built in the worker thread."""
+    """xgrammar for one model: its tokenizer's vocabulary (`info`, and as JSON for the compile
+    workers) and the batch matcher. Built off the engine thread (`StructuredOutputManager.start`)."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: frozenset[int]):
         import xgrammar as xgr
@@ -76,49 +76,29 @@ class GrammarBackend:
         # The logits may be wider than the tokenizer's vocabulary (padded embeddings): the mask must
         # cover every logit, and ids the tokenizer lacks are never allowed.
         self.vocab_size = max(vocab_size, len(tokenizer))
-        info = xgr.TokenizerInfo.from_huggingface(
+        self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=sorted(eos_token_ids) or None
         )
-        # Half the cores at most: compilation shares the machine with the engine's own threads.
-        threads = max(1, (os.cpu_count() or 2) // 2)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
-        self.batch_matcher = xgr.BatchGrammarMatcher(threads)
+        self.info_json = self.info.serialize_json()
+        # Half the cores at most: mask filling shares the machine with the engine's own threads.
+        self.batch_matcher = xgr.BatchGrammarMatcher(max(1, (os.cpu_count() or 2) // 2))
         self.xgr = xgr
 
+    @functools.cached_property
+    def compiler(self):
+        """An xgrammar compiler in this process, for tests and benchmarks; serving compiles in the
+        worker processes (engine_core/grammar_pool.py)."""
+        return self.xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+
     def compile(self, params: StructuredOutputsParams):
-        """The compiled grammar for `params`, or GrammarError naming what is wrong with it."""
-        kind, spec = params.cache_key()
-        if kind == "json":
-            problem = unsupported_feature(json.loads(spec))
-            if problem:
-                raise GrammarError(
-                    f"Invalid '{params.source}': the JSON schema uses {problem}, which "
-                    "structured output cannot enforce."
-                )
+        """The compiled grammar for `params`, compiled here (tests, benchmarks), or GrammarError."""
         try:
-            if kind == "json":
-                return self.compiler.compile_json_schema(spec, any_whitespace=False)
-            if kind == "json_object":
-                return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return self.compiler.compile_regex(spec)
-            if kind == "choice":
-                return self.compiler.compile_grammar(choice_grammar(json.loads(spec)))
-            return self.compiler.compile_grammar(spec)
-        except Exception as exc:  # noqa: BLE001 - xgrammar reports every bad spec as some exception
-            message = _XGRAMMAR_LOCATION.sub("", str(exc)).strip()
-            raise GrammarError(
-                f"Invalid '{params.source}': the {_KIND_NAMES[kind]} cannot be compiled: {message}"
-            ) from None
+            return compile_spec(self.compiler, *params.cache_key())
+        except SpecError as exc:
+            raise GrammarError(f"Invalid '{params.source}': {exc}") from None
 
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """EBNF for "exactly one of these strings". JSON string escapes are the EBNF's; non-ASCII text
-    stays literal (xgrammar reads \\u escapes of surrogate pairs as two characters)."""
-    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
 
 
 class RequestGrammar:
@@ -145,31 +125,51 @@ class RequestGrammar:
 
 
 class StructuredOutputManager:
-    """Compiles grammars in one worker thread (cached by (kind, spec), errors included) and holds the
-    requests waiting for theirs. Everything but the compile itself runs on the engine thread."""
+    """Holds the requests waiting for their grammar, compiles each spec once in a pool of worker
+    processes (engine_core/grammar_pool.py), and caches the outcome by (kind, spec), refusals
+    included. Everything but the compile and the backend's load runs on the engine thread.
 
-    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: frozenset[int], cache_size: int = 256):
+    `limits`: the largest spec accepted (`submit` raises ParamError above them); `compile_timeout`:
+    seconds one compile may run (None: no limit); `num_workers`: compiles at once."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        cache_size: int = 256,
+        limits: StructuredOutputLimits | None = None,
+        compile_timeout: float | None = 10.0,
+        num_workers: int = 2,
+    ):
         self._backend_args = (model_dir, vocab_size, eos_token_ids)
-        # Its one thread starts with the first job (the backend load: `start` or the first submit).
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagoda-grammar")
         self._backend: Future | None = None
+        self._backend_lock = threading.Lock()  # one load at normal priority at a time (`_load_backend`)
+        self.limits = limits or StructuredOutputLimits()
+        self.pool = GrammarCompilePool(self._load_backend, num_workers, compile_timeout)
+        weakref.finalize(self, self.pool.close)  # (an engine collected without `close`)
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()  # done futures, LRU order
         self._cache_size = cache_size
         self._compiling: dict[tuple[str, str], Future] = {}
         self._pending: dict[str, tuple[Request, Future]] = {}
-        self.num_compiles = 0  # grammars compiled (not served from the cache), for tests and stats
         self.loader: threading.Thread | None = None  # the low-priority start-up load (`start`)
         self.load_niceness: int | None = None  # the niceness it ran at
 
+    @property
+    def num_compiles(self) -> int:
+        """Grammars compiled (not served from the cache), for tests and stats."""
+        return self.pool.num_compiles
+
     def start(self, after: Callable[[], object] | None = None) -> None:
         """Begin loading the backend now (xgrammar, tokenizer: 2.6-3 s of CPU, most of it the tokenizer's
-        first load), so the first constrained request does not wait for it. The server calls this once
-        it is ready. The load runs in a thread of its own at the lowest CPU priority: at full priority
-        it took a core from the engine's threads, and requests sent in the server's first seconds ran
-        several times slower (one 512-token prompt's first token: 1.6 s instead of 0.33 s). A grammar
-        compile that needs the backend before that thread has it loads one itself, at the normal
-        priority (`_compile`), rather than wait on a thread the engine may starve. `after`: what the
-        thread waits for first (the KV pool's pages, which every request needs: engine_core/kv_prefault.py)."""
+        first load), then start the compile workers, so the first constrained request waits for
+        neither. The server calls this once it is ready. The load runs in a thread of its own at the
+        lowest CPU priority, and the workers import at it too: at full priority the load took a core
+        from the engine's threads, and requests sent in the server's first seconds ran several times
+        slower (one 512-token prompt's first token: 1.6 s instead of 0.33 s). A compile that needs the
+        backend before that thread has it loads one itself, at the normal priority (`_load_backend`),
+        rather than wait on a thread the engine may starve. `after`: what the thread waits for first
+        (the KV pool's pages, which every request needs: engine_core/kv_prefault.py)."""
         if self._backend is None:
             self._backend = Future()
             self.loader = threading.Thread(
@@ -184,25 +184,34 @@ class StructuredOutputManager:
         if after is not None:
             after()
         assert self._backend is not None
-        if self._backend.done():  # a compile needed it first and loaded it (`_compile`)
-            return
-        try:
-            backend = GrammarBackend(*self._backend_args)
-        except Exception as exc:  # noqa: BLE001 - any failure goes to the future, as an executor job's would
-            with contextlib.suppress(InvalidStateError):
-                self._backend.set_exception(exc)
-            return
-        with contextlib.suppress(InvalidStateError):  # (a compile may have loaded one first)
-            self._backend.set_result(backend)
+        if not self._backend.done():  # (else a compile needed it first and loaded it: `_load_backend`)
+            try:
+                backend = GrammarBackend(*self._backend_args)
+            except Exception as exc:  # noqa: BLE001 - any failure goes to the future, and to each compile
+                with contextlib.suppress(InvalidStateError):
+                    self._backend.set_exception(exc)
+                return
+            with contextlib.suppress(InvalidStateError):  # (a compile may have loaded one first)
+                self._backend.set_result(backend)
+        self.pool.prestart()
 
     def backend(self) -> GrammarBackend:
-        """The loaded backend, waiting for it if need be (tests, benchmarks)."""
-        return self._backend_future().result()
+        """The loaded backend, loading it here if need be (tests, benchmarks)."""
+        return self._load_backend()
 
-    def _backend_future(self) -> Future:
-        if self._backend is None:
-            self._backend = self._executor.submit(GrammarBackend, *self._backend_args)
-        return self._backend
+    def _load_backend(self) -> GrammarBackend:
+        """The backend; loaded in this thread, at its priority, unless it is loaded already."""
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = Future()
+            if not self._backend.done():  # not started, or still loading at low priority (`start`)
+                with contextlib.suppress(InvalidStateError):
+                    self._backend.set_result(GrammarBackend(*self._backend_args))
+        return self._backend.result()
+
+    def close(self) -> None:
+        """Stop the compile workers (the engine cannot compile afterwards)."""
+        self.pool.close()
 
     @property
     def num_pending(self) -> int:
@@ -213,10 +222,11 @@ class StructuredOutputManager:
 
     def submit(self, request: Request) -> None:
         """Park `request`, which has structured output, until its grammar is compiled; `collect` hands
-        it back."""
+        it back. Raises ParamError (nothing parked) if its spec is over this server's limits."""
         params = request.params.structured_outputs
         if params is None:
             raise ValueError(f"request {request.request_id!r} has no structured output to compile")
+        self.limits.check(params)
         key = params.cache_key()
         future = self._cache.get(key)
         if future is not None:
@@ -224,20 +234,22 @@ class StructuredOutputManager:
         else:
             future = self._compiling.get(key)
         if future is None:
-            backend = self._backend_future()
-            future = self._compiling[key] = self._executor.submit(self._compile, backend, params)
+            future = self._compiling[key] = self.pool.submit(key)
         self._pending[request.request_id] = (request, future)
 
-    def _compile(self, backend: Future, params: StructuredOutputsParams):  # in the worker thread
-        if not backend.done():  # still loading at low priority (`start`): load one here, at ours
-            with contextlib.suppress(InvalidStateError):
-                backend.set_result(GrammarBackend(*self._backend_args))
-        compiled = backend.result().compile(params)
-        self.num_compiles += 1
-        return compiled
-
     def abort(self, request_id: str) -> bool:
-        return self._pending.pop(request_id, None) is not None
+        """Drop a waiting request; a compile no other request waits for is cancelled (its worker
+        killed if it is compiling), so a client that leaves frees what it asked for."""
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return False
+        future = entry[1]
+        if not future.done() and all(other is not future for _, other in self._pending.values()):
+            self.pool.cancel(future)
+            key = next((k for k, f in self._compiling.items() if f is future), None)
+            if key is not None:
+                del self._compiling[key]
+        return True
 
     def wait(self, timeout: float) -> None:
         """Block until some pending grammar is ready or `timeout` passes (for an engine with nothing
@@ -250,6 +262,8 @@ class StructuredOutputManager:
         for key, future in list(self._compiling.items()):
             if future.done():
                 del self._compiling[key]
+                if isinstance(future.exception(), CompileNotDone):
+                    continue  # (timed out or lost: the same spec may compile another time)
                 self._cache[key] = future
                 if len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
@@ -259,11 +273,12 @@ class StructuredOutputManager:
                 continue
             del self._pending[request_id]
             error = future.exception()
+            source = request.params.structured_outputs.source if request.params.structured_outputs else ""
             if error is None:
                 request.grammar = RequestGrammar(self.backend(), future.result())  # (loaded by now)
                 ready.append(request)
-            elif isinstance(error, GrammarError):
-                refused.append((request, str(error)))
+            elif isinstance(error, SpecError):
+                refused.append((request, f"Invalid '{source}': {error}"))
             else:  # the backend itself failed (e.g. xgrammar missing): this request fails, not the engine
                 logger.error("structured output backend failed: %r", error)
                 refused.append((request, f"Structured output is unavailable on this server: {error}"))
