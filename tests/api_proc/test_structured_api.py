@@ -171,6 +171,28 @@ def test_bad_specs_are_400s_naming_the_field(server, extra, param, fragment, str
     assert answer["error"]["type"] == "invalid_request_error"
 
 
+def test_a_refusal_names_each_requests_own_field_though_the_spec_is_shared(server):
+    """One schema (a circular `$ref`) sent as `guided_json`, then as the parameters of a named
+    `tool_choice`, then as `guided_json` again: the engine compiles (and refuses) it once, and each 400
+    names the field of its own request, in `param` and in the message."""
+    circular = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    named = {
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": circular}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+    }
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    for extra, field in (
+        ({"guided_json": circular}, "guided_json"),
+        (named, "tools"),
+        ({"guided_json": circular}, "guided_json"),
+    ):
+        status, answer = http("POST", server.base_url + "/v1/chat/completions", {**body, **extra})
+        assert status == 400 and answer["error"]["param"] == field, answer
+        assert (
+            answer["error"]["message"].startswith(f"Invalid '{field}': ") and "Circular" in answer["error"]["message"]
+        )
+
+
 def test_a_refused_spec_hurts_nothing_else(server, client):
     status, _ = http(
         "POST", server.base_url + "/v1/completions", {"prompt": "x", "max_tokens": 4, "n": 3, "guided_regex": "[z-a]"}
