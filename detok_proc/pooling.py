@@ -150,6 +150,10 @@ class PoolingFrontend:
     ) -> list[list[int]]:
         token_ids = work()
         try:
+            inputs.check_not_empty(token_ids)
+        except ParamError as exc:  # (its own code: an empty input is not one too long)
+            raise RequestInvalid(str(exc), exc.param, code="empty_input") from None
+        try:
             inputs.check_lengths(token_ids, min(max_model_len, self.limits.max_prompt_tokens or max_model_len))
         except ParamError as exc:
             raise RequestInvalid(str(exc), exc.param, code="context_length_exceeded") from None

@@ -35,13 +35,20 @@ def keep_last(ids: list[int], keep: int | None) -> list[int]:
     return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
-def check_lengths(inputs: list[list[int]], max_model_len: int, param: str = "input") -> None:
-    """ParamError for the first input that is empty or longer than the model's maximum."""
+def check_not_empty(inputs: list[list[int]], param: str = "input") -> None:
+    """ParamError for the first input without a token (e.g. an empty text with add_special_tokens false)."""
     for index, ids in enumerate(inputs):
-        where = f"{param}[{index}]" if len(inputs) > 1 else param
         if not ids:
+            where = f"{param}[{index}]" if len(inputs) > 1 else param
             raise ParamError(f"Invalid '{where}': the input is empty (it has no tokens).", param)
+
+
+def check_lengths(inputs: list[list[int]], max_model_len: int, param: str = "input") -> None:
+    """ParamError for the first input that is empty (check_not_empty) or longer than the model's maximum."""
+    check_not_empty(inputs, param)
+    for index, ids in enumerate(inputs):
         if len(ids) > max_model_len:
+            where = f"{param}[{index}]" if len(inputs) > 1 else param
             raise ParamError(
                 f"Invalid '{where}': the input has {len(ids)} tokens, but this model's maximum input length is "
                 f"{max_model_len} tokens. Shorten it, or set truncate_prompt_tokens to truncate it.",

@@ -179,6 +179,16 @@ def test_overlong_input_names_both_numbers(server):
     assert answer["error"]["code"] == "context_length_exceeded"
 
 
+@pytest.mark.parametrize("route", ["/v1/embeddings", "/pooling"])
+def test_an_input_without_tokens_is_refused_as_empty(server, route):
+    """An empty text without special tokens has no token at all: a 400 saying so, not a length error."""
+    for body, where in (({"input": ""}, "'input'"), ({"input": ["ok", ""]}, "'input[1]'")):
+        status, answer = http("POST", server.base_url + route, body={**body, "add_special_tokens": False})
+        assert status == 400 and answer["error"]["param"] == "input", answer
+        assert answer["error"]["code"] == "empty_input" and answer["error"]["type"] == "invalid_request_error"
+        assert f"Invalid {where}: the input is empty" in answer["error"]["message"], answer
+
+
 def test_generation_routes_are_refused_by_an_embedding_model(server):
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     for route, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", chat)):
