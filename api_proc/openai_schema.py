@@ -249,6 +249,8 @@ class ChatCompletionRequest(_Common, kw_only=True):
                     f"messages[{i}].content",
                     "invalid_type",
                 )
+            if role == "assistant":
+                _check_assistant_turn(i, message)
             out.append({**message, "content": content or ""})
         return out
 
@@ -286,6 +288,57 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _check_assistant_turn(i: int, message: dict[str, Any]) -> None:
+    """OpenAI's rules for an assistant message: `tool_calls`, when given, is a list of well-formed calls
+    (`{"id", "type": "function", "function": {"name", "arguments"}}`, the arguments as JSON text), and
+    the message says something: `content`, or calls (then `content` may be null or absent). An empty
+    list of calls counts as none (vLLM takes it; some clients send one)."""
+    calls = message.get("tool_calls")
+    where = f"messages[{i}].tool_calls"
+    if calls is not None and not isinstance(calls, list):
+        raise ApiError(400, f"Invalid type for '{where}': expected an array of tool calls.", where, "invalid_type")
+    for j, call in enumerate(calls or []):
+        _check_tool_call(f"{where}[{j}]", call)
+    if message.get("content") is None and not calls and message.get("function_call") is None:
+        raise ApiError(
+            400,
+            f"Missing required parameter: 'messages[{i}].content' (an assistant message needs 'content' "
+            "or 'tool_calls').",
+            f"messages[{i}].content",
+            "missing_required_parameter",
+        )
+
+
+def _check_tool_call(where: str, call: object) -> None:
+    if not isinstance(call, dict):
+        raise ApiError(400, f"Invalid type for '{where}': expected a tool call object.", where, "invalid_type")
+    _check_string(call, "id", where)
+    if call.get("type") != "function":
+        raise ApiError(
+            400, f"Invalid '{where}.type': expected 'function', but got {_shown(call.get('type'))}.", f"{where}.type"
+        )
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise ApiError(
+            400,
+            f"Invalid '{where}.function': expected an object with 'name' and 'arguments'.",
+            f"{where}.function",
+            "missing_required_parameter" if function is None else "invalid_type",
+        )
+    _check_string(function, "name", f"{where}.function")
+    _check_string(function, "arguments", f"{where}.function")  # JSON text, as responses carry it
+
+
+def _check_string(parent: dict[str, Any], key: str, where: str) -> None:
+    value = parent.get(key)
+    if value is None:
+        raise ApiError(
+            400, f"Missing required parameter: '{where}.{key}'.", f"{where}.{key}", "missing_required_parameter"
+        )
+    if not isinstance(value, str):
+        raise ApiError(400, f"Invalid type for '{where}.{key}': expected a string.", f"{where}.{key}", "invalid_type")
 
 
 def _shown(value: object) -> str:

@@ -482,6 +482,61 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(server):
         assert "apply_chat_template" not in error["message"] and "transformers" not in error["message"]
 
 
+def _call(**fields) -> dict:
+    return {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}, **fields}
+
+
+def test_assistant_turns_are_refused_where_openai_refuses_them(server):
+    """`tool_calls` must be a list of well-formed calls, and an assistant message needs `content` or
+    `tool_calls`: each refusal names the field, on /v1/chat/completions and /tokenize alike."""
+
+    def turns(assistant: dict) -> list[dict]:
+        return [{"role": "user", "content": "Hi"}, {"role": "assistant", **assistant}]
+
+    cases = [
+        ({"content": "ok", "tool_calls": "x"}, "messages[1].tool_calls", "invalid_type"),
+        ({"content": None, "tool_calls": {"id": "call_1"}}, "messages[1].tool_calls", "invalid_type"),
+        ({"tool_calls": ["x"]}, "messages[1].tool_calls[0]", "invalid_type"),
+        ({"tool_calls": [_call(id=None)]}, "messages[1].tool_calls[0].id", "missing_required_parameter"),
+        ({"tool_calls": [_call(id=7)]}, "messages[1].tool_calls[0].id", "invalid_type"),
+        ({"tool_calls": [_call(type="tool")]}, "messages[1].tool_calls[0].type", None),
+        ({"tool_calls": [_call(function=None)]}, "messages[1].tool_calls[0].function", "missing_required_parameter"),
+        (
+            {"tool_calls": [_call(function={"arguments": "{}"})]},
+            "messages[1].tool_calls[0].function.name",
+            "missing_required_parameter",
+        ),
+        (
+            {"tool_calls": [_call(function={"name": "f", "arguments": {"a": 1}})]},
+            "messages[1].tool_calls[0].function.arguments",
+            "invalid_type",
+        ),
+        ({}, "messages[1].content", "missing_required_parameter"),
+        ({"content": None}, "messages[1].content", "missing_required_parameter"),
+        ({"content": None, "tool_calls": []}, "messages[1].content", "missing_required_parameter"),
+    ]
+    for assistant, param, code in cases:
+        for path, body in (
+            ("/v1/chat/completions", _chat(messages=turns(assistant))),
+            ("/tokenize", {"messages": turns(assistant)}),
+        ):
+            error = _assert_openai_error(*_post(server, path, body), param)
+            assert error["code"] == code and error["type"] == "invalid_request_error", (path, assistant, error)
+    # What OpenAI takes: calls without content (null or absent), content without calls, both.
+    for assistant in (
+        {"content": None, "tool_calls": [_call()]},
+        {"tool_calls": [_call()]},
+        {"content": ""},
+        {"content": "ok", "tool_calls": [_call()]},
+    ):
+        status, reply = _post(
+            server,
+            "/v1/chat/completions",
+            _chat(messages=turns(assistant) + [{"role": "tool", "tool_call_id": "call_1", "content": "1"}]),
+        )
+        assert status == 200, (assistant, reply)
+
+
 def _request_lines(server) -> list[str]:
     return [line for line in server.log().splitlines() if "request finished" in line]
 
