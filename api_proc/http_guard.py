@@ -13,8 +13,9 @@
   request is closed to make room; when every connection is busy with a request, a new one gets a 503
   and is closed at once (so it holds no file descriptor).
 
-- `Expect`: a route made with `expect_handler=expect_continue` answers `100-continue` as aiohttp does,
-  and any other expectation with a JSON 417 (aiohttp's own is plain text that quotes the header).
+- `Expect`: `100-continue` is answered by aiohttp's routes as usual; any other expectation gets a JSON
+  417 before the request reaches the app, whatever its path (aiohttp's own is plain text that quotes
+  the header, raised before any middleware could turn it into JSON).
 
 `GuardedAppRunner` is aiohttp's AppRunner with its protocol handler replaced by `GuardedRequestHandler`.
 """
@@ -39,7 +40,6 @@ from aiohttp.http_exceptions import (
     LineTooLong,
     TransferEncodingError,
 )
-from aiohttp.web_urldispatcher import _default_expect_handler as _aiohttp_expect
 
 logger = logging.getLogger("pagoda.http")
 LOG_INTERVAL = 10.0  # seconds between two log lines about the same kind of bad request
@@ -284,10 +284,12 @@ class GuardedRequestHandler(web_protocol.RequestHandler):
         return response
 
 
-async def expect_continue(request: web.Request) -> web.StreamResponse | None:
-    """aiohttp's Expect handling (it runs before any middleware), with a 417 in OpenAI's envelope."""
-    if request.headers.get("Expect", "").lower() == "100-continue" or request.version < (1, 1):
-        return await _aiohttp_expect(request)  # "100 Continue" on HTTP/1.1; HTTP/1.0 has no Expect
+def expectation_failed(request: web.BaseRequest) -> web.Response | None:
+    """The 417, in OpenAI's envelope, for an `Expect` other than `100-continue` (which the app's routes
+    answer); None for a request without one, or on HTTP/1.0, which has no Expect."""
+    expect = request.headers.get("Expect")
+    if not expect or expect.lower() == "100-continue" or request.version < (1, 1):
+        return None
     body = msgspec.json.encode(
         {
             "error": {
@@ -327,6 +329,13 @@ class GuardedServer(web.Server):
         guarded = cls.__new__(cls)
         guarded.__dict__.update(server.__dict__)  # the app's handler, request factory and settings
         guarded.guard = guard
+        app_handler = server.request_handler
+
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
+            refused = expectation_failed(request)  # (the app would answer it before its middlewares)
+            return refused if refused is not None else await app_handler(request)
+
+        guarded.request_handler = handle
         return guarded
 
     def __call__(self) -> GuardedRequestHandler:

@@ -24,7 +24,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from api_proc.http_guard import ClosingResponse, expect_continue
+from api_proc.http_guard import ClosingResponse
 from api_proc.middleware import auth_middleware
 from api_proc.openai_schema import ApiError
 from api_proc.request_body import read_body
@@ -110,9 +110,8 @@ class RouterProxy:
         self.app = web.Application(
             client_max_size=settings.max_body_bytes, middlewares=[router_errors, auth_middleware(settings.auth)]
         )
-        json_417 = {"expect_handler": expect_continue}  # (an Expect is handled before any middleware)
-        routes = [web.get("/health", self.health, **json_417), web.get("/metrics", self.metrics_text, **json_417)]
-        routes += [web.route(method, path, self.forward, **json_417) for method, path in FORWARDED_ROUTES]
+        routes = [web.get("/health", self.health), web.get("/metrics", self.metrics_text)]
+        routes += [web.route(method, path, self.forward) for method, path in FORWARDED_ROUTES]
         self.app.add_routes(routes)
 
     # ---- the router's own routes -----------------------------------------------------------------

@@ -537,6 +537,17 @@ def test_assistant_turns_are_refused_where_openai_refuses_them(server):
         assert status == 200, (assistant, reply)
 
 
+def test_an_expectation_other_than_100_continue_is_a_417_in_openais_shape(server):
+    """On every path, a route's, an unknown one, the key-protected ones (the 417 comes before the key is
+    checked, as aiohttp answers an Expect before any middleware): OpenAI's envelope, nothing echoed."""
+    for method, path in (("POST", "/v1/completions"), ("GET", "/health"), ("GET", "/metrics"), ("GET", "/nope")):
+        status, body = http(
+            method, server.base_url + path, b"{}" if method == "POST" else None, headers={"Expect": "200-ok"}
+        )
+        error = _assert_openai_error(status, body, None)
+        assert status == 417 and error["code"] == "expectation_failed" and "200-ok" not in error["message"], body
+
+
 def _request_lines(server) -> list[str]:
     return [line for line in server.log().splitlines() if "request finished" in line]
 

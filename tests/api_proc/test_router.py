@@ -493,7 +493,7 @@ def test_no_backend_up(start_router):
 
 def test_an_unknown_expectation_is_a_417_in_openais_shape(start_router):
     router = start_router([f"http://127.0.0.1:{free_port()}"])
-    for path in ("/v1/completions", "/health"):
+    for path in ("/v1/completions", "/health", "/nope"):
         method = "POST" if path.startswith("/v1") else "GET"
         status, body = http(method, router.base_url + path, b"{}", headers={"Expect": "200-ok"})
         assert status == 417 and body["error"]["code"] == "expectation_failed", body
