@@ -126,9 +126,9 @@ class GrammarCompilePool:
 
     @property
     def num_compiling(self) -> int:
-        """Jobs a worker is compiling now."""
+        """Specs a worker process is compiling now (sent to it, no answer yet)."""
         with self._lock:
-            return sum(worker.job is not None for worker in self._workers)
+            return sum(worker.compiling for worker in self._workers)
 
     def prestart(self) -> None:
         """Start every worker now, importing at the lowest priority, so the first compiles need not
@@ -206,6 +206,12 @@ class GrammarCompilePool:
             self._reap(worker)
             if timed_out or job.cancelled:
                 self.num_killed += 1
+                logger.warning(
+                    "grammar compile of a %s (%d bytes) %s; its worker was killed",
+                    KIND_NAMES[job.key[0]],
+                    len(job.key[1]),
+                    f"ran past the {self.timeout:g} s limit" if timed_out else "was cancelled: no request waits for it",
+                )
             self.num_timed_out += timed_out
             return self._finish(worker, job, self._not_done(job, timed_out, process))
         ok, payload = reply
@@ -257,6 +263,8 @@ class GrammarCompilePool:
         if read_frame(process.stdout.fileno()) != [True, ""]:
             process.kill()
             self._reap(worker)
+            if self._closed:  # (killed by `close` while it started: nothing to report)
+                return
             raise RuntimeError(f"the grammar compile worker failed to start (exit code {process.returncode})")
 
     def _reap(self, worker: _Worker) -> None:
