@@ -127,7 +127,7 @@ def main() -> int:
     # creates them.
     compiler = loaded["xgr"].GrammarCompiler(loaded["info"], max_threads=init["max_threads"], cache_enabled=False)
     write_frame(replies, [True, ""])
-    while (job := read_frame(requests)) is not None:
+    while isinstance(job := read_frame(requests), list):  # (None: the engine closed the pipe)
         kind, spec = job
         try:
             reply = [True, compile_spec(compiler, kind, spec).serialize_json()]
