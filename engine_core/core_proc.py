@@ -117,7 +117,7 @@ class EngineCoreProc:
         self._pending = []
         if self.engine.has_unfinished_requests():
             deltas += self.engine.step()
-            for ended in self.engine.take_rejected():  # bad structured-output specs, requests that failed
+            for ended in self.engine.take_ended():  # bad structured-output specs, requests that failed
                 self._send(ended)
         self._send(protocol.StepOutputs(deltas, self.engine.stats(), time.time()))
 

@@ -159,7 +159,7 @@ class EngineCore:
             compile_timeout=config.structured_output_compile_timeout,
             num_workers=config.structured_output_compile_workers,
         )
-        self.ended_early: list[RequestRejected | RequestFailed] = []  # see take_rejected
+        self.ended_early: list[RequestRejected | RequestFailed] = []  # see take_ended
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens, %s; max concurrency at full context "
             "length (%d): %.2fx; model %s loaded in %.1fs",
@@ -223,7 +223,7 @@ class EngineCore:
         else:
             self.scheduler.add_request(request)
 
-    def take_rejected(self) -> list[RequestRejected | RequestFailed]:
+    def take_ended(self) -> list[RequestRejected | RequestFailed]:
         """Requests ended after `add_request` returned, since the last call: rejected before computing
         anything (a structured-output spec that does not compile), or failed mid-way because of their
         own data (`RequestFailed`: logits that were not finite, an error taking their tokens)."""
@@ -305,7 +305,7 @@ class EngineCore:
         Returns one delta per request that got a token this step (one token each; none for a prefill
         chunk short of the prompt's end, so the list may be empty), with `finish_reason` set on a
         request's last delta. Requests ended by `abort_request` get no delta here, and requests
-        refused after `add_request` are reported by `take_rejected`. Raises RuntimeError when the
+        refused after `add_request` are reported by `take_ended`. Raises RuntimeError when the
         request at the head of the queue cannot fit in the KV cache even alone.
         """
         self._admit_compiled()

@@ -197,7 +197,7 @@ class LLM:
                     if out.finish_reason is not None:
                         reasons[out.request_id] = out.finish_reason
                         bar.update(1)
-                for ended in self.engine.take_rejected():  # a structured-output spec, or a failed request
+                for ended in self.engine.take_ended():  # a structured-output spec, or a failed request
                     raise ValueError(f"prompt {slots[ended.request_id][0]}: {ended.message}")
         finally:  # interrupted (Ctrl-C, an engine error): leave nothing of this call queued
             bar.close()

@@ -113,7 +113,7 @@ class PoolingEngineCore:
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
 
-    def take_rejected(self) -> list[RequestRejected | RequestFailed]:
+    def take_ended(self) -> list[RequestRejected | RequestFailed]:
         return []  # (every refusal happens in add_request)
 
     def has_unfinished_requests(self) -> bool:

@@ -38,7 +38,7 @@ def run_until_finished(engine, request_id: str, limit: float = 120.0) -> list:
     while not any(d.request_id == request_id and d.finish_reason for d in deltas):
         assert time.monotonic() < deadline, f"{request_id} never finished"
         deltas += engine.step()
-        assert not [r for r in engine.take_rejected() if r.request_id == request_id]  # (compiled, not refused)
+        assert not [r for r in engine.take_ended() if r.request_id == request_id]  # (compiled, not refused)
     return [d for d in deltas if d.request_id == request_id]
 
 

@@ -42,7 +42,7 @@ def _run(engine: EngineCore, requests: dict[str, tuple[list[int], SamplingParams
     while engine.has_unfinished_requests():
         for delta in engine.step():
             tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
-        for ended in engine.take_rejected():
+        for ended in engine.take_ended():
             assert isinstance(ended, RequestFailed) and "not finite" in ended.message
             failed.add(ended.request_id)
         engine.check_integrity()
@@ -82,7 +82,7 @@ def test_an_error_taking_one_request_s_tokens_fails_that_request_alone(engine, m
     while engine.has_unfinished_requests():
         for delta in engine.step():
             tokens.setdefault(delta.request_id, []).extend(delta.new_token_ids)
-        ended += engine.take_rejected()
+        ended += engine.take_ended()
         engine.check_integrity()
     assert [(type(e), e.request_id) for e in ended] == [(RequestFailed, "b")]
     assert "injected" not in ended[0].message  # the client is told what happened, not the exception's text
