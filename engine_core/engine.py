@@ -159,6 +159,9 @@ class EngineCore:
             compile_timeout=config.structured_output_compile_timeout,
             num_workers=config.structured_output_compile_workers,
         )
+        # Its compile worker processes stop when this engine is closed or collected, whichever comes first
+        # (an offline `LLM` dropped without close() would otherwise keep them until the interpreter exits).
+        self._close_structured = weakref.finalize(self, self.structured.close)
         self.ended_early: list[RequestRejected | RequestFailed] = []  # see take_ended
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens, %s; max concurrency at full context "
@@ -289,7 +292,7 @@ class EngineCore:
     def close(self) -> None:
         """Stop the worker ranks, if any, and the grammar compile workers (idempotent; the engine cannot
         step afterwards)."""
-        self.structured.close()
+        self._close_structured()
         if self.executor is not None:
             self._finalizer()
 

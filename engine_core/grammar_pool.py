@@ -137,13 +137,17 @@ class GrammarCompilePool:
             self._start_threads(warm=True)
 
     def close(self) -> None:
-        """Stop the workers (their compiles are dropped)."""
+        """Stop the workers (their compiles are dropped) and reap them, so that an engine closed inside a
+        longer-lived process (the offline `LLM`, tests) leaves no zombie behind."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-            for worker in self._workers:
-                if worker.process is not None:
-                    worker.process.kill()
+            processes = [worker.process for worker in self._workers if worker.process is not None]
+            for process in processes:
+                process.kill()
+        for process in processes:  # (outside the lock: a pool thread may be reaping it too)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5)
 
     # ---- the pool's threads ------------------------------------------------------------------
     def _start_threads(self, warm: bool) -> None:  # (under the lock)
