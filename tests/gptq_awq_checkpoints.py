@@ -78,11 +78,20 @@ def smollm2(name: str, tool: str, *args: str) -> Spec:
 
 # The checkpoints the tests use (test_gptq_awq.py; the tensor-parallel test reuses the act-order one).
 SPECS = [
+    # One GPTQ checkpoint of all of SmolLM2; the other variants quantize its first 4 layers (real weights and
+    # widths): GPTQModel took 170-440 s for each of them on all 30 layers, 26 minutes of a cold test run.
     smollm2("gptq-smollm2-w4-g64", "gptq", "--bits", "4", "--group-size", "64"),
-    smollm2("gptq-smollm2-w4-g64-asym", "gptq", "--bits", "4", "--group-size", "64", "--asym"),
-    smollm2("gptq-smollm2-w4-g64-actorder", "gptq", "--bits", "4", "--group-size", "64", "--desc-act"),
-    smollm2("gptq-smollm2-w8-g64", "gptq", "--bits", "8", "--group-size", "64"),
-    smollm2("gptq-smollm2-w4-perchannel", "gptq", "--bits", "4", "--group-size", "-1"),
+    Spec(
+        "gptq-smollm2-4layers-w4-g64-asym", "gptq", "smollm2-4layers", ("--bits", "4", "--group-size", "64", "--asym")
+    ),
+    Spec(
+        "gptq-smollm2-4layers-w4-g64-actorder",
+        "gptq",
+        "smollm2-4layers",
+        ("--bits", "4", "--group-size", "64", "--desc-act"),
+    ),
+    Spec("gptq-smollm2-4layers-w8-g64", "gptq", "smollm2-4layers", ("--bits", "8", "--group-size", "64")),
+    Spec("gptq-smollm2-4layers-w4-perchannel", "gptq", "smollm2-4layers", ("--bits", "4", "--group-size", "-1")),
     # AutoAWQ takes over 20 minutes on all of SmolLM2 here: its first 4 layers (576 and 1536 are not
     # multiples of 128, so groups of 64), and tiny models with AWQ's usual group of 128.
     Spec("awq-smollm2-4layers-g64", "awq", "smollm2-4layers", ("--group-size", "64")),

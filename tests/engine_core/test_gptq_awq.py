@@ -126,7 +126,7 @@ def test_each_layer_dequantizes_exactly_as_the_tool_does(made):
 def test_act_order_is_shared_by_merged_projections():
     """GPTQ orders a layer's columns by its inputs' Hessian: q/k/v see the same input, and so do gate/up,
     so each merged linear has one permutation (Pagoda's packed layout holds one per linear)."""
-    model_dir = checkpoint(BY_NAME["gptq-smollm2-w4-g64-actorder"])
+    model_dir = checkpoint(BY_NAME["gptq-smollm2-4layers-w4-g64-actorder"])
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     for layer in range(num_layers):
         prefix = f"model.layers.{layer}"
@@ -143,8 +143,8 @@ def test_act_order_is_shared_by_merged_projections():
 @pytest.mark.parametrize(
     ("name", "description"),
     [
-        ("gptq-smollm2-w4-g64-actorder", "gptq (4-bit, group 64, symmetric, act-order)"),
-        ("gptq-smollm2-w4-perchannel", "gptq (4-bit, per channel, symmetric)"),
+        ("gptq-smollm2-4layers-w4-g64-actorder", "gptq (4-bit, group 64, symmetric, act-order)"),
+        ("gptq-smollm2-4layers-w4-perchannel", "gptq (4-bit, per channel, symmetric)"),
         ("awq-tiny-qwen2-g128", "awq (4-bit, group 128, zero points, gemm)"),
     ],
 )

@@ -166,10 +166,10 @@ def test_a_killed_worker_makes_the_idle_engine_process_report_dead(engine_proces
 
 @pytest.mark.slow
 def test_gptq_act_order_checkpoint(tokenizer):
-    """A GPTQ checkpoint of SmolLM2 quantized in activation order (groups of 64 scattered over the input
+    """A GPTQ checkpoint of SmolLM2's first layers quantized in activation order (groups of 64 scattered over the input
     columns): the row-parallel layers regroup each rank's columns (engine_core/quantization/base.py)."""
     from tests.gptq_awq_checkpoints import BY_NAME, checkpoint
 
-    model_dir = checkpoint(BY_NAME["gptq-smollm2-w4-g64-actorder"])
+    model_dir = checkpoint(BY_NAME["gptq-smollm2-4layers-w4-g64-actorder"])
     prompts = golden_prompts(tokenizer)[:5]
     compare_runs(_tp1_and_tp2(model_dir, prompts, num_kv_blocks=256), min_identical=4)
