@@ -225,14 +225,17 @@ class DetokProc:
     def _failed(self, client: bytes, request_id: str, exc: Exception) -> None:
         """Answer a request this process failed on with a 500 that names no internal detail (logged)."""
         logger.error("request %r from a client failed", request_id, exc_info=exc)
+        self._end_with_server_error(
+            client, request_id, "the request failed on an internal error (the server log has the details)"
+        )
+
+    def _end_with_server_error(self, client: bytes, request_id: str, message: str, code: str | None = None) -> None:
+        """End a client's request (every sample of it) with a 500 carrying `message`, written for the client."""
         self._abort(client, [request_id])
         self._reply(
             client,
             protocol.RequestError(
-                request_id=request_id,
-                status=500,
-                error_type="server_error",
-                message="the request failed on an internal error (the server log has the details)",
+                request_id=request_id, status=500, error_type="server_error", message=message, code=code
             ),
         )
 
@@ -588,15 +591,10 @@ class DetokProc:
                     RequestTracing.tokens(sample.trace, delta, step_time, time.perf_counter() - started)
             except Exception:  # e.g. a tokenizer that cannot decode: end this one only
                 logger.exception("detokenizing request %s failed", sample.client_request_id)
-                self._abort(sample.identity, [sample.client_request_id])
-                self._reply(
+                self._end_with_server_error(
                     sample.identity,
-                    protocol.RequestError(
-                        request_id=sample.client_request_id,
-                        status=500,
-                        error_type="server_error",
-                        message="the output could not be detokenized (the server log has the details)",
-                    ),
+                    sample.client_request_id,
+                    "the output could not be detokenized (the server log has the details)",
                 )
                 continue
             outgoing[sample.identity].append(out)
@@ -644,17 +642,7 @@ class DetokProc:
         sample = self.samples.get(message.request_id)
         if sample is None:  # (its client is gone, or a sibling's failure already ended it)
             return
-        self._abort(sample.identity, [sample.client_request_id])
-        self._reply(
-            sample.identity,
-            protocol.RequestError(
-                request_id=sample.client_request_id,
-                status=500,
-                message=message.message,
-                error_type="server_error",
-                code="request_failed",
-            ),
-        )
+        self._end_with_server_error(sample.identity, sample.client_request_id, message.message, "request_failed")
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
