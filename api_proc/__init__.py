@@ -1,2 +1,2 @@
 """The HTTP API process (aiohttp, OpenAI-compatible). It talks to the engine only through
-`engine_core.protocol` over ZeroMQ and never imports torch."""
+`pagoda.engine_core.protocol` over ZeroMQ and never imports torch."""

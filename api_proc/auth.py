@@ -23,8 +23,8 @@ import hmac
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from api_proc.web_ui import PAGE_PATHS
-from engine_core.environment import keys_from_environment
+from pagoda.api_proc.web_ui import PAGE_PATHS
+from pagoda.engine_core.environment import keys_from_environment
 
 USER_ROUTES = frozenset(
     {

@@ -17,12 +17,12 @@ import sys
 import time
 from dataclasses import asdict
 
-from api_proc.bench.cli import add_bench_parser
-from api_proc.cli_config import parse_args_with_config
-from api_proc.router.cli import add_router_parser
-from api_proc.serve_settings import add_serve_parser
-from engine_core.config import add_engine_args, engine_config_from_args
-from engine_core.lifecycle import configure_logging
+from pagoda.api_proc.bench.cli import add_bench_parser
+from pagoda.api_proc.cli_config import parse_args_with_config
+from pagoda.api_proc.router.cli import add_router_parser
+from pagoda.api_proc.serve_settings import add_serve_parser
+from pagoda.engine_core.config import add_engine_args, engine_config_from_args
+from pagoda.engine_core.lifecycle import configure_logging
 
 
 def add_generate_parser(subcommands) -> None:
@@ -39,8 +39,8 @@ def add_generate_parser(subcommands) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine_core.llm import LLM  # torch: only for commands that run an engine here
-    from engine_core.sampling_params import SamplingParams
+    from pagoda.engine_core.llm import LLM  # torch: only for commands that run an engine here
+    from pagoda.engine_core.sampling_params import SamplingParams
 
     started = time.monotonic()
     llm = LLM(**asdict(engine_config_from_args(args)))
@@ -75,7 +75,7 @@ def add_keys_parser(subcommands) -> None:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    from engine_core.zmq_security import generate_keys
+    from pagoda.engine_core.zmq_security import generate_keys
 
     for name, path in generate_keys(args.directory).items():
         print(f"{name}: {path}")
@@ -96,7 +96,7 @@ def add_download_parser(subcommands) -> None:
 
 
 def cmd_download_default(args: argparse.Namespace) -> int:
-    from engine_core.default_model import ensure_default_gguf, ensure_default_model
+    from pagoda.engine_core.default_model import ensure_default_gguf, ensure_default_model
 
     # Bars are drawn on stderr (stdout is the path, for MODEL=$(pagoda download-default)): only there.
     progress = sys.stderr.isatty()
@@ -104,7 +104,7 @@ def cmd_download_default(args: argparse.Namespace) -> int:
         if args.gguf:
             print("pagoda download-default: --gguf and --embedding exclude each other", file=sys.stderr)
             return 2
-        from engine_core.default_embedding_model import ensure_default_embedding_model
+        from pagoda.engine_core.default_embedding_model import ensure_default_embedding_model
 
         print(ensure_default_embedding_model())
         return 0

@@ -24,10 +24,10 @@ from collections.abc import AsyncGenerator, Iterator
 import zmq
 import zmq.asyncio
 
-from engine_core import protocol
-from engine_core.pooling.params import PoolingParams
-from engine_core.sampling_params import SamplingParams
-from engine_core.zmq_security import connect_curve
+from pagoda.engine_core import protocol
+from pagoda.engine_core.pooling.params import PoolingParams
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.zmq_security import connect_curve
 
 
 class EngineError(Exception):

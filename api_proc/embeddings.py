@@ -15,8 +15,8 @@ from typing import Any
 
 import msgspec
 
-from api_proc.openai_schema import ApiError
-from engine_core import protocol
+from pagoda.api_proc.openai_schema import ApiError
+from pagoda.engine_core import protocol
 
 ENCODING_FORMATS = ("float", "base64")
 _json = msgspec.json.Encoder()

@@ -16,10 +16,10 @@ import os
 import signal
 import time
 
-from api_proc.replica_restarts import ReplicaRestarts
-from engine_core.config import EngineConfig
-from engine_core.cpu_binding import assign, format_groups
-from engine_core.lifecycle import Command, Role
+from pagoda.api_proc.replica_restarts import ReplicaRestarts
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.cpu_binding import assign, format_groups
+from pagoda.engine_core.lifecycle import Command, Role
 
 logger = logging.getLogger("pagoda.serve")
 
@@ -54,8 +54,8 @@ class EngineReplicas:
         addrs: list[tuple[str, str]] | None = None,
         target_args: tuple = (),
     ):
-        """`target`: the engine process's entry point (engine_core.core_proc.run_engine_core, or under
-        the Ray backend api_proc.ray_replicas.run_ray_replica), called with a replica's config, its
+        """`target`: the engine process's entry point (pagoda.engine_core.core_proc.run_engine_core, or under
+        the Ray backend pagoda.api_proc.ray_replicas.run_ray_replica), called with a replica's config, its
         (input, output) addresses (default: ipc sockets in the runtime directory) and `target_args`."""
         self.supervisor = supervisor
         self.target = target

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from aiohttp import web
 
-from engine_core.host_memory import release_freed_memory
+from pagoda.engine_core.host_memory import release_freed_memory
 
 PIECE_BYTES = 1 << 20  # pieces are written once this much is gathered: few writes, little held at once
 _TRIM_AFTER_BYTES = 16 << 20  # replies at least this large hand their freed memory back afterwards

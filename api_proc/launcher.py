@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 
-from engine_core.identity import DEFAULT_SERVED_MODEL_NAME
-from engine_core.lifecycle import ChildLink, Command, Report, Role
+from pagoda.engine_core.identity import DEFAULT_SERVED_MODEL_NAME
+from pagoda.engine_core.lifecycle import ChildLink, Command, Report, Role
 
 logger = logging.getLogger("pagoda.serve")
 _START_TIMEOUT_S = 600.0
@@ -236,15 +236,15 @@ def make_runtime_dir() -> str:
 
 def serve(args) -> int:
     """Run the server until a signal or a failure; the exit status for the shell or systemd."""
-    from api_proc.engine_replicas import EngineReplicas
-    from api_proc.sd_notify import SystemdService
-    from api_proc.serve_settings import api_settings, frontend_limits
-    from api_proc.worker import run_api_worker
-    from detok_proc.server import run_detok
-    from engine_core.config import engine_config_from_args
-    from engine_core.core_proc import run_engine_core
-    from engine_core.loader import resolve_model
-    from engine_core.zmq_security import CurveConfig
+    from pagoda.api_proc.engine_replicas import EngineReplicas
+    from pagoda.api_proc.sd_notify import SystemdService
+    from pagoda.api_proc.serve_settings import api_settings, frontend_limits
+    from pagoda.api_proc.worker import run_api_worker
+    from pagoda.detok_proc.server import run_detok
+    from pagoda.engine_core.config import engine_config_from_args
+    from pagoda.engine_core.core_proc import run_engine_core
+    from pagoda.engine_core.loader import resolve_model
+    from pagoda.engine_core.zmq_security import CurveConfig
 
     started = time.monotonic()
     systemd = SystemdService()  # no-op unless run by systemd (Type=notify)
@@ -363,8 +363,8 @@ def _ray_replicas(args, supervisor: Supervisor, config):
     """The Ray backend's replicas (api_proc/ray_replicas.py): a local cluster unless --ray-address
     names one, per-launch CURVE keys for the engines' tcp links, and tcp addresses the tokenizer
     process binds. Returns (the local cluster or None, the replicas, the keys)."""
-    from api_proc.engine_replicas import EngineReplicas
-    from api_proc.ray_replicas import (
+    from pagoda.api_proc.engine_replicas import EngineReplicas
+    from pagoda.api_proc.ray_replicas import (
         LocalRayCluster,
         RaySettings,
         engine_link_addrs,
@@ -372,7 +372,7 @@ def _ray_replicas(args, supervisor: Supervisor, config):
         node_ip,
         run_ray_replica,
     )
-    from engine_core.zmq_security import EngineLinkKeys
+    from pagoda.engine_core.zmq_security import EngineLinkKeys
 
     try:
         import ray  # noqa: F401 - only to fail early and clearly

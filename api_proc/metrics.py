@@ -25,8 +25,8 @@ from collections import Counter
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from api_proc.client import AsyncEngineClient
-from engine_core import protocol
+from pagoda.api_proc.client import AsyncEngineClient
+from pagoda.engine_core import protocol
 
 _rejected: Counter[int] = Counter()
 _counts = {"aborted": 0, "timed_out": 0}

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from api_proc.auth import AuthPolicy
-from api_proc.openai_schema import ApiError
+from pagoda.api_proc.auth import AuthPolicy
+from pagoda.api_proc.openai_schema import ApiError
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from engine_core.protocol import DecodedPromptLogprobs, FinishReason, GenerateDelta, TokenLogprob
+from pagoda.engine_core.protocol import DecodedPromptLogprobs, FinishReason, GenerateDelta, TokenLogprob
 
 
 def new_id(prefix: str) -> str:

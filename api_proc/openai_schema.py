@@ -12,9 +12,9 @@ from typing import Any
 
 import msgspec
 
-from engine_core.sampling_params import SamplingParams
-from engine_core.structured_params import StructuredOutputsParams
-from engine_core.validation import is_token_id, param_of
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.structured_params import StructuredOutputsParams
+from pagoda.engine_core.validation import is_token_id, param_of
 
 MAX_N = 128  # --max-n's default
 MAX_LOGPROBS = 20

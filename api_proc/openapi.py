@@ -23,12 +23,12 @@ from pathlib import PurePosixPath
 import msgspec
 from aiohttp import web
 
-from api_proc import openai_responses as out
-from api_proc.auth import ADMIN_ROUTES, PROBE_ROUTES, USER_ROUTES, AuthPolicy
-from api_proc.embeddings import EmbeddingRequest, PoolingRequest
-from api_proc.openai_schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from api_proc.web_ui import CONTENT_TYPES, PAGE_PATHS
-from engine_core.identity import PAGODA_VERSION
+from pagoda.api_proc import openai_responses as out
+from pagoda.api_proc.auth import ADMIN_ROUTES, PROBE_ROUTES, USER_ROUTES, AuthPolicy
+from pagoda.api_proc.embeddings import EmbeddingRequest, PoolingRequest
+from pagoda.api_proc.openai_schema import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagoda.api_proc.web_ui import CONTENT_TYPES, PAGE_PATHS
+from pagoda.engine_core.identity import PAGODA_VERSION
 
 REF = "#/components/schemas/{name}"
 JSON, EVENTS, TEXT = "application/json", "text/event-stream", "text/plain"

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine_core.config import EngineConfig
-from engine_core.environment import pagoda_environment
-from engine_core.lifecycle import ChildLink, Command, ParentLink, Report, Role, init_child_process
-from engine_core.zmq_security import EngineLinkKeys
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.environment import pagoda_environment
+from pagoda.engine_core.lifecycle import ChildLink, Command, ParentLink, Report, Role, init_child_process
+from pagoda.engine_core.zmq_security import EngineLinkKeys
 
 logger = logging.getLogger("pagoda.ray")
 _WATCH_S = 0.25  # how often the driver checks its actor
@@ -148,7 +148,7 @@ class _ReplicaDriver:
         """The engine actor (rank 0) in bundle 0; it starts the other ranks in the others."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from engine_core.ray_engine import EngineActor
+        from pagoda.engine_core.ray_engine import EngineActor
 
         strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=0)
         actor_class = self.ray.remote(EngineActor).options(

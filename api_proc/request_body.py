@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from api_proc.openai_schema import ApiError, validation_error
-from api_proc.request_log import CLIENT_CLOSED
-from engine_core.json_limits import MAX_JSON_DEPTH, depth_message, too_deep_field
+from pagoda.api_proc.openai_schema import ApiError, validation_error
+from pagoda.api_proc.request_log import CLIENT_CLOSED
+from pagoda.engine_core.json_limits import MAX_JSON_DEPTH, depth_message, too_deep_field
 
 T = TypeVar("T")
 # Bytes per second a body must average (after a first `idle_timeout` of grace): a byte every few

@@ -16,10 +16,10 @@ from collections import Counter
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
-from api_proc.client import EngineError
-from api_proc.metrics import count_aborted
-from api_proc.openai_schema import ApiError
-from engine_core.protocol import FinishReason, GenerateDelta
+from pagoda.api_proc.client import EngineError
+from pagoda.api_proc.metrics import count_aborted
+from pagoda.api_proc.openai_schema import ApiError
+from pagoda.engine_core.protocol import FinishReason, GenerateDelta
 
 logger = logging.getLogger("pagoda.requests")
 CLIENT_CLOSED = 499

@@ -15,8 +15,8 @@ from contextlib import contextmanager
 
 from aiohttp import web
 
-from api_proc.request_log import RequestRecord
-from detok_proc.tracing import Tracer
+from pagoda.api_proc.request_log import RequestRecord
+from pagoda.detok_proc.tracing import Tracer
 
 OPERATIONS = {"chat": "chat", "completions": "text_completion"}  # RequestRecord.endpoint -> gen_ai.operation.name
 

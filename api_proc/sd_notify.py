@@ -125,7 +125,7 @@ class EngineWatchdog:
         return True, "ok"
 
     def _run(self) -> None:
-        from api_proc.client import EngineClient
+        from pagoda.api_proc.client import EngineClient
 
         client = EngineClient(self.frontend_addr)
         withheld = False

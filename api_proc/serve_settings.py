@@ -7,13 +7,13 @@ from __future__ import annotations
 import argparse
 import math
 
-from api_proc.auth import AuthPolicy, read_keys
-from api_proc.middleware import CorsSettings
-from api_proc.server import ApiSettings
-from detok_proc.limits import FrontendLimits
-from detok_proc.routing import POLICIES as ROUTING_POLICIES
-from engine_core.config import add_engine_args, parse_size
-from engine_core.structured_limits import StructuredOutputLimits
+from pagoda.api_proc.auth import AuthPolicy, read_keys
+from pagoda.api_proc.middleware import CorsSettings
+from pagoda.api_proc.server import ApiSettings
+from pagoda.detok_proc.limits import FrontendLimits
+from pagoda.detok_proc.routing import POLICIES as ROUTING_POLICIES
+from pagoda.engine_core.config import add_engine_args, parse_size
+from pagoda.engine_core.structured_limits import StructuredOutputLimits
 
 
 def auth_policy(args: argparse.Namespace) -> AuthPolicy:
@@ -379,7 +379,7 @@ def add_ray_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from api_proc.launcher import serve  # the launcher starts processes: only `pagoda serve` needs it
+    from pagoda.api_proc.launcher import serve  # the launcher starts processes: only `pagoda serve` needs it
 
     if args.model_arg is not None:
         if args.model is not None and args.model != args.model_arg:
@@ -388,7 +388,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_workers < 1:
         raise ValueError("--api-workers must be at least 1")
     if args.otlp_traces_endpoint:  # refused now, not in every child: a bad URL, or the extra not installed
-        from detok_proc.tracing import check_available, traces_url
+        from pagoda.detok_proc.tracing import check_available, traces_url
 
         traces_url(args.otlp_traces_endpoint)
         check_available()

@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 import msgspec
 from aiohttp import web
 
-from api_proc.auth import AuthPolicy
-from api_proc.client import AsyncEngineClient, EngineError
-from api_proc.embeddings import EmbeddingRequest, PoolingRequest, embeddings_response, pooling_response
-from api_proc.http_guard import ClosingResponse
-from api_proc.json_reply import send_json
-from api_proc.metrics import count_rejected, count_timed_out
-from api_proc.metrics import install as install_metrics
-from api_proc.middleware import CorsSettings, auth_middleware, install_cors, preflight_middleware
-from api_proc.openai_format import (
+from pagoda.api_proc.auth import AuthPolicy
+from pagoda.api_proc.client import AsyncEngineClient, EngineError
+from pagoda.api_proc.embeddings import EmbeddingRequest, PoolingRequest, embeddings_response, pooling_response
+from pagoda.api_proc.http_guard import ClosingResponse
+from pagoda.api_proc.json_reply import send_json
+from pagoda.api_proc.metrics import count_rejected, count_timed_out
+from pagoda.api_proc.metrics import install as install_metrics
+from pagoda.api_proc.middleware import CorsSettings, auth_middleware, install_cors, preflight_middleware
+from pagoda.api_proc.openai_format import (
     Choice,
     CompletionLogprobs,
     chat_logprobs,
@@ -33,7 +33,7 @@ from api_proc.openai_format import (
     prompt_logprobs_json,
     usage,
 )
-from api_proc.openai_schema import (
+from pagoda.api_proc.openai_schema import (
     MAX_N,
     ApiError,
     ChatCompletionRequest,
@@ -41,19 +41,19 @@ from api_proc.openai_schema import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from api_proc.openapi import install as install_openapi
-from api_proc.request_body import decode_json, read_body
-from api_proc.request_log import RequestRecord, logged, observed
-from api_proc.request_trace import HttpTracing
-from api_proc.streams import merge
-from api_proc.structured import check_constraint_size, structured_outputs_of
-from api_proc.tool_parsing import ToolCallStream, tool_response
-from api_proc.tools import plan_tools
-from api_proc.web_ui import install_dashboard_data, install_pages
-from engine_core import protocol
-from engine_core.identity import PAGODA_VERSION
-from engine_core.structured_limits import StructuredOutputLimits
-from engine_core.validation import ParamError, check_token_ids
+from pagoda.api_proc.openapi import install as install_openapi
+from pagoda.api_proc.request_body import decode_json, read_body
+from pagoda.api_proc.request_log import RequestRecord, logged, observed
+from pagoda.api_proc.request_trace import HttpTracing
+from pagoda.api_proc.streams import merge
+from pagoda.api_proc.structured import check_constraint_size, structured_outputs_of
+from pagoda.api_proc.tool_parsing import ToolCallStream, tool_response
+from pagoda.api_proc.tools import plan_tools
+from pagoda.api_proc.web_ui import install_dashboard_data, install_pages
+from pagoda.engine_core import protocol
+from pagoda.engine_core.identity import PAGODA_VERSION
+from pagoda.engine_core.structured_limits import StructuredOutputLimits
+from pagoda.engine_core.validation import ParamError, check_token_ids
 
 logger = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()

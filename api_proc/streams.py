@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from engine_core.protocol import GenerateDelta
+from pagoda.engine_core.protocol import GenerateDelta
 
 _DONE = object()
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import msgspec
 
-from api_proc.openai_schema import ApiError
-from api_proc.tools import ToolPlan
-from engine_core.structured_limits import StructuredOutputLimits
-from engine_core.structured_params import StructuredOutputsParams
-from engine_core.validation import ParamError
+from pagoda.api_proc.openai_schema import ApiError
+from pagoda.api_proc.tools import ToolPlan
+from pagoda.engine_core.structured_limits import StructuredOutputLimits
+from pagoda.engine_core.structured_params import StructuredOutputsParams
+from pagoda.engine_core.validation import ParamError
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 _BACKENDS = (None, "auto", "xgrammar")

@@ -19,7 +19,7 @@ import json
 import uuid
 from typing import Any
 
-from api_proc.tools import ToolPlan
+from pagoda.api_proc.tools import ToolPlan
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 

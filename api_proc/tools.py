@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from api_proc.openai_schema import ApiError
-from engine_core.structured_params import StructuredOutputsParams
+from pagoda.api_proc.openai_schema import ApiError
+from pagoda.engine_core.structured_params import StructuredOutputsParams
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from api_proc.client import AsyncEngineClient
+from pagoda.api_proc.client import AsyncEngineClient
 
 UI_DIR = Path(__file__).resolve().parent / "ui"
 CONTENT_TYPES = {

@@ -16,10 +16,10 @@ from multiprocessing.connection import Connection
 
 from aiohttp import web
 
-from api_proc import metrics as api_metrics
-from api_proc.http_guard import GuardedAppRunner, HttpGuard, allow_open_files
-from api_proc.server import ApiServer, ApiSettings
-from engine_core.lifecycle import Command, ParentLink, Report, Role, freeze_startup_heap, init_child_process
+from pagoda.api_proc import metrics as api_metrics
+from pagoda.api_proc.http_guard import GuardedAppRunner, HttpGuard, allow_open_files
+from pagoda.api_proc.server import ApiServer, ApiSettings
+from pagoda.engine_core.lifecycle import Command, ParentLink, Report, Role, freeze_startup_heap, init_child_process
 
 logger = logging.getLogger(__name__)
 

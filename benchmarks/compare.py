@@ -19,10 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from api_proc.bench.datasets import random_requests
-from api_proc.bench.local_server import PagodaServer
-from api_proc.bench.metrics import summarize
-from api_proc.bench.runner import run_serve
+from pagoda.api_proc.bench.datasets import random_requests
+from pagoda.api_proc.bench.local_server import PagodaServer
+from pagoda.api_proc.bench.metrics import summarize
+from pagoda.api_proc.bench.runner import run_serve
 
 
 def measure_server(url: str, requests, concurrency: int, model: str | None) -> dict:
@@ -43,7 +43,7 @@ def measure_hf(requests, batch_size: int) -> dict:
     from throughput import run_hf
     from transformers import AutoModelForCausalLM
 
-    from engine_core.default_model import ensure_default_model
+    from pagoda.engine_core.default_model import ensure_default_model
 
     model = AutoModelForCausalLM.from_pretrained(str(ensure_default_model()), dtype=torch.float32).eval()
     work = [(r.prompt, r.output_len) for r in requests]

@@ -18,10 +18,10 @@ import timeit
 
 import msgspec
 
-from detok_proc.dashboard import TIMELINE_REQUESTS
-from detok_proc.metrics import DetokMetrics
-from detok_proc.requests import SampleState
-from engine_core import protocol
+from pagoda.detok_proc.dashboard import TIMELINE_REQUESTS
+from pagoda.detok_proc.metrics import DetokMetrics
+from pagoda.detok_proc.requests import SampleState
+from pagoda.engine_core import protocol
 
 
 def per_call(statement, number: int, repeat: int = 5) -> float:

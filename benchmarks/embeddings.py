@@ -34,9 +34,9 @@ import aiohttp
 import msgspec
 import numpy as np
 
-from api_proc.bench.local_server import PagodaServer
-from engine_core import protocol
-from engine_core.default_embedding_model import ensure_default_embedding_model
+from pagoda.api_proc.bench.local_server import PagodaServer
+from pagoda.engine_core import protocol
+from pagoda.engine_core.default_embedding_model import ensure_default_embedding_model
 
 TEXT = Path(__file__).parent / "data" / "persuasion-ch1-6.txt"
 SHORT = "What is the capital of France?"

@@ -18,8 +18,8 @@ import statistics
 import torch
 
 from benchmarks.step_profile import OutputLink, _start_decodes, _steps, _stop_all
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
 
 
 def compare(engine: EngineCore, link: OutputLink, batch: int, context: int, rounds: int, steps: int) -> dict:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.gpu_memory import device_memory
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.gpu_memory import device_memory
+from pagoda.engine_core.sampling_params import SamplingParams
 
 # Llama-3-8B's shape; SmolLM2-135M's for the token checks (fp32 there: exact comparisons need it).
 SHAPES = {
@@ -158,8 +158,8 @@ def _read_steps(spec_bytes: bytes) -> None:
     no model: what rank 0 pays for its workers' inputs, without their compute."""
     import msgspec
 
-    from engine_core.parallel import step_message
-    from engine_core.parallel.shm_ring import RingClosed, RingPeerGone, RingReader, RingSpec
+    from pagoda.engine_core.parallel import step_message
+    from pagoda.engine_core.parallel.shm_ring import RingClosed, RingPeerGone, RingReader, RingSpec
 
     reader = RingReader(msgspec.msgpack.decode(spec_bytes, type=RingSpec), 0)
     try:
@@ -178,7 +178,7 @@ class RingFollowers:
 
         import msgspec
 
-        from engine_core.parallel.shm_ring import RingWriter
+        from pagoda.engine_core.parallel.shm_ring import RingWriter
 
         self.dir = tempfile.mkdtemp(prefix="pagoda-ring-bench-")
         self.ring = RingWriter(num_readers=1, runtime_dir=self.dir)
@@ -188,7 +188,7 @@ class RingFollowers:
         self.reader.start()
 
     def broadcast_step(self, step, rows) -> None:
-        from engine_core.parallel import step_message
+        from pagoda.engine_core.parallel import step_message
 
         self.ring.write(step_message.encode_step(step, rows), timeout_s=60)
 
@@ -198,7 +198,7 @@ class RingFollowers:
     def close(self) -> None:
         import shutil
 
-        from engine_core.parallel import step_message
+        from pagoda.engine_core.parallel import step_message
 
         self.ring.write(step_message.encode_stop(), timeout_s=10)
         self.reader.join(10)

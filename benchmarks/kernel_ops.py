@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import _TORCH, implementation
-from kernels.fp8 import quantize_per_channel
-from kernels.quantized import PackedWeight, pack
+from pagoda.kernels import _TORCH, implementation
+from pagoda.kernels.fp8 import quantize_per_channel
+from pagoda.kernels.quantized import PackedWeight, pack
 
 
 @dataclass(frozen=True)
@@ -292,7 +292,7 @@ def quantized_table(linears: list[tuple[str, int, int]], dtype, device, bandwidt
 def dense_table(bandwidth: float) -> list[dict]:
     """CPU float32: a model's projections (DENSE_LAYERS copies of DENSE_LAYER) through the panel matmul,
     oneDNN's packed matmul and F.linear, once per pass; print and return rows."""
-    from kernels.panels import PanelWeight
+    from pagoda.kernels.panels import PanelWeight
 
     if not torch.backends.mkldnn.is_available():
         print("\ndense: this torch has no oneDNN; skipped")

@@ -42,13 +42,13 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_proc.bench.datasets import BenchRequest, random_requests
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http
-from api_proc.bench.metrics import summarize
-from api_proc.bench.runner import run_serve
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.sampling_params import SamplingParams
+from pagoda.api_proc.bench.datasets import BenchRequest, random_requests
+from pagoda.api_proc.bench.local_server import MODEL_NAME, PagodaServer, http
+from pagoda.api_proc.bench.metrics import summarize
+from pagoda.api_proc.bench.runner import run_serve
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.sampling_params import SamplingParams
 
 # tp case -> (tensor_parallel_size, torch threads per rank; None: the rank's share of the cores, here one)
 CASES = {"TP=1 x 2 threads": (1, 2), "TP=2 x 1 core": (2, None), "TP=1 x 1 thread": (1, 1)}

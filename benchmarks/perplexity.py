@@ -58,8 +58,8 @@ def make_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, i
 
 def pagoda_nll(model: str | None, quantization: str, dtype: str, tokens: list[int], windows) -> tuple[float, int]:
     """Summed negative log-likelihood of the scored tokens and their count, from an offline LLM."""
-    from engine_core.llm import LLM
-    from engine_core.sampling_params import SamplingParams
+    from pagoda.engine_core.llm import LLM
+    from pagoda.engine_core.sampling_params import SamplingParams
 
     llm = LLM(model, quantization=quantization, dtype=dtype)
     prompts = [{"prompt_token_ids": tokens[begin:end]} for begin, end, _ in windows]
@@ -143,8 +143,8 @@ def main() -> None:
         llama_cpp_worker()
         return
 
-    from engine_core import default_model
-    from engine_core.tokenizer import load_tokenizer
+    from pagoda.engine_core import default_model
+    from pagoda.engine_core.tokenizer import load_tokenizer
 
     model_dir = default_model.ensure_default_model()
     tokens = load_tokenizer(model_dir).encode(TEXT.read_text(), add_special_tokens=False)

@@ -13,10 +13,10 @@ import asyncio
 import tempfile
 from pathlib import Path
 
-from api_proc.bench.datasets import prefix_requests
-from api_proc.bench.local_server import PagodaServer, http
-from api_proc.bench.metrics import summarize
-from api_proc.bench.runner import run_serve
+from pagoda.api_proc.bench.datasets import prefix_requests
+from pagoda.api_proc.bench.local_server import PagodaServer, http
+from pagoda.api_proc.bench.metrics import summarize
+from pagoda.api_proc.bench.runner import run_serve
 
 VLLM_TTFT_P50_MS = {True: 1091, False: 10893}
 

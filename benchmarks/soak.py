@@ -31,7 +31,7 @@ from pathlib import Path
 
 import aiohttp
 
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, process_names, rss_bytes, wait_until
+from pagoda.api_proc.bench.local_server import MODEL_NAME, PagodaServer, process_names, rss_bytes, wait_until
 
 KEY = "soak-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

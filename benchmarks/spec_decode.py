@@ -25,11 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine_core.config import EngineConfig
-from engine_core.default_model import ensure_default_gguf, ensure_default_model
-from engine_core.engine import EngineCore
-from engine_core.sampling_params import SamplingParams
-from engine_core.tokenizer import encode_chat, load_tokenizer
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.default_model import ensure_default_gguf, ensure_default_model
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.tokenizer import encode_chat, load_tokenizer
 
 PROMPTS = json.loads((Path(__file__).parent / "data" / "spec_prompts.json").read_text())
 

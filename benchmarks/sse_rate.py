@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from api_proc.bench.datasets import random_requests
-from api_proc.bench.local_server import free_port
-from api_proc.bench.metrics import summarize
-from api_proc.bench.null_server import NullServer
-from api_proc.bench.runner import run_serve
+from pagoda.api_proc.bench.datasets import random_requests
+from pagoda.api_proc.bench.local_server import free_port
+from pagoda.api_proc.bench.metrics import summarize
+from pagoda.api_proc.bench.null_server import NullServer
+from pagoda.api_proc.bench.runner import run_serve
 
 
 def main() -> None:

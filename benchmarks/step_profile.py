@@ -14,7 +14,7 @@ Drives a real `EngineCore` on the default SmolLM2 (fp32) in this process and spl
 The forward's op classes: fused layers (a decode step's decoder layers in one C call, the default
 for CPU decode steps: engine_core/models/fused_decode.py; `--layered` turns it off, so that the other
 classes split decode steps too), linear (every `Linear` call), attention (the attention layer: cache write
-and paged attention), norm/rotary/act (`kernels.rms_norm`, `fused_add_rms_norm`, `rotary_embedding`,
+and paged attention), norm/rotary/act (`ops.rms_norm`, `fused_add_rms_norm`, `rotary_embedding`,
 `silu_and_mul`), other (embedding, splits and reshapes, Python between the ops). Calls per layer count
 those calls; "aten ops/layer" counts every torch op the forward dispatches (one pass, TorchDispatchMode).
 
@@ -47,14 +47,14 @@ import torch
 import zmq
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kernels
-from engine_core import protocol
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.layers.attention import Attention
-from engine_core.layers.linear import Linear
-from engine_core.sampling_params import SamplingParams
-from kernels.cpu.decoder import FusedDecoder
+from pagoda.engine_core import protocol
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.layers.attention import Attention
+from pagoda.engine_core.layers.linear import Linear
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.kernels import ops
+from pagoda.kernels.cpu.decoder import FusedDecoder
 
 PHASES = ("schedule", "prepare", "to device", "forward", "logits", "sampling", "outputs", "other")
 OP_CLASSES = ("fused layers", "linear", "attention", "norm/rotary/act", "other")
@@ -124,7 +124,7 @@ def instrumented(engine: EngineCore, timers: Timers) -> Iterator[None]:
     timers.patch(Linear, "forward", "linear", forward_only=True)
     timers.patch(Attention, "forward", "attention", forward_only=True)
     for name in _NORM_ROTARY_ACT:
-        timers.patch(kernels, name, "norm/rotary/act", forward_only=True)
+        timers.patch(ops, name, "norm/rotary/act", forward_only=True)
     try:
         yield
     finally:

@@ -22,8 +22,8 @@ import json
 import statistics
 import time
 
-from engine_core import LLM, SamplingParams, StructuredOutputsParams
-from engine_core.tokenizer import encode_chat
+from pagoda.engine_core import LLM, SamplingParams, StructuredOutputsParams
+from pagoda.engine_core.tokenizer import encode_chat
 
 ITEM = {
     "type": "object",

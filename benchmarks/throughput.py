@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from engine_core.llm import LLM
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.llm import LLM
+from pagoda.engine_core.sampling_params import SamplingParams
 
 try:  # run as a module (python -m benchmarks.throughput)
     from benchmarks.offline_timing import timed_generate

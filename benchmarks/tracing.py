@@ -22,10 +22,10 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from api_proc.bench.datasets import random_requests
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, free_port
-from api_proc.bench.metrics import summarize
-from api_proc.bench.runner import run_serve
+from pagoda.api_proc.bench.datasets import random_requests
+from pagoda.api_proc.bench.local_server import MODEL_NAME, PagodaServer, free_port
+from pagoda.api_proc.bench.metrics import summarize
+from pagoda.api_proc.bench.runner import run_serve
 
 
 class Receiver:

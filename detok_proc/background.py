@@ -17,7 +17,7 @@ import queue
 import threading
 from collections.abc import Callable, Hashable
 
-from engine_core.host_memory import release_freed_memory
+from pagoda.engine_core.host_memory import release_freed_memory
 
 
 class BackgroundWork:

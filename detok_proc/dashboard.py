@@ -25,7 +25,7 @@ import numpy as np
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from detok_proc.requests import SampleState
+    from pagoda.detok_proc.requests import SampleState
 
 RATE_SECONDS = 300  # the rate charts' span
 TICK_SECONDS = 1.0  # how often the totals are sampled for the rates

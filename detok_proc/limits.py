@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from detok_proc.requests import RequestInvalid
+from pagoda.detok_proc.requests import RequestInvalid
 
 
 @dataclass(frozen=True)

@@ -39,13 +39,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from detok_proc.dashboard import Numbers, RecentActivity, numbers_by_engine
-from detok_proc.process_metrics import ProcessesCollector
-from engine_core import protocol
-from engine_core.pooling.params import TASKS
+from pagoda.detok_proc.dashboard import Numbers, RecentActivity, numbers_by_engine
+from pagoda.detok_proc.process_metrics import ProcessesCollector
+from pagoda.engine_core import protocol
+from pagoda.engine_core.pooling.params import TASKS
 
 if TYPE_CHECKING:
-    from detok_proc.requests import SampleState
+    from pagoda.detok_proc.requests import SampleState
 
 disable_created_metrics()  # no *_created series (as vLLM): they double the output and no dashboard reads them
 

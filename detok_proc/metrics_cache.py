@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from detok_proc.background import BackgroundWork
+from pagoda.detok_proc.background import BackgroundWork
 
 Waiter = TypeVar("Waiter")
 DEFAULT_INTERVAL = 1.0  # seconds: far below any scrape interval, so Prometheus never sees a cached text

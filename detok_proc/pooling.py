@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from detok_proc.limits import FrontendLimits
-from detok_proc.metrics import DetokMetrics
-from detok_proc.replicas import EngineReplica
-from detok_proc.requests import RequestInvalid
-from detok_proc.tokenizing import QUEUE_BYTES, PromptTokenizer
-from engine_core import protocol
-from engine_core.pooling import inputs
-from engine_core.pooling.params import PoolingParams
-from engine_core.sampling_params import SamplingParams
-from engine_core.validation import ParamError, check_token_ids
+from pagoda.detok_proc.limits import FrontendLimits
+from pagoda.detok_proc.metrics import DetokMetrics
+from pagoda.detok_proc.replicas import EngineReplica
+from pagoda.detok_proc.requests import RequestInvalid
+from pagoda.detok_proc.tokenizing import QUEUE_BYTES, PromptTokenizer
+from pagoda.engine_core import protocol
+from pagoda.engine_core.pooling import inputs
+from pagoda.engine_core.pooling.params import PoolingParams
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.validation import ParamError, check_token_ids
 
 Key = tuple[bytes, str]  # (client identity, the client's request id)
 _UNUSED = SamplingParams()  # an AddRequest's sampling params, which a pooling request does not read

@@ -20,7 +20,7 @@ first:
 
 from __future__ import annotations
 
-from engine_core import protocol
+from pagoda.engine_core import protocol
 
 PROBE_BYTES_PER_TOKEN = 16
 

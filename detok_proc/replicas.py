@@ -16,9 +16,9 @@ import time
 
 import zmq
 
-from detok_proc.routing import ReplicaLoad
-from engine_core import protocol
-from engine_core.zmq_security import EngineLinkKeys
+from pagoda.detok_proc.routing import ReplicaLoad
+from pagoda.engine_core import protocol
+from pagoda.engine_core.zmq_security import EngineLinkKeys
 
 logger = logging.getLogger(__name__)
 

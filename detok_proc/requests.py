@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from detok_proc.incremental import IncrementalDetokenizer
-from detok_proc.metrics import SampleTiming
-from detok_proc.prompt_size import PromptTooLong, encode_within
-from detok_proc.tracing import SampleTrace
-from engine_core import protocol
-from engine_core.tokenizer import render_chat
-from engine_core.validation import ParamError, check_token_ids
+from pagoda.detok_proc.incremental import IncrementalDetokenizer
+from pagoda.detok_proc.metrics import SampleTiming
+from pagoda.detok_proc.prompt_size import PromptTooLong, encode_within
+from pagoda.detok_proc.tracing import SampleTrace
+from pagoda.engine_core import protocol
+from pagoda.engine_core.tokenizer import render_chat
+from pagoda.engine_core.validation import ParamError, check_token_ids
 
 
 class RequestInvalid(Exception):

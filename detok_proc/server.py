@@ -32,24 +32,24 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from detok_proc.incremental import IncrementalDetokenizer
-from detok_proc.limits import FrontendLimits
-from detok_proc.metrics import DetokMetrics
-from detok_proc.metrics_cache import DEFAULT_INTERVAL, MetricsCache
-from detok_proc.pooling import PoolingFrontend
-from detok_proc.replicas import EngineReplica
-from detok_proc.requests import RequestInvalid, SampleState, check_context, check_request_options
-from detok_proc.routing import Router
-from detok_proc.tokenizing import PromptTokenizer
-from detok_proc.tracing import RequestTracing
-from engine_core import protocol
-from engine_core.block_hash import extend_block_hashes
-from engine_core.gguf_model import model_source
-from engine_core.json_limits import depth_message
-from engine_core.lifecycle import Command, ParentLink, Report, Role, freeze_startup_heap, init_child_process
-from engine_core.tokenizer import load_tokenizer
-from engine_core.validation import ParamError, check_token_ids
-from engine_core.zmq_security import CurveConfig, EngineLinkKeys
+from pagoda.detok_proc.incremental import IncrementalDetokenizer
+from pagoda.detok_proc.limits import FrontendLimits
+from pagoda.detok_proc.metrics import DetokMetrics
+from pagoda.detok_proc.metrics_cache import DEFAULT_INTERVAL, MetricsCache
+from pagoda.detok_proc.pooling import PoolingFrontend
+from pagoda.detok_proc.replicas import EngineReplica
+from pagoda.detok_proc.requests import RequestInvalid, SampleState, check_context, check_request_options
+from pagoda.detok_proc.routing import Router
+from pagoda.detok_proc.tokenizing import PromptTokenizer
+from pagoda.detok_proc.tracing import RequestTracing
+from pagoda.engine_core import protocol
+from pagoda.engine_core.block_hash import extend_block_hashes
+from pagoda.engine_core.gguf_model import model_source
+from pagoda.engine_core.json_limits import depth_message
+from pagoda.engine_core.lifecycle import Command, ParentLink, Report, Role, freeze_startup_heap, init_child_process
+from pagoda.engine_core.tokenizer import load_tokenizer
+from pagoda.engine_core.validation import ParamError, check_token_ids
+from pagoda.engine_core.zmq_security import CurveConfig, EngineLinkKeys
 
 logger = logging.getLogger(__name__)
 _POLL_MS = 500

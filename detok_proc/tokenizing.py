@@ -17,10 +17,10 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from detok_proc.background import BackgroundWork
-from detok_proc.prompt_size import PromptTooLong, check_length_bound, longest_token_bytes, prompt_bytes
-from detok_proc.requests import RequestInvalid, prompt_token_ids
-from engine_core import protocol
+from pagoda.detok_proc.background import BackgroundWork
+from pagoda.detok_proc.prompt_size import PromptTooLong, check_length_bound, longest_token_bytes, prompt_bytes
+from pagoda.detok_proc.requests import RequestInvalid, prompt_token_ids
+from pagoda.engine_core import protocol
 
 Key = tuple[bytes, str]  # (client identity, the client's request id)
 # Texts longer than this (bytes; ~4 per token id when decoding) go to the background thread: ~20 ms of

@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine_core import protocol
+from pagoda.engine_core import protocol
 
 if TYPE_CHECKING:
-    from detok_proc.requests import SampleState
+    from pagoda.detok_proc.requests import SampleState
 
 TRACES_PATH = "/v1/traces"
 EXPORT_TIMEOUT_S = 5.0  # one export's limit: an unreachable collector never holds a process up longer

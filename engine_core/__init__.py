@@ -1,6 +1,6 @@
 """Pagoda's engine core: scheduler, paged KV cache, model runner and the offline `LLM` API.
 
-Kept lazy on purpose: `api_proc` and `detok_proc` import `engine_core.protocol` without paying for torch.
+Kept lazy on purpose: `api_proc` and `detok_proc` import `pagoda.engine_core.protocol` without paying for torch.
 """
 
 from typing import TYPE_CHECKING
@@ -8,17 +8,17 @@ from typing import TYPE_CHECKING
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
 
 if TYPE_CHECKING:
-    from engine_core.llm import LLM
-    from engine_core.outputs import CompletionOutput, RequestOutput
-    from engine_core.sampling_params import SamplingParams
-    from engine_core.structured_params import StructuredOutputsParams
+    from pagoda.engine_core.llm import LLM
+    from pagoda.engine_core.outputs import CompletionOutput, RequestOutput
+    from pagoda.engine_core.sampling_params import SamplingParams
+    from pagoda.engine_core.structured_params import StructuredOutputsParams
 
 _LAZY = {
-    "LLM": "engine_core.llm",
-    "SamplingParams": "engine_core.sampling_params",
-    "StructuredOutputsParams": "engine_core.structured_params",
-    "RequestOutput": "engine_core.outputs",
-    "CompletionOutput": "engine_core.outputs",
+    "LLM": "pagoda.engine_core.llm",
+    "SamplingParams": "pagoda.engine_core.sampling_params",
+    "StructuredOutputsParams": "pagoda.engine_core.structured_params",
+    "RequestOutput": "pagoda.engine_core.outputs",
+    "CompletionOutput": "pagoda.engine_core.outputs",
 }
 
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine_core.cpu_binding import check_spec as check_cpu_spec
-from engine_core.quantization import CHOICES as QUANTIZATION_CHOICES
-from engine_core.structured_limits import (
+from pagoda.engine_core.cpu_binding import check_spec as check_cpu_spec
+from pagoda.engine_core.quantization import CHOICES as QUANTIZATION_CHOICES
+from pagoda.engine_core.structured_limits import (
     COMPILE_TIMEOUT_FLAG,
     MAX_BYTES_FLAG,
     MAX_CHOICES_FLAG,
@@ -150,7 +150,7 @@ class EngineConfig:
         check_cpu_spec(self.cpu_threads_bind)
         if self.structured_output_compile_workers < 1:
             raise ValueError("structured_output_compile_workers must be at least 1")
-        from engine_core.speculative.config import SpeculativeConfig
+        from pagoda.engine_core.speculative.config import SpeculativeConfig
 
         speculative = SpeculativeConfig.parse(self.speculative_config, self.speculative_disable_batch_size)
         if speculative is not None and self.pipeline_parallel_size > 1:

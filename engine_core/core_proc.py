@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from engine_core import protocol
-from engine_core.config import EngineConfig
-from engine_core.environment import prefer_passive_thread_waits
-from engine_core.lifecycle import ParentLink, Report, Role, freeze_startup_heap, init_child_process
-from engine_core.pooling.config import will_pool
-from engine_core.validation import param_of
-from engine_core.zmq_security import EngineLinkKeys
+from pagoda.engine_core import protocol
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.environment import prefer_passive_thread_waits
+from pagoda.engine_core.lifecycle import ParentLink, Report, Role, freeze_startup_heap, init_child_process
+from pagoda.engine_core.pooling.config import will_pool
+from pagoda.engine_core.validation import param_of
+from pagoda.engine_core.zmq_security import EngineLinkKeys
 
 if TYPE_CHECKING:
-    from engine_core.engine import EngineCore  # (imports torch: only in load(), in the child)
-    from engine_core.parallel.ranks import WorkerRanks
-    from engine_core.pooling.engine import PoolingEngineCore
+    from pagoda.engine_core.engine import EngineCore  # (imports torch: only in load(), in the child)
+    from pagoda.engine_core.parallel.ranks import WorkerRanks
+    from pagoda.engine_core.pooling.engine import PoolingEngineCore
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 1000
@@ -123,7 +123,7 @@ class EngineCoreProc:
 
     def load(self, config: EngineConfig, ranks: WorkerRanks | None = None) -> None:
         """Build and warm up the engine (`ranks`: what starts its parallel ranks, if not child processes)."""
-        from engine_core.engine import EngineCore, create_engine  # torch is imported here, in the child only
+        from pagoda.engine_core.engine import EngineCore, create_engine  # torch is imported here, in the child only
 
         self.engine = create_engine(config, ranks)
         self.engine.warm_up()
@@ -139,8 +139,8 @@ class EngineCoreProc:
         freeze_startup_heap()
 
     def run(self) -> None:
-        from engine_core.gpu_memory import device_memory  # (imports torch: the child only)
-        from engine_core.pooling.engine import PoolingEngineCore
+        from pagoda.engine_core.gpu_memory import device_memory  # (imports torch: the child only)
+        from pagoda.engine_core.pooling.engine import PoolingEngineCore
 
         engine = self.engine
         self._send(

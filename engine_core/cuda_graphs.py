@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine_core.layers.attention import AttentionMetadata
+from pagoda.engine_core.layers.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from engine_core.default_model import COMPLETE_MARKER
-from engine_core.environment import cache_root
+from pagoda.engine_core.default_model import COMPLETE_MARKER
+from pagoda.engine_core.environment import cache_root
 
 logger = logging.getLogger(__name__)
 

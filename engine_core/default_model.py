@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from engine_core.environment import cache_root
+from pagoda.engine_core.environment import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +138,8 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path, progress: bool = False) -
     """Write a GGUF file as a float32 Hugging Face model directory (`progress`: a bar over its tensors)."""
     from safetensors.torch import save_file
 
-    from engine_core.gguf_model import read_gguf, write_model_files
-    from engine_core.gguf_weights import iterate_gguf_weights
+    from pagoda.engine_core.gguf_model import read_gguf, write_model_files
+    from pagoda.engine_core.gguf_weights import iterate_gguf_weights
 
     model = read_gguf(gguf_path)
     tensors = {}

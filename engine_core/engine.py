@@ -16,31 +16,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.config import EngineConfig
-from engine_core.cpu_binding import apply as apply_cores
-from engine_core.cpu_binding import assign as assign_cores
-from engine_core.host_memory import keep_freed_memory
-from engine_core.kv_cache import KVCacheManager
-from engine_core.loader import resolve_model
-from engine_core.model_config import ModelConfig
-from engine_core.model_runner import ModelRunner, PendingStep, StepResult
-from engine_core.parallel.sharding import check_model_splits
-from engine_core.pooling.config import runs_pooling
-from engine_core.pooling.engine import PoolingEngineCore
-from engine_core.pooling.params import PoolingParams
-from engine_core.protocol import RequestDelta, RequestFailed, RequestRejected, SchedulerStatsMessage
-from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import Scheduler, SchedulerOutput
-from engine_core.speculative.config import SpeculativeConfig
-from engine_core.speculative.draft import DraftProposer
-from engine_core.speculative.proposer import NgramProposer, Proposer
-from engine_core.speculative.stats import SpecDecodeCounters
-from engine_core.structured_output import StructuredOutputManager
-from engine_core.validation import ParamError, check_token_ids
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.cpu_binding import apply as apply_cores
+from pagoda.engine_core.cpu_binding import assign as assign_cores
+from pagoda.engine_core.host_memory import keep_freed_memory
+from pagoda.engine_core.kv_cache import KVCacheManager
+from pagoda.engine_core.loader import resolve_model
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.model_runner import ModelRunner, PendingStep, StepResult
+from pagoda.engine_core.parallel.sharding import check_model_splits
+from pagoda.engine_core.pooling.config import runs_pooling
+from pagoda.engine_core.pooling.engine import PoolingEngineCore
+from pagoda.engine_core.pooling.params import PoolingParams
+from pagoda.engine_core.protocol import RequestDelta, RequestFailed, RequestRejected, SchedulerStatsMessage
+from pagoda.engine_core.request import Request
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.scheduler import Scheduler, SchedulerOutput
+from pagoda.engine_core.speculative.config import SpeculativeConfig
+from pagoda.engine_core.speculative.draft import DraftProposer
+from pagoda.engine_core.speculative.proposer import NgramProposer, Proposer
+from pagoda.engine_core.speculative.stats import SpecDecodeCounters
+from pagoda.engine_core.structured_output import StructuredOutputManager
+from pagoda.engine_core.validation import ParamError, check_token_ids
 
 if TYPE_CHECKING:
-    from engine_core.parallel.ranks import WorkerRanks
+    from pagoda.engine_core.parallel.ranks import WorkerRanks
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class EngineCore:
         self.speculative = SpeculativeConfig.parse(config.speculative_config, config.speculative_disable_batch_size)
         draft_model = self.speculative.model if self.speculative is not None else None  # (draft_model only)
         if config.num_ranks > 1:
-            from engine_core.parallel.executor import ParallelExecutor
+            from pagoda.engine_core.parallel.executor import ParallelExecutor
 
             check_model_splits(self.model_cfg, config.tensor_parallel_size, config.pipeline_parallel_size)
             self.executor = ParallelExecutor(config, str(self.model_dir), ranks=ranks)

@@ -67,10 +67,10 @@ def fused_decode_disabled() -> bool:
 
 
 def configure_kernels(int8_activations: bool = False) -> None:
-    """Tell `kernels` which implementations this process may use and where it builds C kernels."""
-    import kernels
+    """Tell the kernels which implementations this process may use and where they build C kernels."""
+    from pagoda.kernels import ops
 
-    kernels.configure(
+    ops.configure(
         cpu_kernels=not _flag("PAGODA_DISABLE_CPU_KERNELS"),
         triton=not _flag("PAGODA_DISABLE_TRITON"),
         build_dir=cache_root() / "kernels",

@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine_core.environment import cache_root
+from pagoda.engine_core.environment import cache_root
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine_core.gguf_model import FLOAT_TYPES, GGUFTensor
+from pagoda.engine_core.gguf_model import FLOAT_TYPES, GGUFTensor
 
 
 def unpermute_rope(rows, num_heads: int):

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_core.request import Request
-from engine_core.sampler import SamplingBatch, sample
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.request import Request
+from pagoda.engine_core.sampler import SamplingBatch, sample
+from pagoda.engine_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 GiB = 1024**3
@@ -47,7 +47,7 @@ def profile_step(runner, num_tokens: int) -> None:
     (over a temporary cache just big enough), then logits and full sampling for `max_num_seqs` rows.
     Device-agnostic: on the CPU it only proves such a step runs. A pipeline stage runs its own layers
     (the LM head on the first stage)."""
-    from engine_core.model_runner import StepInputs, _prepare  # circular at import time
+    from pagoda.engine_core.model_runner import StepInputs, _prepare  # circular at import time
 
     block_size = runner.block_size
     runner.allocate_kv_cache(-(-num_tokens // block_size) + 1)
@@ -77,7 +77,7 @@ def profile_step(runner, num_tokens: int) -> None:
 
 def profile_gpu_memory(runner, num_tokens: int, max_model_len: int, capture_graphs: bool) -> MemoryProfile:
     """Measure a CUDA runner whose weights are loaded and whose KV pool is not yet allocated."""
-    from engine_core.cuda_graphs import DecodeGraphs
+    from pagoda.engine_core.cuda_graphs import DecodeGraphs
 
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

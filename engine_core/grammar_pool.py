@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from engine_core.grammar_worker import HEADER, KIND_NAMES, SpecError, read_frame, write_frame
-from engine_core.structured_limits import COMPILE_TIMEOUT_FLAG
+from pagoda.engine_core.grammar_worker import HEADER, KIND_NAMES, SpecError, read_frame, write_frame
+from pagoda.engine_core.structured_limits import COMPILE_TIMEOUT_FLAG
 
 if TYPE_CHECKING:
-    from engine_core.structured_output import GrammarBackend
+    from pagoda.engine_core.structured_output import GrammarBackend
 
 logger = logging.getLogger(__name__)
 LOAD_NICENESS = 19  # workers started ahead of need import at this priority (see grammar_worker._load)
@@ -251,7 +251,7 @@ class GrammarCompilePool:
         backend = self._backend()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}
         process = subprocess.Popen(
-            [sys.executable, "-m", "engine_core.grammar_worker"],
+            [sys.executable, "-m", "pagoda.engine_core.grammar_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

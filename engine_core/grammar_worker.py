@@ -26,7 +26,7 @@ import threading
 
 import msgspec
 
-from engine_core.json_schema_support import unsupported_feature
+from pagoda.engine_core.json_schema_support import unsupported_feature
 
 HEADER = struct.Struct(">I")
 _XGRAMMAR_LOCATION = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")  # "[12:00:00] /project/cpp/x.cc:94: "
@@ -110,7 +110,7 @@ def _load(init: dict, loaded: dict) -> None:
 
 
 def main() -> int:
-    from engine_core.lifecycle import die_with_parent, name_process
+    from pagoda.engine_core.lifecycle import die_with_parent, name_process
 
     name_process("pagoda-grammar")
     die_with_parent()

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine_core.block_hash import extend_block_hashes
-from engine_core.block_pool import BlockPool, KVCacheBlock
-from engine_core.request import Request
+from pagoda.engine_core.block_hash import extend_block_hashes
+from pagoda.engine_core.block_pool import BlockPool, KVCacheBlock
+from pagoda.engine_core.request import Request
 
 
 class KVCacheManager:

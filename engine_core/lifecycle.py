@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 
 import msgspec
 
-from engine_core.environment import export_log_settings, log_settings
+from pagoda.engine_core.environment import export_log_settings, log_settings
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ _PR_SET_NAME = 15
 def configure_logging(level: str, log_format: str | None = None) -> None:
     """The format every process logs in (text or json); children inherit the level and format
     (engine_core/environment.py)."""
-    from engine_core.log_format import formatter
+    from pagoda.engine_core.log_format import formatter
 
     log_format = log_format or log_settings()[1]
     handler = logging.StreamHandler()

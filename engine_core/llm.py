@@ -9,15 +9,15 @@ from typing import cast
 
 from tqdm import tqdm
 
-from engine_core.config import EngineConfig, parse_size
-from engine_core.engine import create_engine
-from engine_core.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
-from engine_core.pooling import inputs as pooling_inputs
-from engine_core.pooling.engine import PoolingEngineCore
-from engine_core.pooling.params import PoolingParams
-from engine_core.protocol import FinishReason, PromptLogprobs, TokenLogprobs
-from engine_core.sampling_params import SamplingParams
-from engine_core.tokenizer import encode_chat, load_tokenizer
+from pagoda.engine_core.config import EngineConfig, parse_size
+from pagoda.engine_core.engine import create_engine
+from pagoda.engine_core.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from pagoda.engine_core.pooling import inputs as pooling_inputs
+from pagoda.engine_core.pooling.engine import PoolingEngineCore
+from pagoda.engine_core.pooling.params import PoolingParams
+from pagoda.engine_core.protocol import FinishReason, PromptLogprobs, TokenLogprobs
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.tokenizer import encode_chat, load_tokenizer
 
 PromptType = str | dict
 

@@ -8,15 +8,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine_core.gguf_model import gguf_model_dir, gguf_source, is_gguf_file
+from pagoda.engine_core.gguf_model import gguf_model_dir, gguf_source, is_gguf_file
 
 if TYPE_CHECKING:  # imported lazily: resolving a model directory must not load torch
     import torch
 
-    from engine_core.models import PoolingModel
-    from engine_core.models.llama import LlamaForCausalLM
-    from engine_core.parallel.distributed import Stage, TPGroup
-    from engine_core.quantization.base import QuantizationMethod
+    from pagoda.engine_core.models import PoolingModel
+    from pagoda.engine_core.models.llama import LlamaForCausalLM
+    from pagoda.engine_core.parallel.distributed import Stage, TPGroup
+    from pagoda.engine_core.quantization.base import QuantizationMethod
 
 # (checkpoint name, shape) -> the slice of it to read; None: all of it (tensor parallel: each rank's shard)
 Selection = Callable[[str, tuple[int, ...]], "tuple[slice, ...] | None"]
@@ -28,7 +28,7 @@ def resolve_model(model: str | None) -> Path:
     """A local directory as is; a .gguf file as the model directory made from its metadata (once, in
     the cache: engine_core/gguf_model.py); None = the default model (prepared on first use); else a hub id."""
     if model is None:
-        from engine_core.default_model import ensure_default_model
+        from pagoda.engine_core.default_model import ensure_default_model
 
         return ensure_default_model()
     path = Path(model).expanduser()
@@ -70,7 +70,7 @@ def iterate_weights(
 
     source = gguf_source(model_dir)
     if source is not None:
-        from engine_core.gguf_weights import iterate_gguf_weights
+        from pagoda.engine_core.gguf_weights import iterate_gguf_weights
 
         weights = iterate_gguf_weights(*source)
         if keep is not None:
@@ -118,7 +118,7 @@ def load_model(
     `fp8_matmul`: keep FP8 weights in FP8 (None: where the device multiplies in FP8). `group`: the
     tensor-parallel group this rank's shard of the model is for, `stage` the pipeline stage whose layers
     it holds (None: the whole model)."""
-    from engine_core.models import model_class
+    from pagoda.engine_core.models import model_class
 
     build = model_class(model_cfg.architecture)
     return _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, group, stage)
@@ -136,7 +136,7 @@ def load_pooling_model(
     """`load_model` for a pooling model (an encoder, or a decoder without its LM head); one process."""
     from functools import partial
 
-    from engine_core.models import pooling_model_class
+    from pagoda.engine_core.models import pooling_model_class
 
     build = partial(pooling_model_class(model_cfg.architecture), pooling=True)
     return _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, None, None)
@@ -148,9 +148,9 @@ def _load(build, model_dir, model_cfg, dtype, device, load_format, quantization,
 
     import torch
 
-    from engine_core.layers.linear import deferred_weights
-    from engine_core.parallel.distributed import SINGLE, WHOLE, building_for
-    from engine_core.quantization.assembly import LinearAssembler
+    from pagoda.engine_core.layers.linear import deferred_weights
+    from pagoda.engine_core.parallel.distributed import SINGLE, WHOLE, building_for
+    from pagoda.engine_core.quantization.assembly import LinearAssembler
 
     group, stage = group or SINGLE, stage or WHOLE
     deferred = deferred_weights() if quantization is not None else contextlib.nullcontext()
@@ -178,7 +178,7 @@ def _checkpoint_slices(model, assembled: bool, name: str, shape: tuple[int, ...]
 
 def weight_bytes(model) -> int:
     """Bytes the model's weights hold in memory (quantized and packed layouts as stored)."""
-    from engine_core.layers.linear import Linear
+    from pagoda.engine_core.layers.linear import Linear
 
     total = 0
     linear_params: set[int] = set()
@@ -197,7 +197,7 @@ def _dummy_weights(model_cfg, dtype) -> Iterator[tuple[str, torch.Tensor]]:
     quantized dummy model: benchmarks of the quantized kernels from a config.json alone)."""
     import torch
 
-    from engine_core.models import model_class
+    from pagoda.engine_core.models import model_class
 
     with torch.device("meta"):
         shapes = model_class(model_cfg.architecture)(model_cfg, dtype)
@@ -209,7 +209,7 @@ def _dummy_weights(model_cfg, dtype) -> Iterator[tuple[str, torch.Tensor]]:
 def _checkpoint_tensors(model, name: str, param, generator):
     import torch
 
-    from engine_core.layers.linear import MergedLinear
+    from pagoda.engine_core.layers.linear import MergedLinear
 
     module_path = name.rpartition(".")[0]
     module = model.get_submodule(module_path) if module_path else None
@@ -255,7 +255,7 @@ def fill_dummy_weights(model, seed: int = 0) -> None:
 def _pack_linears(model) -> None:
     """Repack CPU float32 linear weights for the CPU's matmul (see layers/linear.py); a tied LM head's
     weight is also the embedding table."""
-    from engine_core.layers.linear import Linear
+    from pagoda.engine_core.layers.linear import Linear
 
     tied = getattr(model, "embed_tokens", 0) is None
     for name, module in model.named_modules():

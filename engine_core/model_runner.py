@@ -27,24 +27,24 @@ from typing import Protocol
 import numpy as np
 import torch
 
-import kernels
-from engine_core.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
-from engine_core.cuda_graphs import DecodeGraphs
-from engine_core.environment import configure_kernels
-from engine_core.gpu_memory import profile_gpu_memory
-from engine_core.kv_prefault import KVPoolPrefault, prefault
-from engine_core.layers.attention import AttentionMetadata
-from engine_core.loader import load_model, weight_bytes
-from engine_core.model_config import ModelConfig
-from engine_core.parallel.distributed import SINGLE, WHOLE, TPGroup
-from engine_core.parallel.pipeline import PipeLink
-from engine_core.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs, row_chunks
-from engine_core.protocol import TokenLogprobs
-from engine_core.quantization import resolve_method
-from engine_core.request import Request
-from engine_core.scheduler import SchedulerOutput
-from engine_core.speculative.draft_model import DraftModel
-from engine_core.speculative.verify import verify
+from pagoda.engine_core.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
+from pagoda.engine_core.cuda_graphs import DecodeGraphs
+from pagoda.engine_core.environment import configure_kernels
+from pagoda.engine_core.gpu_memory import profile_gpu_memory
+from pagoda.engine_core.kv_prefault import KVPoolPrefault, prefault
+from pagoda.engine_core.layers.attention import AttentionMetadata
+from pagoda.engine_core.loader import load_model, weight_bytes
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.parallel.distributed import SINGLE, WHOLE, TPGroup
+from pagoda.engine_core.parallel.pipeline import PipeLink
+from pagoda.engine_core.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs, row_chunks
+from pagoda.engine_core.protocol import TokenLogprobs
+from pagoda.engine_core.quantization import resolve_method
+from pagoda.engine_core.request import Request
+from pagoda.engine_core.scheduler import SchedulerOutput
+from pagoda.engine_core.speculative.draft_model import DraftModel
+from pagoda.engine_core.speculative.verify import verify
+from pagoda.kernels import ops
 
 logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
@@ -171,7 +171,7 @@ class ModelRunner:
             else DraftModel(draft_model, model_dir, model_cfg, self.dtype, self.device, self.block_size)
         )
         # Long prompts' rows as bulk rows, where the linears then compute them otherwise (AMX; float32 panels)
-        self.bulk_prompts = self.dtype == torch.float32 and kernels.bulk_rows_differ(self.device)
+        self.bulk_prompts = self.dtype == torch.float32 and ops.bulk_rows_differ(self.device)
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
         self.followers: Followers | None = None  # set by the parallel executor on rank 0
         self.kv_cache: torch.Tensor | None = None

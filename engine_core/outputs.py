@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_core.protocol import FinishReason
+from pagoda.engine_core.protocol import FinishReason
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from engine_core.protocol import PromptLogprobs
+from pagoda.engine_core.protocol import PromptLogprobs
 
 
 class PromptLogprobsChunk(NamedTuple):

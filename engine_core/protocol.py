@@ -18,8 +18,8 @@ from typing import NamedTuple, TypeVar
 import msgspec
 import numpy as np
 
-from engine_core.pooling.params import PoolingParams
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.pooling.params import PoolingParams
+from pagoda.engine_core.sampling_params import SamplingParams
 
 # ---- into the engine core ----------------------------------------------------------------------
 

@@ -15,11 +15,11 @@ import logging
 import socket
 import time
 
-from engine_core.config import EngineConfig
-from engine_core.core_proc import EngineCoreProc, dead_message
-from engine_core.environment import log_settings
-from engine_core.lifecycle import Role, configure_logging, name_process
-from engine_core.zmq_security import EngineLinkKeys
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core_proc import EngineCoreProc, dead_message
+from pagoda.engine_core.environment import log_settings
+from pagoda.engine_core.lifecycle import Role, configure_logging, name_process
+from pagoda.engine_core.zmq_security import EngineLinkKeys
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class EngineActor:
         try:
             ranks = None
             if self.config.num_ranks > 1:
-                from engine_core.parallel.ray_ranks import RayRanks
+                from pagoda.engine_core.parallel.ray_ranks import RayRanks
 
                 ranks = RayRanks()
             self.proc.load(self.config, ranks)

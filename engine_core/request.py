@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.prompt_logprobs import PromptLogprobsCollector
-from engine_core.protocol import FinishReason
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.prompt_logprobs import PromptLogprobsCollector
+from pagoda.engine_core.protocol import FinishReason
+from pagoda.engine_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine_core.structured_output import RequestGrammar
+    from pagoda.engine_core.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):

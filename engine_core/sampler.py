@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
-from engine_core.protocol import TokenLogprobs
-from engine_core.request import Request
-from engine_core.structured_output import RequestGrammar, apply_grammar_bitmask
+from pagoda.engine_core.protocol import TokenLogprobs
+from pagoda.engine_core.request import Request
+from pagoda.engine_core.structured_output import RequestGrammar, apply_grammar_bitmask
+from pagoda.kernels import ops
 
 _NEG_INF = float("-inf")
 
@@ -174,7 +174,7 @@ def _draw(probs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torc
 def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's argmax (torch's rule; compiled on the CPU: kernels/cpu/argmax.c), and whether the
     row was finite: its chosen logit is NaN if any is, +inf if any is, -inf if every token is masked."""
-    tokens = kernels.argmax_rows(logits)
+    tokens = ops.argmax_rows(logits)
     return tokens, torch.isfinite(logits.gather(-1, tokens[:, None]).squeeze(1))
 
 

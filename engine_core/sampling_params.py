@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import msgspec
 
-from engine_core.structured_params import StructuredOutputsParams
-from engine_core.validation import TOKEN_ID_LIMIT, ParamError, check_token_ids
+from pagoda.engine_core.structured_params import StructuredOutputsParams
+from pagoda.engine_core.validation import TOKEN_ID_LIMIT, ParamError, check_token_ids
 
 # A temperature below this is greedy decoding (vLLM's threshold, 1e-5): at such a temperature the most
 # likely token wins anyway unless two logits tie to within ~1e-4.

@@ -15,9 +15,9 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from engine_core.kv_cache import KVCacheManager
-from engine_core.protocol import SchedulerStatsMessage
-from engine_core.request import Request, RequestStatus
+from pagoda.engine_core.kv_cache import KVCacheManager
+from pagoda.engine_core.protocol import SchedulerStatsMessage
+from pagoda.engine_core.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

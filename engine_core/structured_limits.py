@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine_core.structured_params import StructuredOutputsParams
-from engine_core.validation import ParamError
+from pagoda.engine_core.structured_params import StructuredOutputsParams
+from pagoda.engine_core.validation import ParamError
 
 # The flags that set each limit (engine_core/config.py), named in every refusal.
 MAX_BYTES_FLAG = "--structured-output-max-bytes"

@@ -45,15 +45,15 @@ from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine_core.grammar_pool import LOAD_NICENESS, CompileNotDone, GrammarCompilePool
-from engine_core.grammar_worker import SpecError, choice_grammar, compile_spec
-from engine_core.structured_limits import StructuredOutputLimits
-from engine_core.structured_params import StructuredOutputsParams
+from pagoda.engine_core.grammar_pool import LOAD_NICENESS, CompileNotDone, GrammarCompilePool
+from pagoda.engine_core.grammar_worker import SpecError, choice_grammar, compile_spec
+from pagoda.engine_core.structured_limits import StructuredOutputLimits
+from pagoda.engine_core.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import torch
 
-    from engine_core.request import Request
+    from pagoda.engine_core.request import Request
 
 logger = logging.getLogger(__name__)
 __all__ = ["LOAD_NICENESS", "GrammarBackend", "GrammarError", "StructuredOutputManager", "choice_grammar"]
@@ -70,7 +70,7 @@ class GrammarBackend:
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: frozenset[int]):
         import xgrammar as xgr
 
-        from engine_core.tokenizer import load_tokenizer
+        from pagoda.engine_core.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(model_dir)
         # The logits may be wider than the tokenizer's vocabulary (padded embeddings): the mask must

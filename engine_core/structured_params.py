@@ -13,8 +13,8 @@ import json as jsonlib
 
 import msgspec
 
-from engine_core.json_limits import depth_message, text_exceeds_depth, value_exceeds_depth
-from engine_core.validation import ParamError
+from pagoda.engine_core.json_limits import depth_message, text_exceeds_depth, value_exceeds_depth
+from pagoda.engine_core.validation import ParamError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
-from engine_core.gguf_model import gguf_model_dir, is_gguf_file
-from engine_core.tool_prompt import messages_with_tools, template_renders_tools
-from engine_core.validation import ParamError
+from pagoda.engine_core.gguf_model import gguf_model_dir, is_gguf_file
+from pagoda.engine_core.tool_prompt import messages_with_tools, template_renders_tools
+from pagoda.engine_core.validation import ParamError
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from engine_core.environment import configure_kernels
+from pagoda.engine_core.environment import configure_kernels
 
 # Without a GPU, Triton kernels run on the CPU through Triton's interpreter. `@triton.jit` picks the
 # interpreter when it decorates, so this must be set before any test module imports a kernel.
@@ -21,7 +21,7 @@ configure_kernels()
 
 @pytest.fixture(scope="session")
 def default_model_dir():
-    from engine_core.default_model import ensure_default_model
+    from pagoda.engine_core.default_model import ensure_default_model
 
     return ensure_default_model()
 
@@ -37,17 +37,17 @@ def hf_model(default_model_dir):
 
 @pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
-    from engine_core.tokenizer import load_tokenizer
+    from pagoda.engine_core.tokenizer import load_tokenizer
 
     return load_tokenizer(default_model_dir)
 
 
 @pytest.fixture
 def cli_main():
-    """`api_proc.cli.main`, run in this process. It points the root logger at the stderr pytest captures for
+    """`pagoda.api_proc.cli.main`, run in this process. It points the root logger at the stderr pytest captures for
     the test, which is closed after it: its handler goes afterwards, or a thread still logging (a KV pool's
     populate, engine_core/kv_prefault.py) would print a logging error into a later test's output."""
-    from api_proc.cli import main
+    from pagoda.api_proc.cli import main
 
     root = logging.getLogger()
     before, level = set(root.handlers), root.level

@@ -8,9 +8,9 @@ import time
 
 import zmq
 
-from engine_core import protocol
-from engine_core.config import EngineConfig
-from engine_core.core_proc import run_engine_core
+from pagoda.engine_core import protocol
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.core_proc import run_engine_core
 
 
 class EngineProcess:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine_core.default_model import COMPLETE_MARKER, ensure_default_model
+from pagoda.engine_core.default_model import COMPLETE_MARKER, ensure_default_model
 from tests import tiny_models
 from tests.helpers import PARAGRAPHS
 from tests.tool_runs import KEYED, TOOLS, cache_dir, cached, fingerprint, run_tool
@@ -160,7 +160,7 @@ def _build_tiny(arch: str, out: Path) -> None:
 
 def calibration_ids(source: str) -> list[list[int]]:
     if source.startswith("smollm2"):
-        from engine_core.tokenizer import load_tokenizer
+        from pagoda.engine_core.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(source_model(source))
         return [tokenizer.encode(text) for text in CALIBRATION_TEXTS]
@@ -170,7 +170,7 @@ def calibration_ids(source: str) -> list[list[int]]:
 
 def prompt_ids(source: str) -> list[list[int]]:
     if source.startswith("smollm2"):
-        from engine_core.tokenizer import load_tokenizer
+        from pagoda.engine_core.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(source_model(source))
         return [tokenizer.encode(text) for text in PROMPT_TEXTS]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.sampling_params import SamplingParams
 
 
 def run_engine(
@@ -32,8 +32,8 @@ def greedy_with_first_logprobs(
 ) -> tuple[list[list[int]], list[dict[int, float]]]:
     """A fresh engine on `model_dir`: each prompt's greedy tokens (ignore_eos), and its first step's top
     logprobs {token: logprob} (the quantized formats' comparisons with their references)."""
-    from engine_core.config import EngineConfig
-    from engine_core.engine import EngineCore
+    from pagoda.engine_core.config import EngineConfig
+    from pagoda.engine_core.engine import EngineCore
 
     engine = EngineCore(EngineConfig(model=str(model_dir), **{"num_kv_blocks": 128, **engine_args}))
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=top)

@@ -7,7 +7,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_proc.bench.local_server import PagodaServer, wait_until
+from pagoda.api_proc.bench.local_server import PagodaServer, wait_until
 
 
 class Scrape:

@@ -59,9 +59,9 @@ def killed_worker_fails_the_next_step(config, message: str) -> None:
 
     import pytest
 
-    from engine_core.engine import EngineCore
-    from engine_core.parallel.executor import WorkerDied
-    from engine_core.sampling_params import SamplingParams
+    from pagoda.engine_core.engine import EngineCore
+    from pagoda.engine_core.parallel.executor import WorkerDied
+    from pagoda.engine_core.sampling_params import SamplingParams
 
     engine = EngineCore(config)
     try:
@@ -82,7 +82,7 @@ def killed_worker_fails_the_next_step(config, message: str) -> None:
 def shared_prefix_case():
     """Six prompts sharing a 40-token prefix, every other one owing prompt logprobs, 40 greedy tokens each:
     with a 14-block pool, the split engines' preemption, prefix-caching and prompt-logprob case."""
-    from engine_core.sampling_params import SamplingParams
+    from pagoda.engine_core.sampling_params import SamplingParams
 
     gen = torch.Generator().manual_seed(2)
     prefix = torch.randint(3, 512, (40,), generator=gen).tolist()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from api_proc.bench.local_server import PagodaServer, alive, child_pids, wait_until
+from pagoda.api_proc.bench.local_server import PagodaServer, alive, child_pids, wait_until
 
 
 def descendants(pid: int) -> list[int]:

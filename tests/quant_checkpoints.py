@@ -39,7 +39,7 @@ def checkpoint(source: str, scheme: str) -> Path:
 
     def build(out: Path) -> None:
         if source == "smollm2":
-            from engine_core.default_model import ensure_default_model
+            from pagoda.engine_core.default_model import ensure_default_model
 
             source_dir = ensure_default_model()
         else:

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine_core.layers.linear import Linear, MergedLinear
-from kernels.quantized import dequantize_original_order
+from pagoda.engine_core.layers.linear import Linear, MergedLinear
+from pagoda.kernels.quantized import dequantize_original_order
 
 # Our merged linears -> the checkpoint's projections, in shard order.
 _SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

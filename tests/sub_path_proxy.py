@@ -11,7 +11,7 @@ import threading
 import aiohttp
 from aiohttp import web
 
-from api_proc.bench.local_server import free_port
+from pagoda.api_proc.bench.local_server import free_port
 
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from engine_core.default_model import COMPLETE_MARKER
-from engine_core.environment import cache_root
+from pagoda.engine_core.default_model import COMPLETE_MARKER
+from pagoda.engine_core.environment import cache_root
 
 REPO = Path(__file__).resolve().parents[1]
 TOOLS = REPO / "tests" / "quant_tools"

@@ -8,8 +8,8 @@ import json
 import math
 from dataclasses import asdict
 
-from api_proc.bench import vllm_compat
-from engine_core.config import add_engine_args
+from pagoda.api_proc.bench import vllm_compat
+from pagoda.engine_core.config import add_engine_args
 
 
 def _add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) -> None:
@@ -37,7 +37,7 @@ def _add_dataset_args(parser: argparse.ArgumentParser, with_seed: bool = True) -
 
 
 def load_dataset(args, tokenizer=None):
-    from api_proc.bench import datasets
+    from pagoda.api_proc.bench import datasets
 
     if args.dataset_name == "random" and args.random_prefix_len:  # vLLM's random dataset with a shared prefix
         return datasets.prefix_requests(
@@ -55,15 +55,15 @@ def load_dataset(args, tokenizer=None):
 def _tokenizer(args):
     if not args.tokenizer:
         return None
-    from engine_core.tokenizer import load_tokenizer
+    from pagoda.engine_core.tokenizer import load_tokenizer
 
     return load_tokenizer(args.tokenizer)
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from api_proc.bench.datasets import as_text
-    from api_proc.bench.metrics import format_report, parse_goodput, summarize
-    from api_proc.bench.runner import run_serve, save_result
+    from pagoda.api_proc.bench.datasets import as_text
+    from pagoda.api_proc.bench.metrics import format_report, parse_goodput, summarize
+    from pagoda.api_proc.bench.runner import run_serve, save_result
 
     vllm_compat.resolve(args)
     slo = parse_goodput(args.goodput)
@@ -98,7 +98,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if path is not None:
         save_result(path, summary, settings, results, vllm_compat.flat_keys(summary, results, args, model))
     if args.plot:
-        from api_proc.bench.plot import plot_run
+        from pagoda.api_proc.bench.plot import plot_run
 
         plot_run(
             results,
@@ -111,8 +111,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def _offline_llm(args: argparse.Namespace):
-    from engine_core.config import engine_config_from_args
-    from engine_core.llm import LLM
+    from pagoda.engine_core.config import engine_config_from_args
+    from pagoda.engine_core.llm import LLM
 
     return LLM(**asdict(engine_config_from_args(args)))
 
@@ -124,7 +124,7 @@ def _save_json(path: str | None, result: dict) -> None:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from api_proc.bench.offline import run_throughput
+    from pagoda.api_proc.bench.offline import run_throughput
 
     llm = _offline_llm(args)
     result = run_throughput(llm, load_dataset(args, llm.tokenizer), ignore_eos=not args.no_ignore_eos)
@@ -137,7 +137,7 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
-    from api_proc.bench.offline import run_latency
+    from pagoda.api_proc.bench.offline import run_latency
 
     result = run_latency(
         _offline_llm(args),

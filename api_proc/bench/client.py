@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
-from api_proc.bench.datasets import BenchRequest
+from pagoda.api_proc.bench.datasets import BenchRequest
 
 
 class _Delta(msgspec.Struct):

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from api_proc.bench.local_server import free_port, http
+from pagoda.api_proc.bench.local_server import free_port, http
 
 
 class LocalRouter:
@@ -28,7 +28,7 @@ class LocalRouter:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - the router writes to it until stop()
         args = [arg for url in backends for arg in ("--backend", url)]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "api_proc.cli", "router", "--port", str(self.port), *args, *extra_args],
+            [sys.executable, "-m", "pagoda.api_proc.cli", "router", "--port", str(self.port), *args, *extra_args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=None if env is None else {**os.environ, **env},

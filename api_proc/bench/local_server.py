@@ -15,7 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from engine_core.identity import DEFAULT_SERVED_MODEL_NAME
+from pagoda.engine_core.identity import DEFAULT_SERVED_MODEL_NAME
 
 MODEL_NAME = DEFAULT_SERVED_MODEL_NAME  # the name the default model is served as
 
@@ -108,7 +108,7 @@ class PagodaServer:
             [
                 sys.executable,
                 "-m",
-                "api_proc.cli",
+                "pagoda.api_proc.cli",
                 "serve",
                 "--port",
                 str(self.port),
@@ -159,7 +159,7 @@ class PagodaServer:
         raise LookupError(name)
 
     def model_dir(self) -> Path:
-        from engine_core.default_model import ensure_default_model
+        from pagoda.engine_core.default_model import ensure_default_model
 
         return ensure_default_model()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from api_proc.bench.client import RequestResult
+from pagoda.api_proc.bench.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from api_proc.bench.datasets import BenchRequest, random_requests
+from pagoda.api_proc.bench.datasets import BenchRequest, random_requests
 
 
 def _prompt(request: BenchRequest):
@@ -15,7 +15,7 @@ def _prompt(request: BenchRequest):
 
 def run_throughput(llm, requests: list[BenchRequest], ignore_eos: bool = True) -> dict:
     """Every request at once through `llm.generate`; tokens counted from the outputs."""
-    from engine_core.sampling_params import SamplingParams
+    from pagoda.engine_core.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=ignore_eos) for r in requests]
     llm.generate(
@@ -41,7 +41,7 @@ def run_latency(
     llm, batch_size: int, input_len: int, output_len: int, num_iters: int = 5, num_warmup: int = 1, seed: int = 0
 ) -> dict:
     """One batch of `batch_size` random prompts end to end, `num_iters` times (after warm-ups)."""
-    from engine_core.sampling_params import SamplingParams
+    from pagoda.engine_core.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     latencies = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from api_proc.bench.client import RequestResult
+from pagoda.api_proc.bench.client import RequestResult
 
 
 def plot_run(results: list[RequestResult], duration: float, path: str, title: str) -> None:

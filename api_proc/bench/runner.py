@@ -18,8 +18,8 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from api_proc.bench.client import RequestResult, request_body, send
-from api_proc.bench.datasets import BenchRequest
+from pagoda.api_proc.bench.client import RequestResult, request_body, send
+from pagoda.api_proc.bench.datasets import BenchRequest
 
 
 def normalize_base_url(base_url: str) -> str:

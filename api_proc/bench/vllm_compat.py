@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from api_proc.bench.client import RequestResult
+from pagoda.api_proc.bench.client import RequestResult
 
 BACKENDS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat"}
 ENDPOINTS = {

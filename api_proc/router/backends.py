@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import aiohttp
 import msgspec
 
-from api_proc.router.metrics import RouterMetrics
-from api_proc.router.settings import RouterSettings
+from pagoda.api_proc.router.metrics import RouterMetrics
+from pagoda.api_proc.router.settings import RouterSettings
 
 logger = logging.getLogger("pagoda.router")
 

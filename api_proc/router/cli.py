@@ -6,11 +6,17 @@ import argparse
 import asyncio
 import sys
 
-from api_proc.auth import AuthPolicy, read_keys
-from api_proc.router.policies import POLICIES
-from api_proc.router.settings import RouterSettings, backend_urls
-from api_proc.serve_settings import _positive, _seconds, _seconds_or_off, add_connection_args, add_log_format_args
-from engine_core.config import parse_size
+from pagoda.api_proc.auth import AuthPolicy, read_keys
+from pagoda.api_proc.router.policies import POLICIES
+from pagoda.api_proc.router.settings import RouterSettings, backend_urls
+from pagoda.api_proc.serve_settings import (
+    _positive,
+    _seconds,
+    _seconds_or_off,
+    add_connection_args,
+    add_log_format_args,
+)
+from pagoda.engine_core.config import parse_size
 
 
 def _interval(value: str) -> float:
@@ -156,7 +162,7 @@ def router_settings(args: argparse.Namespace) -> RouterSettings:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from api_proc.router.service import run_router  # aiohttp's client and server: only this command needs them
+    from pagoda.api_proc.router.service import run_router  # aiohttp's client and server: only this command needs them
 
     settings = router_settings(args)
     try:

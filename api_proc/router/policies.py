@@ -23,9 +23,9 @@ from typing import Any
 
 import msgspec
 
-from api_proc.router.backends import Backend
-from detok_proc.routing import overloaded
-from engine_core.json_limits import too_deep_field
+from pagoda.api_proc.router.backends import Backend
+from pagoda.detok_proc.routing import overloaded
+from pagoda.engine_core.json_limits import too_deep_field
 
 POLICIES = ("p2c", "round_robin", "prefix")
 PREFIX_CHARS = 1024  # ~256 tokens of English text

@@ -24,14 +24,14 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from api_proc.http_guard import ClosingResponse
-from api_proc.middleware import auth_middleware
-from api_proc.openai_schema import ApiError
-from api_proc.request_body import read_body
-from api_proc.router.backends import Backend, BackendPool
-from api_proc.router.metrics import CONTENT_TYPE, RouterMetrics
-from api_proc.router.policies import Picker, prefix_key
-from api_proc.router.settings import RouterSettings
+from pagoda.api_proc.http_guard import ClosingResponse
+from pagoda.api_proc.middleware import auth_middleware
+from pagoda.api_proc.openai_schema import ApiError
+from pagoda.api_proc.request_body import read_body
+from pagoda.api_proc.router.backends import Backend, BackendPool
+from pagoda.api_proc.router.metrics import CONTENT_TYPE, RouterMetrics
+from pagoda.api_proc.router.policies import Picker, prefix_key
+from pagoda.api_proc.router.settings import RouterSettings
 
 logger = logging.getLogger("pagoda.router")
 _json = msgspec.json.Encoder()

@@ -16,12 +16,12 @@ import signal
 import aiohttp
 from aiohttp import web
 
-from api_proc.http_guard import GuardedAppRunner, HttpGuard, allow_open_files
-from api_proc.router.backends import BackendPool
-from api_proc.router.metrics import RouterMetrics
-from api_proc.router.proxy import RouterProxy
-from api_proc.router.settings import RouterSettings
-from api_proc.sd_notify import Notifier
+from pagoda.api_proc.http_guard import GuardedAppRunner, HttpGuard, allow_open_files
+from pagoda.api_proc.router.backends import BackendPool
+from pagoda.api_proc.router.metrics import RouterMetrics
+from pagoda.api_proc.router.proxy import RouterProxy
+from pagoda.api_proc.router.settings import RouterSettings
+from pagoda.api_proc.sd_notify import Notifier
 
 logger = logging.getLogger("pagoda.router")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from api_proc.auth import AuthPolicy
+from pagoda.api_proc.auth import AuthPolicy
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import kernels
+from pagoda.kernels import ops
 
 
 @dataclass
@@ -73,13 +73,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q `[T, H, D]`, k/v `[T, Hkv, D]` -> `[T, H, D]`."""
         if isinstance(meta, VarlenMetadata):
-            return kernels.varlen_attention(
+            return ops.varlen_attention(
                 q, k, v, meta.query_start_loc, self.scale, self.causal, self.sliding_window if self.causal else None
             )
-        kernels.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
+        ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
         nd = meta.num_decodes  # one token each, so also the number of decode tokens
         if nd == q.shape[0]:
-            return kernels.paged_decode_attention(
+            return ops.paged_decode_attention(
                 q,
                 self.key_cache,
                 self.value_cache,
@@ -91,7 +91,7 @@ class Attention(nn.Module):
             )
         out = torch.empty_like(q) if nd else None  # (a step of prompts alone returns the kernel's own output)
         if out is not None:
-            out[:nd] = kernels.paged_decode_attention(
+            out[:nd] = ops.paged_decode_attention(
                 q[:nd],
                 self.key_cache,
                 self.value_cache,
@@ -104,11 +104,11 @@ class Attention(nn.Module):
         if meta.prefills_from_start and q.device.type == "cpu":
             # The compiled C kernel reads this step's k/v rows in place: 3.6x faster than gathering the
             # cache for torch's attention (512-token prompt, SmolLM2's heads, one thread; docs/decode-speed.md).
-            prefill = kernels.varlen_attention(
+            prefill = ops.varlen_attention(
                 q[nd:], k[nd:], v[nd:], meta.query_start_loc, self.scale, True, self.sliding_window
             )
         else:
-            prefill = kernels.paged_prefill_attention(
+            prefill = ops.paged_prefill_attention(
                 q[nd:],
                 self.key_cache,
                 self.value_cache,

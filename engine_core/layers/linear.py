@@ -16,8 +16,8 @@ the plain weight:
   (oneDNN applies it as it writes the output): 1.3x faster than MKL on the plain weight at one token
   and up to 2.7x at 16. A tied LM head then keeps its plain weight too, for the embedding lookup.
 
-A quantized linear holds a `kernels.PackedWeight` (integer weights with group scales) or a
-`kernels.Fp8Weight` (FP8 on CUDA) instead (see engine_core/quantization). While a
+A quantized linear holds a `ops.PackedWeight` (integer weights with group scales) or a
+`ops.Fp8Weight` (FP8 on CUDA) instead (see engine_core/quantization). While a
 quantized model is built (`deferred_weights()`), weights are not allocated: the loader either fills a
 linear's packed weight or, for a layer the checkpoint keeps in full precision, allocates its weight
 when the first tensor for it arrives (`materialize`).
@@ -44,13 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from engine_core.environment import onednn_linear_disabled, panel_linear_disabled
-from engine_core.parallel.distributed import TPGroup, building_group
-from engine_core.parallel.sharding import AttentionHeads, Span, split_rows, split_vocab
-from kernels.fp8 import Fp8Weight
-from kernels.panels import PanelWeight
-from kernels.quantized import PackedWeight
+from pagoda.engine_core.environment import onednn_linear_disabled, panel_linear_disabled
+from pagoda.engine_core.parallel.distributed import TPGroup, building_group
+from pagoda.engine_core.parallel.sharding import AttentionHeads, Span, split_rows, split_vocab
+from pagoda.kernels import ops
+from pagoda.kernels.fp8 import Fp8Weight
+from pagoda.kernels.panels import PanelWeight
+from pagoda.kernels.quantized import PackedWeight
 
 _deferred = False  # inside deferred_weights(): linears are built without weight storage
 
@@ -171,7 +171,7 @@ class Linear(nn.Module):
         self.panels: PanelWeight | None = None  # the weight in the C matmul's panels, once packed
         self.packed: torch.Tensor | None = None  # oneDNN's layout of the weight, once packed
         self.quantized: PackedWeight | Fp8Weight | None = None  # the quantized weight, which replaces `weight`
-        self._quantized_linear = kernels.quantized_linear  # the kernel op for `quantized`'s type
+        self._quantized_linear = ops.quantized_linear  # the kernel op for `quantized`'s type
 
     @property
     def materialized(self) -> bool:
@@ -195,7 +195,7 @@ class Linear(nn.Module):
                 f"the layer is {self.out_features}x{self.in_features}"
             )
         self.quantized = packed
-        self._quantized_linear = kernels.fp8_linear if isinstance(packed, Fp8Weight) else kernels.quantized_linear
+        self._quantized_linear = ops.fp8_linear if isinstance(packed, Fp8Weight) else ops.quantized_linear
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device="meta"), requires_grad=False)
 
     def weight_bytes(self) -> int:
@@ -217,7 +217,7 @@ class Linear(nn.Module):
         weight = self.weight
         if self.quantized is not None or weight.device.type != "cpu" or weight.dtype != torch.float32:
             return False
-        if self.activation is None and kernels.compiled("panel_linear", weight.device) and not panel_linear_disabled():
+        if self.activation is None and ops.compiled("panel_linear", weight.device) and not panel_linear_disabled():
             self.panels = PanelWeight.pack(weight)  # (the embedding lookup reads its rows: no plain copy)
         elif _onednn_usable():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
@@ -239,7 +239,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
         """`bulk_rows_from`: x's rows from this one on are a step's bulk rows (long prompts'), which the
-        float32 panel matmul may compute on Intel's AMX (kernels.panel_linear)."""
+        float32 panel matmul may compute on Intel's AMX (ops.panel_linear)."""
         if self.activation is not None:
             function, post_op, algorithm = ACTIVATIONS[self.activation]
             if self.packed is not None:
@@ -256,7 +256,7 @@ class Linear(nn.Module):
         if self.quantized is not None:
             return self._quantized_linear(x, self.quantized, bias)
         if self.panels is not None:
-            return kernels.panel_linear(x, self.panels, bias, bulk_rows_from)
+            return ops.panel_linear(x, self.panels, bias, bulk_rows_from)
         if self.packed is not None:
             return self._packed_matmul(x, bias, "none", "")
         return F.linear(x, self.weight, bias)

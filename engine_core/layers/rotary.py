@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-import kernels
+from pagoda.kernels import ops
 
 
 def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -52,4 +52,4 @@ class RotaryEmbedding(nn.Module):
         self.is_neox_style = is_neox_style
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        return kernels.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox_style)
+        return ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox_style)

@@ -6,10 +6,10 @@ from typing import Protocol
 
 import torch
 
-from engine_core.layers.attention import Attention, VarlenMetadata
-from engine_core.models.bert import BertModel
-from engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
-from engine_core.pooling.config import ENCODER_ARCHITECTURES
+from pagoda.engine_core.layers.attention import Attention, VarlenMetadata
+from pagoda.engine_core.models.bert import BertModel
+from pagoda.engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from pagoda.engine_core.pooling.config import ENCODER_ARCHITECTURES
 
 # Every generative architecture is LlamaForCausalLM or a subclass; its methods (forward, compute_logits,
 # attention_layers, load_weights) are what the model runner relies on. Each also runs as a pooling model

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core.layers.attention import Attention, VarlenMetadata
-from engine_core.layers.linear import Linear, MergedLinear
-from engine_core.model_config import ModelConfig
-from engine_core.models.checkpoint import CheckpointLoading
+from pagoda.engine_core.layers.attention import Attention, VarlenMetadata
+from pagoda.engine_core.layers.linear import Linear, MergedLinear
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.models.checkpoint import CheckpointLoading
 
 # config.json's hidden_act -> the Linear activation (engine_core/layers/linear.py ACTIVATIONS) it is
 _ACTIVATIONS = {

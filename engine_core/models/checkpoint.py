@@ -8,8 +8,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from engine_core.layers.linear import Linear, MergedLinear
-from engine_core.quantization.assembly import LinearAssembler
+from pagoda.engine_core.layers.linear import Linear, MergedLinear
+from pagoda.engine_core.quantization.assembly import LinearAssembler
 
 
 class CheckpointLoading:

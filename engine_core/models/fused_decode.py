@@ -1,7 +1,7 @@
 """The fused CPU decode path of the Llama family: a decode step's layers as one C call.
 
 A step whose tokens are all single-token decodes (and none a long prompt's bulk rows: their linears are
-the layer-by-layer forward's) runs `kernels.cpu.decoder.FusedDecoder` over this
+the layer-by-layer forward's) runs `cpu.decoder.FusedDecoder` over this
 stage's layers instead of the layer-by-layer forward, when every projection is a float32 panel matmul
 (no quantized weights), there is no tensor parallel (its all-reduces sit between the layers' ops), and
 `PAGODA_DISABLE_FUSED_DECODE` is not set. Prefill and mixed steps keep the layer-by-layer forward, whose
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import kernels
-from engine_core.environment import fused_decode_disabled
-from engine_core.layers.attention import AttentionMetadata
-from kernels.cpu.decoder import FusedDecoder, LayerTensors, Shape
+from pagoda.engine_core.environment import fused_decode_disabled
+from pagoda.engine_core.layers.attention import AttentionMetadata
+from pagoda.kernels import ops
+from pagoda.kernels.cpu.decoder import FusedDecoder, LayerTensors, Shape
 
 if TYPE_CHECKING:
-    from engine_core.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+    from pagoda.engine_core.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class FusedDecodeSeat:
 
 
 def _build(model: LlamaForCausalLM) -> FusedDecoder | None:
-    if fused_decode_disabled() or model.tp.parallel or not kernels.compiled("panel_linear", torch.device("cpu")):
+    if fused_decode_disabled() or model.tp.parallel or not ops.compiled("panel_linear", torch.device("cpu")):
         return None
     layers = model.decoder_layers()
     tensors = [t for t in map(_layer_tensors, layers) if t is not None]

@@ -19,16 +19,16 @@ from typing import cast
 import torch
 from torch import nn
 
-import kernels
-from engine_core.layers.attention import Attention, AttentionMetadata, VarlenMetadata
-from engine_core.layers.linear import Linear, MergedLinear
-from engine_core.layers.rotary import RotaryEmbedding
-from engine_core.model_config import ModelConfig
-from engine_core.models.checkpoint import CheckpointLoading
-from engine_core.models.fused_decode import FusedDecodeSeat
-from engine_core.parallel.distributed import building_group, building_stage
-from engine_core.parallel.sharding import AttentionHeads, Span
-from engine_core.quantization.assembly import LinearAssembler
+from pagoda.engine_core.layers.attention import Attention, AttentionMetadata, VarlenMetadata
+from pagoda.engine_core.layers.linear import Linear, MergedLinear
+from pagoda.engine_core.layers.rotary import RotaryEmbedding
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.models.checkpoint import CheckpointLoading
+from pagoda.engine_core.models.fused_decode import FusedDecodeSeat
+from pagoda.engine_core.parallel.distributed import building_group, building_stage
+from pagoda.engine_core.parallel.sharding import AttentionHeads, Span
+from pagoda.engine_core.quantization.assembly import LinearAssembler
+from pagoda.kernels import ops
 
 
 class RMSNorm(nn.Module):
@@ -39,8 +39,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return kernels.rms_norm(x, self.weight, self.eps)
-        return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -89,7 +89,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, parallel="row")
 
     def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x, bulk_rows_from)), bulk_rows_from)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, bulk_rows_from)), bulk_rows_from)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -201,7 +201,7 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         assert self.lm_head is not None  # (tied: the LM head's weight is the table; the first stage embeds)
         packed = self.lm_head.quantized or self.lm_head.panels  # (a tied LM head stored packed: just these rows)
         if packed is not None:
-            return kernels.embedding_rows(packed, input_ids, self.lm_head.weight.dtype)
+            return ops.embedding_rows(packed, input_ids, self.lm_head.weight.dtype)
         return self.lm_head.weight[input_ids]
 
     def forward(

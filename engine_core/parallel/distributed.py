@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from engine_core.parallel.sharding import split_rows
-from engine_core.parallel.shm_allreduce import ShmAllReduce
+from pagoda.engine_core.parallel.sharding import split_rows
+from pagoda.engine_core.parallel.shm_allreduce import ShmAllReduce
 
 if TYPE_CHECKING:
-    from engine_core.parallel.pipeline import PipeLink
+    from pagoda.engine_core.parallel.pipeline import PipeLink
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a hung peer (a dead one fails at once)
 
@@ -177,7 +177,7 @@ def init_groups(
     address, which the others reach). `shm_paths`: each stage's shared-memory all-reduce file (CPU;
     None for a stage that is not on one machine), whose waits give up once `peers_alive` says a peer
     is gone."""
-    from engine_core.parallel.pipeline import PipeLink
+    from pagoda.engine_core.parallel.pipeline import PipeLink
 
     world = tensor_parallel_size * pipeline_parallel_size
     timeout = timedelta(seconds=timeout_s)

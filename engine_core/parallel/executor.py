@@ -29,16 +29,16 @@ import time
 import msgspec
 from torch.distributed import Store
 
-from engine_core import cpu_binding
-from engine_core.config import EngineConfig
-from engine_core.model_runner import LogitsRows, StepInputs
-from engine_core.parallel import shm_allreduce, step_message
-from engine_core.parallel.distributed import DEFAULT_TIMEOUT_S, TPGroup, host_store, init_groups
-from engine_core.parallel.pipeline import PipeLink
-from engine_core.parallel.ranks import ProcessRanks, WorkerDied, WorkerRanks
-from engine_core.parallel.shm_ring import RingPeerGone, RingReader, RingSpec, RingWriter
-from engine_core.parallel.tcp_feed import TcpFeedWriter
-from engine_core.parallel.worker import WorkerSpec
+from pagoda.engine_core import cpu_binding
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.model_runner import LogitsRows, StepInputs
+from pagoda.engine_core.parallel import shm_allreduce, step_message
+from pagoda.engine_core.parallel.distributed import DEFAULT_TIMEOUT_S, TPGroup, host_store, init_groups
+from pagoda.engine_core.parallel.pipeline import PipeLink
+from pagoda.engine_core.parallel.ranks import ProcessRanks, WorkerDied, WorkerRanks
+from pagoda.engine_core.parallel.shm_ring import RingPeerGone, RingReader, RingSpec, RingWriter
+from pagoda.engine_core.parallel.tcp_feed import TcpFeedWriter
+from pagoda.engine_core.parallel.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 __all__ = ["ParallelExecutor", "RingReader", "RingSpec", "WorkerDied"]

@@ -18,9 +18,9 @@ from typing import Protocol
 
 import msgspec
 
-from engine_core.config import EngineConfig
-from engine_core.lifecycle import Report
-from engine_core.parallel.worker import WorkerSpec, run_worker
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.lifecycle import Report
+from pagoda.engine_core.parallel.worker import WorkerSpec, run_worker
 
 START_TIMEOUT_S = 120.0  # for a rank to start (a process: spawn, imports) and be about to join
 

@@ -16,12 +16,12 @@ import logging
 import time
 from typing import Any
 
-from engine_core import cpu_binding
-from engine_core.config import EngineConfig
-from engine_core.environment import log_settings
-from engine_core.lifecycle import configure_logging, name_process
-from engine_core.parallel.ranks import START_TIMEOUT_S, WorkerDied, rank_name
-from engine_core.parallel.worker import WorkerSpec, serve
+from pagoda.engine_core import cpu_binding
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.environment import log_settings
+from pagoda.engine_core.lifecycle import configure_logging, name_process
+from pagoda.engine_core.parallel.ranks import START_TIMEOUT_S, WorkerDied, rank_name
+from pagoda.engine_core.parallel.worker import WorkerSpec, serve
 
 logger = logging.getLogger(__name__)
 _CHECK_EVERY_S = 0.25  # how often `first_dead` asks Ray (a step costs less than a Ray call)

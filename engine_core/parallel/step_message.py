@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from engine_core.model_runner import LogitsRows, StepInputs
+from pagoda.engine_core.model_runner import LogitsRows, StepInputs
 
 _ARRAYS = (
     "token_ids",

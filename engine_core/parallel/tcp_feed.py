@@ -18,7 +18,7 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from engine_core.zmq_security import EngineLinkKeys
+from pagoda.engine_core.zmq_security import EngineLinkKeys
 
 _HWM = 8  # messages queued per reader before the writer waits (the shared-memory ring's slot count)
 _LINGER_MS = 1000  # how long closing lets ZeroMQ deliver what is queued (the stop message)

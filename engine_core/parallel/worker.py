@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from engine_core import cpu_binding
-from engine_core.config import EngineConfig
-from engine_core.host_memory import keep_freed_memory
-from engine_core.lifecycle import ParentLink, Report, freeze_startup_heap, init_child_process
+from pagoda.engine_core import cpu_binding
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.host_memory import keep_freed_memory
+from pagoda.engine_core.lifecycle import ParentLink, Report, freeze_startup_heap, init_child_process
 
 logger = logging.getLogger(__name__)
 _READ_POLL_S = 1.0  # how often an idle worker wakes (a stop signal is handled then)
@@ -76,11 +76,11 @@ def serve(spec: WorkerSpec, on_joining: Callable[[], None]) -> None:
     import msgspec
     import torch
 
-    from engine_core.model_config import ModelConfig
-    from engine_core.model_runner import ModelRunner
-    from engine_core.parallel.distributed import init_groups
-    from engine_core.parallel.shm_ring import RingReader, RingSpec, process_gone
-    from engine_core.parallel.tcp_feed import TcpFeedReader, TcpFeedSpec
+    from pagoda.engine_core.model_config import ModelConfig
+    from pagoda.engine_core.model_runner import ModelRunner
+    from pagoda.engine_core.parallel.distributed import init_groups
+    from pagoda.engine_core.parallel.shm_ring import RingReader, RingSpec, process_gone
+    from pagoda.engine_core.parallel.tcp_feed import TcpFeedReader, TcpFeedSpec
 
     keep_freed_memory()  # before the model loads, as rank 0 does (engine_core/host_memory.py)
     config = spec.config
@@ -118,8 +118,8 @@ def serve(spec: WorkerSpec, on_joining: Callable[[], None]) -> None:
 
 def _follow(reader, runner) -> None:
     """Run each step rank 0 sends, until it says stop or its ring closes."""
-    from engine_core.parallel import step_message
-    from engine_core.parallel.shm_ring import RingClosed, RingPeerGone
+    from pagoda.engine_core.parallel import step_message
+    from pagoda.engine_core.parallel.shm_ring import RingClosed, RingPeerGone
 
     while True:
         try:

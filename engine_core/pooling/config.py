@@ -9,9 +9,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine_core.config import EngineConfig
-from engine_core.model_config import ModelConfig
-from engine_core.protocol import PoolingInfo
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.protocol import PoolingInfo
 
 logger = logging.getLogger(__name__)
 

@@ -14,17 +14,17 @@ import time
 
 import torch
 
-from engine_core.config import EngineConfig
-from engine_core.cpu_binding import apply as apply_cores
-from engine_core.cpu_binding import assign as assign_cores
-from engine_core.loader import resolve_model
-from engine_core.model_config import ModelConfig
-from engine_core.models import is_encoder
-from engine_core.pooling.config import pooler_config
-from engine_core.pooling.params import PoolingParams
-from engine_core.pooling.runner import PoolingRunner
-from engine_core.pooling.scheduler import PoolingRequest, PoolingScheduler
-from engine_core.protocol import (
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.cpu_binding import apply as apply_cores
+from pagoda.engine_core.cpu_binding import assign as assign_cores
+from pagoda.engine_core.loader import resolve_model
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.models import is_encoder
+from pagoda.engine_core.pooling.config import pooler_config
+from pagoda.engine_core.pooling.params import PoolingParams
+from pagoda.engine_core.pooling.runner import PoolingRunner
+from pagoda.engine_core.pooling.scheduler import PoolingRequest, PoolingScheduler
+from pagoda.engine_core.protocol import (
     FinishReason,
     PooledVectors,
     RequestDelta,
@@ -32,8 +32,8 @@ from engine_core.protocol import (
     RequestRejected,
     SchedulerStatsMessage,
 )
-from engine_core.sampling_params import SamplingParams
-from engine_core.validation import ParamError, check_token_ids
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.validation import ParamError, check_token_ids
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ process and the offline API share this)."""
 
 from __future__ import annotations
 
-from engine_core.validation import ParamError
+from pagoda.engine_core.validation import ParamError
 
 
 def truncation(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine_core.validation import ParamError
+from pagoda.engine_core.validation import ParamError
 
 TASKS = ("embed", "token_embed")
 

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine_core.pooling.params import PoolingParams
+from pagoda.engine_core.pooling.params import PoolingParams
 
 _EPS = 1e-12  # as sentence-transformers' Normalize (torch.nn.functional.normalize)
 

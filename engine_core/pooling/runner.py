@@ -8,16 +8,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine_core.config import EngineConfig, resolve_dtype
-from engine_core.environment import configure_kernels
-from engine_core.layers.attention import VarlenMetadata
-from engine_core.layers.linear import onednn_rows
-from engine_core.loader import load_pooling_model, weight_bytes
-from engine_core.model_config import ModelConfig
-from engine_core.pooling import pooler
-from engine_core.pooling.config import PoolerConfig
-from engine_core.pooling.scheduler import PoolingRequest
-from engine_core.quantization import resolve_method
+from pagoda.engine_core.config import EngineConfig, resolve_dtype
+from pagoda.engine_core.environment import configure_kernels
+from pagoda.engine_core.layers.attention import VarlenMetadata
+from pagoda.engine_core.layers.linear import onednn_rows
+from pagoda.engine_core.loader import load_pooling_model, weight_bytes
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.pooling import pooler
+from pagoda.engine_core.pooling.config import PoolerConfig
+from pagoda.engine_core.pooling.scheduler import PoolingRequest
+from pagoda.engine_core.quantization import resolve_method
 
 logger = logging.getLogger(__name__)
 

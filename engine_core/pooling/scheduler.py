@@ -19,8 +19,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from engine_core.pooling.params import PoolingParams
-from engine_core.protocol import SchedulerStatsMessage
+from pagoda.engine_core.pooling.params import PoolingParams
+from pagoda.engine_core.protocol import SchedulerStatsMessage
 
 
 @dataclass(eq=False)  # (compared by identity: aborting one of a batch's thousands of inputs scans its queue)

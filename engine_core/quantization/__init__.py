@@ -13,22 +13,22 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine_core.quantization.base import QuantizationMethod
+    from pagoda.engine_core.quantization.base import QuantizationMethod
 
 # Formats a checkpoint declares in `quantization_config.quant_method` -> "module:class" implementing it.
 CHECKPOINT_FORMATS: dict[str, str] = {
-    "awq": "engine_core.quantization.awq:AWQ",
-    "gptq": "engine_core.quantization.gptq:GPTQ",
-    "compressed-tensors": "engine_core.quantization.compressed_tensors:CompressedTensors",
-    "fp8": "engine_core.quantization.fp8:Fp8Checkpoint",
+    "awq": "pagoda.engine_core.quantization.awq:AWQ",
+    "gptq": "pagoda.engine_core.quantization.gptq:GPTQ",
+    "compressed-tensors": "pagoda.engine_core.quantization.compressed_tensors:CompressedTensors",
+    "fp8": "pagoda.engine_core.quantization.fp8:Fp8Checkpoint",
     # A .gguf file's model directory declares it (engine_core/gguf_model.py) when the file has quantized linears.
-    "gguf": "engine_core.quantization.gguf:GGUFMethod",
+    "gguf": "pagoda.engine_core.quantization.gguf:GGUFMethod",
 }
 # Methods that quantize a full-precision checkpoint at load.
 AT_LOAD: dict[str, str] = {
-    "int8": "engine_core.quantization.at_load:Int8AtLoad",
-    "int4": "engine_core.quantization.at_load:Int4AtLoad",
-    "fp8": "engine_core.quantization.fp8:Fp8AtLoad",
+    "int8": "pagoda.engine_core.quantization.at_load:Int8AtLoad",
+    "int4": "pagoda.engine_core.quantization.at_load:Int4AtLoad",
+    "fp8": "pagoda.engine_core.quantization.fp8:Fp8AtLoad",
 }
 CHOICES = ("auto", "none", *sorted(set(CHECKPOINT_FORMATS) | set(AT_LOAD)))
 

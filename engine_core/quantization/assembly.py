@@ -20,17 +20,17 @@ import logging
 
 import torch
 
-from engine_core.layers.linear import Linear, MergedLinear
-from engine_core.quantization.base import QuantizationMethod, QuantizedShard, pack_shards, shard_columns
-from kernels import fp8
-from kernels.fp8 import Fp8Weight
+from pagoda.engine_core.layers.linear import Linear, MergedLinear
+from pagoda.engine_core.quantization.base import QuantizationMethod, QuantizedShard, pack_shards, shard_columns
+from pagoda.kernels import fp8
+from pagoda.kernels.fp8 import Fp8Weight
 
 logger = logging.getLogger(__name__)
 
 
 class LinearAssembler:
     def __init__(self, method: QuantizationMethod, device: torch.device, fp8_matmul: bool | None = None):
-        """`fp8_matmul`: keep FP8 linears in FP8 (None: where `kernels.fp8.supported` says the device
+        """`fp8_matmul`: keep FP8 linears in FP8 (None: where `pagoda.kernels.fp8.supported` says the device
         multiplies in FP8; True on a device that does not: dequantized per step, `--fp8-matmul on`)."""
         self.method = method
         self.device = device

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.quantization.base import (
+from pagoda.engine_core.quantization.base import (
     FLOAT16_SMALLEST,
     QuantizationMethod,
     QuantizedShard,

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.quantization.base import QuantizationMethod, QuantizedShard
-from engine_core.quantization.gptq import check_group_size, checked_tensor, unpack_words
+from pagoda.engine_core.quantization.base import QuantizationMethod, QuantizedShard
+from pagoda.engine_core.quantization.gptq import check_group_size, checked_tensor, unpack_words
 
 BITS = 4
 PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field i of a word holds column PACK_ORDER[i] of its eight

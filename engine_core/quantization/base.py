@@ -6,7 +6,7 @@ checkpoint tensors of one linear at a time (`q_proj.qweight`, `q_proj.scales`, .
 `q_proj.weight`); the method answers with a `QuantizedShard` (integers + group scales and mins), an
 `Fp8Weight` (FP8 with per-channel scales: kept where the device multiplies in FP8, else dequantized by
 the loader) or a float weight (a format dequantized at load). Merged linears (QKV, gate+up) concatenate their shards'
-rows, and the result is packed once for the kernels (`kernels.quantized.pack`). Model files never see
+rows, and the result is packed once for the kernels (`pagoda.kernels.quantized.pack`). Model files never see
 any of it: they build `Linear`s, and a `Linear` holding a `PackedWeight` computes with it.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.fp8 import Fp8Weight
-from kernels.quantized import BLOCK, PackedWeight, group_size_for, pack
+from pagoda.kernels.fp8 import Fp8Weight
+from pagoda.kernels.quantized import BLOCK, PackedWeight, group_size_for, pack
 
 
 @dataclass

@@ -30,10 +30,10 @@ import logging
 
 import torch
 
-from engine_core.quantization.base import QuantizationMethod, QuantizedShard
-from engine_core.quantization.fp8 import BLOCKS_DEQUANTIZED, FP8_PATH, fp8_weight
-from kernels.fp8 import Fp8Weight
-from kernels.quantized import BLOCK
+from pagoda.engine_core.quantization.base import QuantizationMethod, QuantizedShard
+from pagoda.engine_core.quantization.fp8 import BLOCKS_DEQUANTIZED, FP8_PATH, fp8_weight
+from pagoda.kernels.fp8 import Fp8Weight
+from pagoda.kernels.quantized import BLOCK
 
 logger = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from collections.abc import Callable
 
 import torch
 
-from engine_core.gguf_model import QUANTIZED_TYPES
-from engine_core.quantization.base import FLOAT16_SMALLEST, QuantizationMethod, QuantizedShard, float16_ceil
+from pagoda.engine_core.gguf_model import QUANTIZED_TYPES
+from pagoda.engine_core.quantization.base import FLOAT16_SMALLEST, QuantizationMethod, QuantizedShard, float16_ceil
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.quantization.base import QuantizationMethod, QuantizedShard
-from kernels.quantized import BLOCK
+from pagoda.engine_core.quantization.base import QuantizationMethod, QuantizedShard
+from pagoda.kernels.quantized import BLOCK
 
 SUPPORTED_BITS = (4, 8)
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")  # v1 (zero points stored minus one), v2 (stored as they are)

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.kv_cache import KVCacheManager
-from engine_core.request import Request
-from engine_core.sampler import SamplingBatch, distributions
-from engine_core.speculative.config import SpeculativeConfig
-from engine_core.speculative.proposer import Proposer
-from engine_core.speculative.verify import DraftPosition, ForkedGrammar, draw, grammar_prefix
+from pagoda.engine_core.kv_cache import KVCacheManager
+from pagoda.engine_core.request import Request
+from pagoda.engine_core.sampler import SamplingBatch, distributions
+from pagoda.engine_core.speculative.config import SpeculativeConfig
+from pagoda.engine_core.speculative.proposer import Proposer
+from pagoda.engine_core.speculative.verify import DraftPosition, ForkedGrammar, draw, grammar_prefix
 
 if TYPE_CHECKING:
-    from engine_core.model_runner import ModelRunner
+    from pagoda.engine_core.model_runner import ModelRunner
 
 
 class DraftProposer(Proposer):

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from engine_core.kv_prefault import KVPoolPrefault, prefault
-from engine_core.loader import load_model, resolve_model, weight_bytes
-from engine_core.model_config import ModelConfig
-from engine_core.quantization import resolve_method
+from pagoda.engine_core.kv_prefault import KVPoolPrefault, prefault
+from pagoda.engine_core.loader import load_model, resolve_model, weight_bytes
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.quantization import resolve_method
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from engine_core.request import Request
-from engine_core.speculative.config import SpeculativeConfig
-from engine_core.speculative.ngram import propose_ngram
-from engine_core.speculative.verify import grammar_prefix
+from pagoda.engine_core.request import Request
+from pagoda.engine_core.speculative.config import SpeculativeConfig
+from pagoda.engine_core.speculative.ngram import propose_ngram
+from pagoda.engine_core.speculative.verify import grammar_prefix
 
 _MIN_EVIDENCE = 32  # proposed tokens before a request's acceptance rate is judged
 _MIN_ACCEPTANCE = 0.1

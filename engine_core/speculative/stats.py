@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from engine_core.protocol import SpecDecodeStats
+from pagoda.engine_core.protocol import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 _LOG_EVERY_S = 10.0

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.protocol import TokenLogprobs
-from engine_core.request import Request
-from engine_core.sampler import SamplingBatch, distributions, gather_logprobs, sample
+from pagoda.engine_core.protocol import TokenLogprobs
+from pagoda.engine_core.request import Request
+from pagoda.engine_core.sampler import SamplingBatch, distributions, gather_logprobs, sample
 
 
 class DraftPosition:

@@ -22,8 +22,8 @@ from typing import cast
 
 import torch
 
-from kernels import panels
-from kernels.quantized import PackedWeight, reference_linear
+from pagoda.kernels import panels
+from pagoda.kernels.quantized import PackedWeight, reference_linear
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ _RESULTS = {
 }
 _lib: dict[str, Callable[..., None]] = {}  # C function name -> the ctypes function
 _failed = False
-build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # kernels.configure sets it
+build_dir = Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}"  # pagoda.kernels.configure sets it
 
 
 def _build(name: str) -> Path:
@@ -213,12 +213,12 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `kernels.torch_ref.attention.paged_decode_attention` (float32 queries, CPU; a
+    """Same contract as `pagoda.kernels.torch_ref.attention.paged_decode_attention` (float32 queries, CPU; a
     float32 or float16 cache)."""
     lib = _load()
     function = _decode_attention_function(lib, query, key_cache, value_cache)
     if function is None or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        from kernels.torch_ref.attention import paged_decode_attention as reference
+        from pagoda.kernels.torch_ref.attention import paged_decode_attention as reference
 
         return reference(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len)
     batch, num_heads, head_dim = query.shape
@@ -265,10 +265,10 @@ def varlen_attention(
     causal: bool = True,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `kernels.torch_ref.attention.varlen_attention` (float32, CPU)."""
+    """Same contract as `pagoda.kernels.torch_ref.attention.varlen_attention` (float32, CPU)."""
     lib = _load()
     if lib is None or not all(_rows_contiguous(x) for x in (query, key, value)):
-        from kernels.torch_ref.attention import varlen_attention as reference
+        from pagoda.kernels.torch_ref.attention import varlen_attention as reference
 
         return reference(query, key, value, query_start_loc, scale, causal, sliding_window)
     if sliding_window is not None and not causal:
@@ -336,12 +336,12 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as `kernels.torch_ref.attention.paged_prefill_attention` (float32 queries and caches,
+    """Same contract as `pagoda.kernels.torch_ref.attention.paged_prefill_attention` (float32 queries and caches,
     CPU; other caches go to the reference)."""
     lib = _load()
     caches_ok = all(c.dtype == torch.float32 and c.is_contiguous() for c in (key_cache, value_cache))
     if lib is None or not caches_ok or not _rows_contiguous(query):
-        from kernels.torch_ref.attention import paged_prefill_attention as reference
+        from pagoda.kernels.torch_ref.attention import paged_prefill_attention as reference
 
         return reference(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
     tokens, num_heads, head_dim = query.shape
@@ -394,7 +394,7 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,
     is_neox_style: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `kernels.torch_ref.layers.rotary_embedding`; rotates `query` and `key` in place."""
+    """Same contract as `pagoda.kernels.torch_ref.layers.rotary_embedding`; rotates `query` and `key` in place."""
     lib = _load()
     if (
         lib is None
@@ -402,7 +402,7 @@ def rotary_embedding(
         or cos_sin_cache.dtype != torch.float32
         or not cos_sin_cache.is_contiguous()
     ):
-        from kernels.torch_ref.layers import rotary_embedding as reference
+        from pagoda.kernels.torch_ref.layers import rotary_embedding as reference
 
         return reference(positions, query, key, cos_sin_cache, is_neox_style)
     positions = _int64(positions)
@@ -430,7 +430,7 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Same contract as `kernels.torch_ref.attention.reshape_and_cache` (float32 rows, CPU; a float32 or
+    """Same contract as `pagoda.kernels.torch_ref.attention.reshape_and_cache` (float32 rows, CPU; a float32 or
     float16 cache)."""
     lib = _load()
     function = None
@@ -444,7 +444,7 @@ def reshape_and_cache(
         or not (_rows_contiguous(key) and _rows_contiguous(value))
         or not (key_cache.is_contiguous() and value_cache.is_contiguous())
     ):
-        from kernels.torch_ref.attention import reshape_and_cache as reference
+        from pagoda.kernels.torch_ref.attention import reshape_and_cache as reference
 
         return reference(key, value, key_cache, value_cache, slot_mapping)
     slot_mapping = _int64(slot_mapping)
@@ -488,12 +488,12 @@ _THREADED_WORK = 1 << 16  # multiply-adds below which one thread is faster than 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _tile = torch.empty(0)
 _q8_units: dict[int, int] = {}  # columns per integer vector, by library
-# The "int8" path is opt-in (kernels.configure): it changes results with the batch a row is in.
+# The "int8" path is opt-in (pagoda.kernels.configure): it changes results with the batch a row is in.
 int8_activations = False
 
 
 def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Same contract as `kernels.quantized.reference_linear` (float32 activations on the CPU)."""
+    """Same contract as `pagoda.kernels.quantized.reference_linear` (float32 activations on the CPU)."""
     lib = _load()
     if (
         lib is None
@@ -534,7 +534,7 @@ def _int8_activations_pay(lib, rows: int, packed: PackedWeight) -> bool:
 
 
 def _mins_f32(packed: PackedWeight) -> int:
-    """The C kernels read raw pointers to `kernels.quantized.pack`'s layout: contiguous float16 scales,
+    """The C kernels read raw pointers to `pagoda.kernels.quantized.pack`'s layout: contiguous float16 scales,
     and mins contiguous in float16 or float32 (this flag tells them which). Checked on every call, cheaply:
     the C code would read anything else as garbage."""
     scales, mins = packed.scales, packed.mins
@@ -545,7 +545,8 @@ def _mins_f32(packed: PackedWeight) -> int:
     ):
         raise ValueError(
             f"packed scales {scales.dtype} / mins {None if mins is None else mins.dtype}: the CPU kernel takes "
-            "contiguous float16 scales and float16 or float32 mins (build packed weights with kernels.quantized.pack)"
+            "contiguous float16 scales and float16 or float32 mins (build packed weights with "
+            "pagoda.kernels.quantized.pack)"
         )
     return int(mins is not None and mins.dtype == torch.float32)
 
@@ -643,7 +644,7 @@ def _tiled_matmul(lib, rows: torch.Tensor, packed: PackedWeight, bias, out: torc
 def panel_linear(
     x: torch.Tensor, weight: panels.PanelWeight, bias: torch.Tensor | None = None, bulk_rows_from: int | None = None
 ) -> torch.Tensor:
-    """Same contract as `kernels.panels.reference_linear` (float32 on the CPU: kernels/cpu/panel_matmul.c;
+    """Same contract as `pagoda.kernels.panels.reference_linear` (float32 on the CPU: kernels/cpu/panel_matmul.c;
     with `bulk_rows_from`, those rows on Intel's AMX where the CPU has it: kernels/cpu/amx_matmul.c)."""
     lib = _load()
     if lib is None or x.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32):
@@ -651,7 +652,7 @@ def panel_linear(
     return _panel_linear(lib, x, weight, bias, bulk_rows_from)
 
 
-# Bulk rows may use AMX (kernels.configure). A model's projections, one call per weight, SmolLM2's 30
+# Bulk rows may use AMX (pagoda.kernels.configure). A model's projections, one call per weight, SmolLM2's 30
 # layers on two threads (benchmarks/kernel_ops.py --only dense, docs/decode-speed.md): panel matmul against
 # AMX, 1 row 14.2 / 26.5 ms (AMX splits every weight into bf16 pieces on each call), 64 rows 39.1 / 36.4,
 # 128 rows 72.4 / 56.9, 512 rows 276 / 190. The engine sends it long prompts' rows only.
@@ -714,14 +715,14 @@ def _panel_linear(
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Same contract as `kernels.torch_ref.sampling.argmax_rows` (kernels/cpu/argmax.c): 64 rows of 49,152
+    """Same contract as `pagoda.kernels.torch_ref.sampling.argmax_rows` (kernels/cpu/argmax.c): 64 rows of 49,152
     logits on two threads, 0.24 ms (0.70 from DRAM, as the LM head leaves them) against torch's max 0.82
     (2.18) and argmax 2.0."""
     lib = _load()
     usable = logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(-1) == 1
     # (no values: the reference raises torch's error; the kernel counts a row's indices in 32 bits)
     if lib is None or not usable or not 0 < logits.shape[1] < 2**31:
-        from kernels.torch_ref.sampling import argmax_rows as reference
+        from pagoda.kernels.torch_ref.sampling import argmax_rows as reference
 
         return reference(logits)
     return _argmax_rows(lib, logits)
@@ -737,6 +738,6 @@ def _argmax_rows(lib, logits: torch.Tensor) -> torch.Tensor:
 
 # The norms and activation, dispatched to by name like the kernels above (imported last: that module
 # uses this one's loader).
-from kernels.cpu.layer_ops import fused_add_rms_norm as fused_add_rms_norm  # noqa: E402
-from kernels.cpu.layer_ops import rms_norm as rms_norm  # noqa: E402
-from kernels.cpu.layer_ops import silu_and_mul as silu_and_mul  # noqa: E402
+from pagoda.kernels.cpu.layer_ops import fused_add_rms_norm as fused_add_rms_norm  # noqa: E402
+from pagoda.kernels.cpu.layer_ops import rms_norm as rms_norm  # noqa: E402
+from pagoda.kernels.cpu.layer_ops import silu_and_mul as silu_and_mul  # noqa: E402

@@ -15,8 +15,8 @@ from typing import cast
 
 import torch
 
-from kernels import cpu
-from kernels.panels import PanelWeight
+from pagoda.kernels import cpu
+from pagoda.kernels.panels import PanelWeight
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

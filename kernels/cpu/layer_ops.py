@@ -1,11 +1,11 @@
 """A decoder layer's norms and activation on the CPU (kernels/cpu/layer_ops.c), float32: the torch
-references' contracts (`kernels.torch_ref.layers`), the fused decode step's math (layer_math.h)."""
+references' contracts (`pagoda.kernels.torch_ref.layers`), the fused decode step's math (layer_math.h)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels import cpu
+from pagoda.kernels import cpu
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     lib = cpu._load()
     n = weight.shape[0]
     if lib is None or not _usable(weight) or x.dtype != torch.float32 or x.shape[-1] != n or x.dim() not in (2, 3):
-        from kernels.torch_ref.layers import rms_norm as reference
+        from pagoda.kernels.torch_ref.layers import rms_norm as reference
 
         return reference(x, weight, eps)
     heads = 1 if x.dim() == 2 else x.shape[1]
@@ -41,7 +41,7 @@ def fused_add_rms_norm(
     """(rms_norm(x + residual), x + residual), both new tensors."""
     lib = cpu._load()
     if lib is None or not _usable(x, residual, weight) or x.dim() != 2 or x.shape != residual.shape:
-        from kernels.torch_ref.layers import fused_add_rms_norm as reference
+        from pagoda.kernels.torch_ref.layers import fused_add_rms_norm as reference
 
         return reference(x, residual, weight, eps)
     rows, n = x.shape
@@ -56,7 +56,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`x` `[T, 2I]` holding gate and up halves -> silu(gate) * up `[T, I]`."""
     lib = cpu._load()
     if lib is None or not _usable(x) or x.dim() != 2 or x.shape[1] % 2:
-        from kernels.torch_ref.layers import silu_and_mul as reference
+        from pagoda.kernels.torch_ref.layers import silu_and_mul as reference
 
         return reference(x)
     rows, n = x.shape[0], x.shape[1] // 2

@@ -1,1 +1,1 @@
-"""Triton GPU kernels, drop-in replacements (same signatures) for the torch references in `kernels.torch_ref`."""
+"""Triton GPU kernels, drop-in replacements (same signatures) for the torch references in `pagoda.kernels.torch_ref`."""

@@ -1,6 +1,6 @@
 """Paged attention in Triton: cache writes, split-K ("flash-decoding") decode and varlen causal prefill.
 
-Same contracts and signatures as `kernels.torch_ref.attention`. Cache layout (per layer): `key_cache` /
+Same contracts and signatures as `pagoda.kernels.torch_ref.attention`. Cache layout (per layer): `key_cache` /
 `value_cache` `[num_blocks, block_size, num_kv_heads, head_dim]`; token p of sequence b lives in block
 `block_tables[b, p // block_size]`, row `p % block_size`.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import torch
+
 import triton
 import triton.language as tl
 

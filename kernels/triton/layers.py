@@ -1,4 +1,4 @@
-"""Triton kernels for the element-wise and normalization ops of `kernels.torch_ref.layers`.
+"""Triton kernels for the element-wise and normalization ops of `pagoda.kernels.torch_ref.layers`.
 
 Same signatures and results as the references. Math is in float32, but where the reference rounds an
 intermediate to the tensor's dtype (bf16/fp16) the kernels round at the same points, so low-precision
@@ -14,6 +14,7 @@ Memory contracts (callers must use the return values either way):
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
 

@@ -1,6 +1,6 @@
 """Weight-only quantized linear layers on CUDA: a Triton W4A16 / W8A16 GEMM over `PackedWeight`.
 
-Same contract and signature as `kernels.quantized.reference_linear`: `y = x W^T (+ bias)`, where W is
+Same contract and signature as `pagoda.kernels.quantized.reference_linear`: `y = x W^T (+ bias)`, where W is
 held packed (4-bit GGUF block order or 8-bit q - 128, float16 scales and float16 or float32 mins
 `[N, G]`, optional act-order `perm`; see kernels/quantized.py). The weight is never dequantized to
 memory: each program reads its packed tile, turns the integers into the activation dtype (exactly: they
@@ -28,11 +28,11 @@ Tile sizes are fixed per M class (no autotuning).
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.quantized import BLOCK, PackedWeight
-from kernels.triton.attention import _dot_precision, _num_sms
+from pagoda.kernels.quantized import BLOCK, PackedWeight
+from pagoda.kernels.triton.attention import _dot_precision, _num_sms
 
 _PROGRAMS_PER_SM = 2  # split K until about this many programs per SM (decode is memory-bound: more hides latency)
 _MAX_SPLITS = 32  # the reduce reads every split's partial tile; beyond this the GPU is full anyway

@@ -1,7 +1,7 @@
 """Variable-length attention with no KV cache in Triton: pooling models run each prompt whole in one step,
 so the keys and values are this step's own rows, causal (decoder embedders) or bidirectional (encoders).
 
-Same contract and signature as `kernels.torch_ref.attention.varlen_attention`. Like the paged prefill
+Same contract and signature as `pagoda.kernels.torch_ref.attention.varlen_attention`. Like the paged prefill
 kernel (kernels/triton/attention.py), one program serves a tile of query tokens times every query head
 of one KV head (each K/V tile read once per group), with fp32 online softmax (exp2, log2(e) folded into
 the scale); K/V are read straight from the strided [T, Hkv, D] projections.
@@ -10,10 +10,10 @@ the scale); K/V are read straight from the strided [T, Hkv, D] projections.
 from __future__ import annotations
 
 import torch
+
 import triton
 import triton.language as tl
-
-from kernels.triton.attention import _LOG2E, _NO_WINDOW, _NUM_WARPS, _dot_precision, _online_softmax_step
+from pagoda.kernels.triton.attention import _LOG2E, _NO_WINDOW, _NUM_WARPS, _dot_precision, _online_softmax_step
 
 
 @triton.jit

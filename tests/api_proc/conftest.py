@@ -10,7 +10,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from api_proc.bench.local_server import PagodaServer
+from pagoda.api_proc.bench.local_server import PagodaServer
 
 
 @pytest.fixture(scope="module")

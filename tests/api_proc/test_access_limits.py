@@ -11,7 +11,7 @@ from http.client import HTTPConnection
 import openai
 import pytest
 
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http, wait_until
+from pagoda.api_proc.bench.local_server import MODEL_NAME, PagodaServer, http, wait_until
 
 USER_KEY, ADMIN_KEY, ORIGIN = "user-key-0123456789", "admin-key-0123456789", "https://app.example"
 USER = {"Authorization": f"Bearer {USER_KEY}"}
@@ -283,14 +283,14 @@ def test_one_json_log_line_per_request(server):
 
 
 def test_prompts_stay_out_of_the_log_unless_asked():
-    from api_proc.request_log import RequestRecord
+    from pagoda.api_proc.request_log import RequestRecord
 
     assert "prompt" not in RequestRecord("cmpl-1", "completions").fields()
     assert RequestRecord("cmpl-1", "completions", prompt="secret").fields()["prompt"] == "secret"
 
 
 def test_undecodable_authorization_header_is_a_401_not_a_500():
-    from api_proc.auth import AuthPolicy
+    from pagoda.api_proc.auth import AuthPolicy
 
     policy = AuthPolicy(api_keys=(USER_KEY,))
     # aiohttp hands header bytes that are not UTF-8 over as surrogate escapes
@@ -299,7 +299,7 @@ def test_undecodable_authorization_header_is_a_401_not_a_500():
 
 
 def test_key_files_take_whole_line_comments_only(tmp_path, monkeypatch):
-    from api_proc.auth import read_keys
+    from pagoda.api_proc.auth import read_keys
 
     monkeypatch.delenv("PAGODA_API_KEY", raising=False)
     keys = tmp_path / "keys"
@@ -308,9 +308,9 @@ def test_key_files_take_whole_line_comments_only(tmp_path, monkeypatch):
 
 
 def test_max_tokens_cap_defaults_within_the_context():
-    from detok_proc.limits import FrontendLimits
-    from detok_proc.requests import RequestInvalid
-    from engine_core.sampling_params import SamplingParams
+    from pagoda.detok_proc.limits import FrontendLimits
+    from pagoda.detok_proc.requests import RequestInvalid
+    from pagoda.engine_core.sampling_params import SamplingParams
 
     limits = FrontendLimits(max_tokens_cap=4096)
     params = SamplingParams(max_tokens=None)
@@ -326,8 +326,8 @@ def test_max_tokens_cap_defaults_within_the_context():
 def test_deadline_holds_even_when_deltas_are_already_queued():
     import asyncio
 
-    from api_proc.openai_schema import ApiError
-    from api_proc.server import ApiServer, ApiSettings
+    from pagoda.api_proc.openai_schema import ApiError
+    from pagoda.api_proc.server import ApiServer, ApiSettings
 
     async def run() -> int:
         server = ApiServer(
@@ -352,8 +352,8 @@ def test_deadline_holds_even_when_deltas_are_already_queued():
 def test_n_above_128_is_for_max_n_to_decide():
     import msgspec
 
-    from api_proc.openai_schema import ApiError, CompletionRequest
-    from api_proc.server import ApiServer, ApiSettings
+    from pagoda.api_proc.openai_schema import ApiError, CompletionRequest
+    from pagoda.api_proc.server import ApiServer, ApiSettings
 
     params = msgspec.convert({"prompt": "x", "n": 200}, CompletionRequest).sampling_params(1, None)
     generous = ApiServer(ApiSettings(frontend_addr="ipc:///nonexistent/a.sock", served_model_names=["m"], max_n=256))

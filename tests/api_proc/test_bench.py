@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from api_proc.bench.datasets import prefix_requests, random_requests, synthetic_sharegpt
-from api_proc.bench.local_server import free_port
-from api_proc.bench.metrics import parse_goodput, summarize
-from api_proc.bench.null_server import NullServer
-from api_proc.bench.runner import run_serve
+from pagoda.api_proc.bench.datasets import prefix_requests, random_requests, synthetic_sharegpt
+from pagoda.api_proc.bench.local_server import free_port
+from pagoda.api_proc.bench.metrics import parse_goodput, summarize
+from pagoda.api_proc.bench.null_server import NullServer
+from pagoda.api_proc.bench.runner import run_serve
 
 
 def test_256_concurrent_streams_counted_exactly():
@@ -69,7 +69,7 @@ def test_cli_saves_results_and_plots(server, tmp_path):
         [
             sys.executable,
             "-m",
-            "api_proc.cli",
+            "pagoda.api_proc.cli",
             "bench",
             "serve",
             "--base-url",
@@ -162,7 +162,7 @@ def test_vllms_documented_command_line_runs_and_saves_vllms_keys(server, tmp_pat
     """`vllm bench serve --backend openai --model X --dataset-name random --random-input-len 32
     --random-output-len 8 --num-prompts 8 --save-result --result-dir D`, with `pagoda` for `vllm` (and
     --host/--port for vLLM's default localhost:8000)."""
-    from api_proc.bench.local_server import MODEL_NAME
+    from pagoda.api_proc.bench.local_server import MODEL_NAME
 
     result_dir = tmp_path / "results"
     line = (
@@ -172,7 +172,7 @@ def test_vllms_documented_command_line_runs_and_saves_vllms_keys(server, tmp_pat
         f"--save-result --result-dir {result_dir}"
     )
     run = subprocess.run(
-        [sys.executable, "-m", "api_proc.cli", *line.split()], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "pagoda.api_proc.cli", *line.split()], capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stderr
     (saved_file,) = result_dir.iterdir()
@@ -191,8 +191,8 @@ def test_vllms_documented_command_line_runs_and_saves_vllms_keys(server, tmp_pat
 
 
 def test_vllm_spellings_are_aliases(tmp_path):
-    from api_proc.bench import vllm_compat
-    from api_proc.cli import build_parser
+    from pagoda.api_proc.bench import vllm_compat
+    from pagoda.api_proc.cli import build_parser
 
     def parsed(line: str):
         args = build_parser().parse_args(["bench", "serve", *line.split()])

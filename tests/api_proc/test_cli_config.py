@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from api_proc.cli import build_parser
-from api_proc.cli_config import _subparser, parse_args_with_config
+from pagoda.api_proc.cli import build_parser
+from pagoda.api_proc.cli_config import _subparser, parse_args_with_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from api_proc.auth import AuthPolicy
-from api_proc.bench.local_server import MODEL_NAME, http, wait_until
-from api_proc.web_ui import PAGE_PATHS
+from pagoda.api_proc.auth import AuthPolicy
+from pagoda.api_proc.bench.local_server import MODEL_NAME, http, wait_until
+from pagoda.api_proc.web_ui import PAGE_PATHS
 from tests.metrics_scrape import Scrape
 
 PROMPTS = ["Name a colour.", "What is two plus two?", "Say hello in French."]

@@ -17,9 +17,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, alive, http, process_names, wait_until
-from api_proc.client import EngineClient
-from engine_core.sampling_params import SamplingParams
+from pagoda.api_proc.bench.local_server import MODEL_NAME, PagodaServer, alive, http, process_names, wait_until
+from pagoda.api_proc.client import EngineClient
+from pagoda.engine_core.sampling_params import SamplingParams
 from tests.metrics_scrape import Scrape, delta, scrape_until
 from tests.process_checks import descendants, kill_9_leaves_nothing
 
@@ -218,7 +218,16 @@ def test_kill_9_of_the_parent_under_tensor_parallel_2_x_data_parallel_2(tmp_path
 
 def test_replicas_that_cannot_be_pinned_are_refused_at_start(tmp_path):
     run = subprocess.run(  # two replicas on the same CPU
-        [sys.executable, "-m", "api_proc.cli", "serve", "--data-parallel-size", "2", "--cpu-threads-bind", "0|0"],
+        [
+            sys.executable,
+            "-m",
+            "pagoda.api_proc.cli",
+            "serve",
+            "--data-parallel-size",
+            "2",
+            "--cpu-threads-bind",
+            "0|0",
+        ],
         env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)},
         capture_output=True,
         text=True,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from api_proc.cli import build_parser
+from pagoda.api_proc.cli import build_parser
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 GUIDES = {"command-line.md": ("serve", "generate"), "router.md": ("router",)}  # guide -> the commands it documents

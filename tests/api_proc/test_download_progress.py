@@ -15,13 +15,13 @@ import termios
 
 import pytest
 
-from engine_core.default_model import COMPLETE_MARKER, DEFAULT_MODEL_NAME, ensure_default_gguf
+from pagoda.engine_core.default_model import COMPLETE_MARKER, DEFAULT_MODEL_NAME, ensure_default_gguf
 
 
 def download_default(cache, stderr_on_a_terminal: bool, *flags: str) -> tuple[str, str]:
     """(stdout, stderr) of `pagoda download-default` with PAGODA_CACHE=cache."""
     env = {**os.environ, "PAGODA_CACHE": str(cache)}
-    command = [sys.executable, "-m", "api_proc.cli", "download-default", *flags]
+    command = [sys.executable, "-m", "pagoda.api_proc.cli", "download-default", *flags]
     if not stderr_on_a_terminal:
         run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=True)
         return run.stdout, run.stderr

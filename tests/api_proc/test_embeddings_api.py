@@ -10,9 +10,9 @@ import numpy as np
 import openai
 import pytest
 
-from api_proc.bench.local_server import http
-from api_proc.client import EngineClient, EngineError
-from engine_core.default_embedding_model import ensure_default_embedding_model
+from pagoda.api_proc.bench.local_server import http
+from pagoda.api_proc.client import EngineClient, EngineError
+from pagoda.engine_core.default_embedding_model import ensure_default_embedding_model
 from tests.metrics_scrape import Scrape, delta
 
 st = pytest.importorskip("sentence_transformers")
@@ -310,7 +310,7 @@ def test_engine_death_fails_an_embedding_request_without_a_hang(tmp_path, model_
     import threading
     import time
 
-    from api_proc.bench.local_server import PagodaServer
+    from pagoda.api_proc.bench.local_server import PagodaServer
 
     server = PagodaServer(tmp_path, "--model", str(model_dir))
     engine = server.child_named("pagoda-engine")

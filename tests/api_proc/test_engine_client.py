@@ -7,10 +7,10 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_proc.bench.local_server import MODEL_NAME, wait_until
-from api_proc.client import AsyncEngineClient, EngineClient, EngineError
-from engine_core import protocol
-from engine_core.sampling_params import SamplingParams
+from pagoda.api_proc.bench.local_server import MODEL_NAME, wait_until
+from pagoda.api_proc.client import AsyncEngineClient, EngineClient, EngineError
+from pagoda.engine_core import protocol
+from pagoda.engine_core.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0)
 
@@ -38,7 +38,7 @@ def _still_serves(direct: EngineClient) -> None:
 
 
 def test_token_ids_equal_the_offline_engine(direct, default_model_dir):
-    from engine_core.llm import LLM
+    from pagoda.engine_core.llm import LLM
 
     prompts = ["The capital of Italy is", "def fibonacci(n):"]
     offline = LLM(str(default_model_dir), kv_cache_memory="128MiB").generate(prompts, GREEDY, use_tqdm=False)

@@ -9,9 +9,9 @@ import sys
 import openai
 import pytest
 
-from api_proc.bench.local_server import http
-from engine_core.default_model import default_gguf_path, ensure_default_gguf
-from engine_core.sampling_params import SamplingParams
+from pagoda.api_proc.bench.local_server import http
+from pagoda.engine_core.default_model import default_gguf_path, ensure_default_gguf
+from pagoda.engine_core.sampling_params import SamplingParams
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TEXTS = ["Hello world", " The capital of France is", "déjà vu 🤖 naïve", "<|im_start|>user\nhi<|im_end|>\n"]
@@ -33,7 +33,7 @@ def gguf_client(gguf_server):
 
 
 def test_a_chat_completion_equals_the_offline_engine_on_the_same_file(gguf_client, gguf_file):
-    from engine_core.llm import LLM
+    from pagoda.engine_core.llm import LLM
 
     offline = LLM(str(gguf_file), kv_cache_memory="256MiB")
     expected = offline.chat(CHAT, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
@@ -60,7 +60,7 @@ def test_the_tokenizer_process_uses_the_files_tokenizer(gguf_server, gguf_file, 
 
 def test_download_default_prints_the_gguf_file():
     out = subprocess.run(
-        [sys.executable, "-m", "api_proc.cli", "download-default", "--gguf"],
+        [sys.executable, "-m", "pagoda.api_proc.cli", "download-default", "--gguf"],
         capture_output=True,
         text=True,
         check=True,

@@ -15,7 +15,7 @@ import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_proc.bench.local_server import http
+from pagoda.api_proc.bench.local_server import http
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "pagoda.json"
@@ -110,7 +110,7 @@ def cuda_only_series() -> dict[str, set[str]]:
     """What a CUDA engine exports besides (GPU memory): rendered by the real collector, as it would be."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from detok_proc.metrics import DeviceMemoryCollector
+    from pagoda.detok_proc.metrics import DeviceMemoryCollector
 
     collector = DeviceMemoryCollector("m")
     collector.engines[0] = (1, 2)

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http, wait_until
+from pagoda.api_proc.bench.local_server import MODEL_NAME, PagodaServer, http, wait_until
 from tests.metrics_scrape import Scrape, delta
 
 KEY = "hostile-key-0123456789"
@@ -140,10 +140,10 @@ def _rss_mb(pid: int) -> float:
 def test_a_huge_prompt_is_refused_before_tokenizing_and_others_keep_flowing(server, tokenizer):
     """What the tokenizer process tokenized is read from its counter, pagoda:tokenizer_bytes (by where it
     ran: inline in its loop, or on its background thread), not from which answer came first."""
-    from api_proc.client import AsyncEngineClient, EngineError
-    from detok_proc.prompt_size import longest_token_bytes
-    from detok_proc.tokenizing import QUEUE_BYTES
-    from engine_core.sampling_params import SamplingParams
+    from pagoda.api_proc.client import AsyncEngineClient, EngineError
+    from pagoda.detok_proc.prompt_size import longest_token_bytes
+    from pagoda.detok_proc.tokenizing import QUEUE_BYTES
+    from pagoda.engine_core.sampling_params import SamplingParams
 
     tokenized = "pagoda:tokenizer_bytes_total"
     detok = server.child_named("pagoda-detok")
@@ -200,8 +200,8 @@ def test_a_huge_prompt_is_refused_before_tokenizing_and_others_keep_flowing(serv
 
 def test_a_tokenize_request_left_by_its_client_is_dropped(server, tokenizer):
     """A client that stops waiting takes its long /tokenize work off the queue with it."""
-    from api_proc.client import AsyncEngineClient, EngineError
-    from detok_proc.tokenizing import QUEUE_BYTES
+    from pagoda.api_proc.client import AsyncEngineClient, EngineError
+    from pagoda.detok_proc.tokenizing import QUEUE_BYTES
 
     big = "#" * 200_000  # 200 KB (3,125 tokens, so it fits): the background thread's
     count = QUEUE_BYTES // len(big) + 2  # more than the queue holds at once
@@ -564,7 +564,7 @@ def test_every_generation_request_leaves_a_log_line(server):
 
 
 def test_a_request_that_fails_is_logged_as_500(caplog):
-    from api_proc.request_log import RequestRecord, logged
+    from pagoda.api_proc.request_log import RequestRecord, logged
 
     with (
         caplog.at_level("INFO", logger="pagoda.requests"),
@@ -623,7 +623,7 @@ def _fuzz(server, path: str, base: dict, mutations: dict) -> None:
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_fuzzed_request_fields_never_get_a_5xx(server, route):
-    from api_proc.openai_schema import ChatCompletionRequest, CompletionRequest
+    from pagoda.api_proc.openai_schema import ChatCompletionRequest, CompletionRequest
 
     path, base, schema = {
         "completions": ("/v1/completions", _completion(), CompletionRequest),

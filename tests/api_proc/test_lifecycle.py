@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from api_proc.bench.local_server import (
+from pagoda.api_proc.bench.local_server import (
     MODEL_NAME,
     PagodaServer,
     alive,
@@ -22,9 +22,9 @@ from api_proc.bench.local_server import (
     process_names,
     wait_until,
 )
-from api_proc.client import EngineClient
-from engine_core import protocol
-from engine_core.sampling_params import SamplingParams
+from pagoda.api_proc.client import EngineClient
+from pagoda.engine_core import protocol
+from pagoda.engine_core.sampling_params import SamplingParams
 from tests.process_checks import kill_9_leaves_nothing
 
 
@@ -32,7 +32,7 @@ def test_health_is_503_until_the_engine_is_ready(tmp_path):
     port = free_port()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
     process = subprocess.Popen(
-        [sys.executable, "-m", "api_proc.cli", "serve", "--port", str(port), "--kv-cache-memory", "128MiB"],
+        [sys.executable, "-m", "pagoda.api_proc.cli", "serve", "--port", str(port), "--kv-cache-memory", "128MiB"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -90,7 +90,7 @@ def _stream_in_thread(server: PagodaServer, max_tokens: int, outcome: dict) -> t
 
 def test_a_start_refused_for_its_settings_leaves_no_runtime_directory(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "api_proc.cli", "serve", "--port", str(free_port()), "--api-key", "short"],
+        [sys.executable, "-m", "pagoda.api_proc.cli", "serve", "--port", str(free_port()), "--api-key", "short"],
         env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)},
         capture_output=True,
         text=True,
@@ -161,7 +161,7 @@ def test_disconnects_free_the_request_and_curve_tcp_frontend(tmp_path):
     """Two API workers share the port; clients that vanish (streaming or not) have their requests
     aborted; a tcp:// frontend admits only CURVE-authenticated direct clients."""
     keys = tmp_path / "keys"
-    subprocess.run([sys.executable, "-m", "api_proc.cli", "keys", str(keys)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "pagoda.api_proc.cli", "keys", str(keys)], check=True, capture_output=True)
     tcp_port = free_port()
     server = PagodaServer(
         tmp_path, "--api-workers", "2", "--frontend", f"tcp://127.0.0.1:{tcp_port}", "--curve-keys", str(keys)
@@ -198,7 +198,7 @@ def test_disconnects_free_the_request_and_curve_tcp_frontend(tmp_path):
         direct.close()
         stranger_keys = tmp_path / "stranger"
         subprocess.run(
-            [sys.executable, "-m", "api_proc.cli", "keys", str(stranger_keys)], check=True, capture_output=True
+            [sys.executable, "-m", "pagoda.api_proc.cli", "keys", str(stranger_keys)], check=True, capture_output=True
         )
         stranger = EngineClient(
             f"tcp://127.0.0.1:{tcp_port}", curve=(str(keys / "server.key"), str(stranger_keys / "client.key_secret"))

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from api_proc.bench.local_server import MODEL_NAME, http
+from pagoda.api_proc.bench.local_server import MODEL_NAME, http
 from tests.metrics_scrape import Scrape, delta, scrape_until
 
 VLLM_METRICS = {  # name -> type, as vLLM exports them

@@ -7,15 +7,15 @@ import asyncio
 import openai
 import pytest
 
-from api_proc.bench.local_server import MODEL_NAME, http
-from engine_core.sampling_params import SamplingParams
+from pagoda.api_proc.bench.local_server import MODEL_NAME, http
+from pagoda.engine_core.sampling_params import SamplingParams
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def offline(default_model_dir):
-    from engine_core.llm import LLM
+    from pagoda.engine_core.llm import LLM
 
     return LLM(str(default_model_dir), kv_cache_memory="256MiB")
 

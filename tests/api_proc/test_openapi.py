@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from api_proc import openapi
-from api_proc.auth import ADMIN_ROUTES, USER_ROUTES
-from api_proc.bench.local_server import MODEL_NAME, http
-from api_proc.web_ui import PAGE_PATHS
+from pagoda.api_proc import openapi
+from pagoda.api_proc.auth import ADMIN_ROUTES, USER_ROUTES
+from pagoda.api_proc.bench.local_server import MODEL_NAME, http
+from pagoda.api_proc.web_ui import PAGE_PATHS
 
 USER_KEY, ADMIN_KEY = "user-key-for-openapi", "admin-key-for-openapi"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}  # an admin key is a user key too

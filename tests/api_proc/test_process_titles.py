@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from engine_core.lifecycle import Role
+from pagoda.engine_core.lifecycle import Role
 from tests.process_checks import descendants
 
 

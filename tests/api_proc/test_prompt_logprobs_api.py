@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from api_proc.bench.local_server import MODEL_NAME, http
-from api_proc.client import EngineClient
-from engine_core.sampling_params import SamplingParams
-from engine_core.tokenizer import encode_chat
+from pagoda.api_proc.bench.local_server import MODEL_NAME, http
+from pagoda.api_proc.client import EngineClient
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.tokenizer import encode_chat
 from tests.helpers import assert_prompt_logprobs_match, hf_prompt_logprobs
 
 TEXT = "The committee met on Tuesday to review the budget. After a long debate about road repairs, the members"

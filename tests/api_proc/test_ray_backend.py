@@ -21,7 +21,7 @@ import openai
 import pytest
 import ray
 
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http, wait_until
+from pagoda.api_proc.bench.local_server import MODEL_NAME, PagodaServer, http, wait_until
 from tests.process_checks import kill_9_leaves_nothing
 
 pytestmark = pytest.mark.slow
@@ -165,7 +165,7 @@ def test_a_placement_the_cluster_cannot_satisfy_fails_start_up_naming_the_resour
         [
             sys.executable,
             "-m",
-            "api_proc.cli",
+            "pagoda.api_proc.cli",
             "serve",
             "--distributed-executor-backend",
             "ray",

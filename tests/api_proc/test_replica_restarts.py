@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from api_proc.replica_restarts import ReplicaRestarts
+from pagoda.api_proc.replica_restarts import ReplicaRestarts
 
 
 def test_backoff_doubles_until_the_replica_is_over_its_restarts():
@@ -37,9 +37,9 @@ def test_the_delay_is_capped_and_zero_restarts_means_down_for_good():
 def test_each_replica_gets_its_own_cores_and_gpus():
     """Replica i: the i-th core group, and on CUDA the GPUs from i x tensor_parallel_size (each of its
     ranks one more: engine_core/parallel/ranks.py ProcessRanks.rank_config)."""
-    from api_proc.engine_replicas import replica_configs
-    from engine_core.config import EngineConfig
-    from engine_core.parallel.ranks import ProcessRanks
+    from pagoda.api_proc.engine_replicas import replica_configs
+    from pagoda.engine_core.config import EngineConfig
+    from pagoda.engine_core.parallel.ranks import ProcessRanks
 
     rank_config = ProcessRanks().rank_config
 

@@ -19,12 +19,12 @@ import openai
 import psutil
 import pytest
 
-from api_proc.bench.local_router import LocalRouter
-from api_proc.bench.local_server import PagodaServer, alive, child_pids, free_port, http, wait_until
-from api_proc.router.backends import Backend, BackendLoad, BackendPool
-from api_proc.router.metrics import RouterMetrics
-from api_proc.router.policies import PREFIX_CHARS, Picker, prefix_key, rendezvous
-from api_proc.router.settings import RouterSettings
+from pagoda.api_proc.bench.local_router import LocalRouter
+from pagoda.api_proc.bench.local_server import PagodaServer, alive, child_pids, free_port, http, wait_until
+from pagoda.api_proc.router.backends import Backend, BackendLoad, BackendPool
+from pagoda.api_proc.router.metrics import RouterMetrics
+from pagoda.api_proc.router.policies import PREFIX_CHARS, Picker, prefix_key, rendezvous
+from pagoda.api_proc.router.settings import RouterSettings
 from tests import tiny_models
 from tests.metrics_scrape import Scrape, scrape_until
 
@@ -522,9 +522,9 @@ def test_config_file_and_systemd_notifications(fleet, start_router, tmp_path):
 
 
 def test_the_shipped_router_yaml_is_valid():
-    from api_proc.cli import build_parser
-    from api_proc.cli_config import parse_args_with_config
-    from api_proc.router.cli import router_settings
+    from pagoda.api_proc.cli import build_parser
+    from pagoda.api_proc.cli_config import parse_args_with_config
+    from pagoda.api_proc.router.cli import router_settings
 
     example = Path(__file__).resolve().parents[2] / "deploy" / "router.yaml"
     settings = router_settings(parse_args_with_config(build_parser(), ["router", "--config", str(example)]))

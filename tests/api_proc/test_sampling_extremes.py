@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api_proc.bench.local_server import MODEL_NAME, PagodaServer, http
+from pagoda.api_proc.bench.local_server import MODEL_NAME, PagodaServer, http
 from tests import tiny_models
 
 FLOAT_FIELDS = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]

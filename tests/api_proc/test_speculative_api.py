@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from api_proc.bench.local_server import MODEL_NAME
+from pagoda.api_proc.bench.local_server import MODEL_NAME
 from tests.metrics_scrape import Scrape, delta
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
@@ -31,7 +31,7 @@ PROMPTS = [
 def servers(start_server, tmp_path_factory):
     """A plain server, one speculating with n-grams and one with a draft model (SmolLM2's first 10 layers)."""
     from benchmarks.spec_decode import truncated_model
-    from engine_core.default_model import ensure_default_model
+    from pagoda.engine_core.default_model import ensure_default_model
 
     draft = truncated_model(ensure_default_model(), tmp_path_factory.mktemp("draft") / "smol10", 10)
     drafting = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
@@ -99,7 +99,7 @@ def test_a_draft_model_with_another_vocabulary_stops_the_server_at_start(tmp_pat
 
     def serve(draft) -> subprocess.CompletedProcess:
         spec = json.dumps({"method": "draft_model", "model": str(draft)})
-        command = [sys.executable, "-m", "api_proc.cli", "serve", "--port", "0", "--speculative-config", spec]
+        command = [sys.executable, "-m", "pagoda.api_proc.cli", "serve", "--port", "0", "--speculative-config", spec]
         return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
 
     run = serve(tmp_path / "missing")

@@ -10,10 +10,10 @@ import re
 import jsonschema
 import pytest
 
-from api_proc.bench.local_server import MODEL_NAME, http
-from api_proc.client import EngineClient, EngineError
-from engine_core.sampling_params import SamplingParams
-from engine_core.structured_params import StructuredOutputsParams
+from pagoda.api_proc.bench.local_server import MODEL_NAME, http
+from pagoda.api_proc.client import EngineClient, EngineError
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.structured_params import StructuredOutputsParams
 
 POINT = {
     "type": "object",

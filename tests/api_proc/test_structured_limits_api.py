@@ -10,10 +10,10 @@ import threading
 import openai
 import pytest
 
-from api_proc.bench.local_server import MODEL_NAME
-from api_proc.client import EngineClient, EngineError
-from engine_core.sampling_params import SamplingParams
-from engine_core.structured_params import StructuredOutputsParams
+from pagoda.api_proc.bench.local_server import MODEL_NAME
+from pagoda.api_proc.client import EngineClient, EngineError
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.structured_params import StructuredOutputsParams
 
 FLAGS = (
     "--structured-output-max-properties",

@@ -12,9 +12,9 @@ import threading
 import time
 from pathlib import Path
 
-from api_proc.bench.local_server import PagodaServer, free_port, http, wait_until
-from api_proc.client import EngineClient
-from api_proc.sd_notify import Notifier, SystemdService, watchdog_period
+from pagoda.api_proc.bench.local_server import PagodaServer, free_port, http, wait_until
+from pagoda.api_proc.client import EngineClient
+from pagoda.api_proc.sd_notify import Notifier, SystemdService, watchdog_period
 
 
 class NotifySocket:
@@ -124,7 +124,7 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     )
     (tmp_path / "run").mkdir()
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")}
-    command = [sys.executable, "-m", "api_proc.cli", "serve", "--config", str(config)]
+    command = [sys.executable, "-m", "pagoda.api_proc.cli", "serve", "--config", str(config)]
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("max-num-seq: 2\nport: 1\n")

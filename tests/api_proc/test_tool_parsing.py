@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from api_proc.openai_schema import ApiError
-from api_proc.tool_parsing import CallArrayScanner, ToolCallStream, parse_tagged_calls, tool_response
-from api_proc.tools import plan_tools
+from pagoda.api_proc.openai_schema import ApiError
+from pagoda.api_proc.tool_parsing import CallArrayScanner, ToolCallStream, parse_tagged_calls, tool_response
+from pagoda.api_proc.tools import plan_tools
 
 TOOLS = [
     {

@@ -17,8 +17,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from api_proc.bench.local_server import MODEL_NAME, free_port, http, wait_until
-from detok_proc.tracing import traces_url
+from pagoda.api_proc.bench.local_server import MODEL_NAME, free_port, http, wait_until
+from pagoda.detok_proc.tracing import traces_url
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN_ID = "00f067aa0ba902b7"

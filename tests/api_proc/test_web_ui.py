@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 from playwright.sync_api import sync_playwright
 
-from api_proc.bench.local_server import MODEL_NAME, http
+from pagoda.api_proc.bench.local_server import MODEL_NAME, http
 from tests.browser import launch, wait_for
 from tests.metrics_scrape import Scrape, delta, scrape_until
 from tests.sub_path_proxy import SubPathProxy
@@ -348,7 +348,7 @@ def test_the_dashboard_moves_under_load_and_matches_metrics_within_one_refresh(b
     try:
         first = dashboard.fresh_cards()
         bench = subprocess.Popen(
-            [sys.executable, "-m", "api_proc.cli", "bench", "serve", "--base-url", server.base_url]
+            [sys.executable, "-m", "pagoda.api_proc.cli", "bench", "serve", "--base-url", server.base_url]
             + ["--dataset-name", "prefix", "--prefix-len", "64", "--input-len", "16", "--output-len", "32"]
             + ["--num-prompts", "24", "--max-concurrency", "4", "--no-progress", "--save-result", str(result_file)],
             stdout=subprocess.PIPE,

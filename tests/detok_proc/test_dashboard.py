@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from detok_proc.dashboard import RATE_SECONDS, TIMELINE_REQUESTS, RecentActivity, TimedValues
-from detok_proc.metrics import DetokMetrics
-from detok_proc.requests import SampleState
-from engine_core import protocol
+from pagoda.detok_proc.dashboard import RATE_SECONDS, TIMELINE_REQUESTS, RecentActivity, TimedValues
+from pagoda.detok_proc.metrics import DetokMetrics
+from pagoda.detok_proc.requests import SampleState
+from pagoda.engine_core import protocol
 
 MODEL = "my-model"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from detok_proc.incremental import IncrementalDetokenizer
+from pagoda.detok_proc.incremental import IncrementalDetokenizer
 
 TEXTS = [
     "Crème brûlée, naïve café — déjà vu.",

@@ -7,9 +7,9 @@ import os
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from detok_proc.metrics import DetokMetrics, buckets_1_2_5
-from detok_proc.requests import SampleState
-from engine_core import protocol
+from pagoda.detok_proc.metrics import DetokMetrics, buckets_1_2_5
+from pagoda.detok_proc.requests import SampleState
+from pagoda.engine_core import protocol
 
 MODEL = "my-model"
 GONE_PID = 2**22 + 12345  # above Linux's largest pid: a worker that has exited

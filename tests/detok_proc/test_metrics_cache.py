@@ -7,7 +7,7 @@ from __future__ import annotations
 import select
 import threading
 
-from detok_proc.metrics_cache import MetricsCache
+from pagoda.detok_proc.metrics_cache import MetricsCache
 
 
 class Renders:

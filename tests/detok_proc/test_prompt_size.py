@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from detok_proc.prompt_size import (
+from pagoda.detok_proc.prompt_size import (
     PROBE_BYTES_PER_TOKEN,
     PromptTooLong,
     check_length_bound,
@@ -16,8 +16,8 @@ from detok_proc.prompt_size import (
     prompt_bytes,
     text_bytes,
 )
-from engine_core import protocol
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core import protocol
+from pagoda.engine_core.sampling_params import SamplingParams
 
 # Control characters excepted: this model's tokenizer drops some of them (a text of them encodes to
 # nothing), which is the one way around the bound, and no use to anyone (prompt_size.py).

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from detok_proc.routing import ReplicaLoad, Router, choose_replica, overloaded
+from pagoda.detok_proc.routing import ReplicaLoad, Router, choose_replica, overloaded
 
 PREFIX_A, PREFIX_B = b"a" * 32, b"b" * 32
 

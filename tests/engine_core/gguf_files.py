@@ -13,8 +13,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
 
-from engine_core.default_model import convert_gguf_to_hf, ensure_default_gguf
-from engine_core.environment import cache_root
+from pagoda.engine_core.default_model import convert_gguf_to_hf, ensure_default_gguf
+from pagoda.engine_core.environment import cache_root
 
 TEST_MODELS = "test-models-gguf"  # under cache_root()
 

@@ -14,12 +14,12 @@ import shutil
 import pytest
 import torch
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.quantization import resolve_method
-from engine_core.quantization.compressed_tensors import CompressedTensors, unpack_int32
-from engine_core.quantization.fp8 import dequantize_fp8
-from kernels.fp8 import Fp8Weight
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.quantization import resolve_method
+from pagoda.engine_core.quantization.compressed_tensors import CompressedTensors, unpack_int32
+from pagoda.engine_core.quantization.fp8 import dequantize_fp8
+from pagoda.kernels.fp8 import Fp8Weight
 from tests.helpers import greedy_with_first_logprobs
 from tests.quant_checkpoints import checkpoint, ct_decompressed, hf_reference
 
@@ -154,7 +154,7 @@ def test_fp8_at_load_equals_llmcompressor_fp8_per_channel(default_model_dir, tok
 @pytest.mark.slow
 def test_fp8_weights_kept_in_fp8(tokenizer, caplog):
     """`--fp8-matmul on` keeps every FP8 linear in FP8 (`Fp8Weight`, a quarter of float32's bytes), also
-    on the CPU, where each is dequantized per step (kernels.fp8.reference_linear): the same weights as
+    on the CPU, where each is dequantized per step (pagoda.kernels.fp8.reference_linear): the same weights as
     dequantizing at load, so the same tokens up to summation order."""
     model_dir = checkpoint("smollm2", "fp8-channel")
     prompts = smollm2_prompts(tokenizer)
@@ -366,7 +366,7 @@ def test_models_endpoint_and_startup_log_name_the_quantization(tmp_path):
     """`/v1/models` (through the OpenAI client) and the start-up log show describe() and the weights' bytes."""
     import openai
 
-    from api_proc.bench.local_server import PagodaServer
+    from pagoda.api_proc.bench.local_server import PagodaServer
 
     model_dir = checkpoint("smollm2", "w4a16")
     server = PagodaServer(tmp_path, "--model", str(model_dir))

@@ -10,9 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine_core import protocol
-from engine_core.config import EngineConfig
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core import protocol
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.sampling_params import SamplingParams
 from tests.engine_process import EngineProcess
 
 
@@ -34,7 +34,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def test_requests_over_sockets_match_the_offline_engine(core, default_model_dir, tokenizer):
-    from engine_core.llm import LLM
+    from pagoda.engine_core.llm import LLM
 
     prompts = [tokenizer.encode(t) for t in ("The capital of France is", "Water boils at", "1, 2, 3,")]
     greedy = SamplingParams(temperature=0, max_tokens=12)
@@ -119,7 +119,7 @@ def test_shutdown_message_exits_cleanly(own_core):
 def test_loading_takes_the_start_up_heap_out_of_the_collectors_reach(tmp_path, default_model_dir):
     """Once loaded, what start-up allocated is frozen (gc.freeze): full collections walked all of it (the
     model, the tokenizer, torch's modules) and stalled the engine loop for 110-190 ms each."""
-    from engine_core.core_proc import EngineCoreProc
+    from pagoda.engine_core.core_proc import EngineCoreProc
 
     proc = EngineCoreProc(f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out")
     gc.unfreeze()  # (this test process's own count starts at zero)

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from engine_core.config import EngineConfig
-from engine_core.cpu_binding import assign, bind, format_groups, parse_group
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.cpu_binding import assign, bind, format_groups, parse_group
 
 
 def test_groups_are_read_as_vllm_spells_them():

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine_core.config import EngineConfig
-from engine_core.cuda_graphs import DecodeGraphs, capture_sizes
-from engine_core.engine import EngineCore
-from engine_core.gpu_memory import GiB, MemoryProfile, profile_step
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.cuda_graphs import DecodeGraphs, capture_sizes
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.gpu_memory import GiB, MemoryProfile, profile_step
+from pagoda.engine_core.sampling_params import SamplingParams
 
 PROMPTS = [
     "The capital of France is",

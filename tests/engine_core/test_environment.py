@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from engine_core.environment import VARIABLES
+from pagoda.engine_core.environment import VARIABLES
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("api_proc", "detok_proc", "engine_core", "kernels", "benchmarks")

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.sampling_params import SamplingParams
-from kernels.cpu.decoder import FusedDecoder, LayerTensors, Shape
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.kernels import ops
+from pagoda.kernels.cpu.decoder import FusedDecoder, LayerTensors, Shape
 from tests import tiny_models
 from tests.helpers import hf_greedy, run_engine
 
@@ -106,20 +106,20 @@ def test_switched_off_by_the_environment(tmp_path, monkeypatch):
 def test_a_long_prompts_short_chunk_keeps_its_bulk_linears(tmp_path, monkeypatch):
     """A step of short chunks attends as decodes, but a chunk of a long prompt holds bulk rows
     (BULK_PROMPT_TOKENS), whose linears (AMX where the CPU has it) the fused path does not run."""
-    from engine_core import model_runner
+    from pagoda.engine_core import model_runner
 
     monkeypatch.setattr(model_runner, "BULK_PROMPT_TOKENS", 20)
     tiny_models.build("llama").save_pretrained(tmp_path / "m")
     engine = EngineCore(EngineConfig(model=str(tmp_path / "m"), max_num_batched_tokens=16, num_kv_blocks=64))
     with LayeredCheck(engine.runner.model) as check:  # 24 tokens: chunks of 16 and 8
         run_engine(engine, [list(range(5, 29))], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    bulk = kernels.bulk_rows_differ(torch.device("cpu"))  # (else no rows are bulk: the chunks may take the path)
+    bulk = ops.bulk_rows_differ(torch.device("cpu"))  # (else no rows are bulk: the chunks may take the path)
     assert check.batches == ({1} if bulk else {1, 8, 16})
 
 
 def test_the_decoder_refuses_layouts_it_cannot_read():
     """The C code reads raw pointers: a wrong shape or dtype is refused before it gets there."""
-    from kernels.panels import PanelWeight
+    from pagoda.kernels.panels import PanelWeight
 
     h, heads, kv_heads, d, inter = 64, 4, 2, 16, 128
     shape = Shape(hidden=h, num_heads=heads, num_kv_heads=kv_heads, head_dim=d, intermediate=inter, eps=1e-5)

@@ -15,14 +15,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from engine_core.config import EngineConfig
-from engine_core.default_model import ensure_default_gguf
-from engine_core.engine import EngineCore
-from engine_core.environment import cache_root
-from engine_core.gguf_model import MARKER, model_source, read_gguf
-from engine_core.loader import iterate_weights, resolve_model
-from engine_core.sampling_params import SamplingParams
-from engine_core.tokenizer import load_tokenizer
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.default_model import ensure_default_gguf
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.environment import cache_root
+from pagoda.engine_core.gguf_model import MARKER, model_source, read_gguf
+from pagoda.engine_core.loader import iterate_weights, resolve_model
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.tokenizer import load_tokenizer
 from tests.engine_core.gguf_files import TEST_MODELS, float32_dir, smollm2_as, write_gguf
 from tests.helpers import golden_prompts, hf_greedy, run_engine
 

@@ -13,10 +13,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from engine_core.gguf_model import QUANTIZED_TYPES
-from engine_core.quantization.base import QuantizedShard, pack_shards
-from engine_core.quantization.gguf import decode
-from kernels.quantized import dequantize as packed_dequantize
+from pagoda.engine_core.gguf_model import QUANTIZED_TYPES
+from pagoda.engine_core.quantization.base import QuantizedShard, pack_shards
+from pagoda.engine_core.quantization.gguf import decode
+from pagoda.kernels.quantized import dequantize as packed_dequantize
 
 ROWS = 48
 # The gguf package quantizes these; the K types (no quantizer there) get random blocks below.

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core.llm import LLM
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.llm import LLM
+from pagoda.engine_core.sampling_params import SamplingParams
 from tests.helpers import golden_prompts, hf_greedy
 
 pytestmark = pytest.mark.slow

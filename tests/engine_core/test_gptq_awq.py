@@ -15,12 +15,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.quantization import resolve_method
-from engine_core.quantization.base import pack_shards
-from engine_core.quantization.gptq import GPTQ, unpack_words
-from kernels.quantized import dequantize
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.quantization import resolve_method
+from pagoda.engine_core.quantization.base import pack_shards
+from pagoda.engine_core.quantization.gptq import GPTQ, unpack_words
+from pagoda.kernels.quantized import dequantize
 from tests import tool_runs
 from tests.gptq_awq_checkpoints import BY_NAME, SPECS, checkpoint, prompt_ids, tool_reference
 from tests.helpers import greedy_with_first_logprobs

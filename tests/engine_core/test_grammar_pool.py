@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from engine_core import LLM, SamplingParams, StructuredOutputsParams
-from engine_core.validation import ParamError
+from pagoda.engine_core import LLM, SamplingParams, StructuredOutputsParams
+from pagoda.engine_core.validation import ParamError
 
 # A schema of a few KB per hundred properties whose compile takes minutes (2,000 took 38 s here):
 # only a time limit or a cancel ends it quickly.

@@ -12,7 +12,7 @@ import pytest
 
 _PROBE = """
 import ctypes, resource, sys, torch
-from engine_core.host_memory import keep_freed_memory
+from pagoda.engine_core.host_memory import keep_freed_memory
 # Pages of 4 KiB whatever the machine's transparent-huge-page setting: with THP "always", fresh mappings
 # fault in 2 MiB at a time, and the default's cost would not show in the count (PR_SET_THP_DISABLE).
 assert ctypes.CDLL(None).prctl(41, 1, 0, 0, 0) == 0

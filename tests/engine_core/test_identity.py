@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from engine_core import identity
+from pagoda.engine_core import identity
 
 
 def test_version_is_the_installed_distributions():

@@ -7,7 +7,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_core.json_limits import MAX_JSON_DEPTH, text_exceeds_depth, too_deep_field, value_exceeds_depth
+from pagoda.engine_core.json_limits import MAX_JSON_DEPTH, text_exceeds_depth, too_deep_field, value_exceeds_depth
 
 # Strings full of brackets, quotes and backslashes: none of them may count as nesting.
 TRICKY_TEXT = st.text(alphabet='[]{}"\\ab', max_size=12)

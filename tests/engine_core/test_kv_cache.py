@@ -7,11 +7,11 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from engine_core.kv_cache import KVCacheManager
-from engine_core.request import Request, RequestStatus
-from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import Scheduler
+from pagoda.engine_core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from pagoda.engine_core.kv_cache import KVCacheManager
+from pagoda.engine_core.request import Request, RequestStatus
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.scheduler import Scheduler
 
 
 def test_free_queue_order_and_middle_removal():

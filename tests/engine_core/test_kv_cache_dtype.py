@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core.config import EngineConfig, resolve_kv_cache_dtype
-from engine_core.engine import EngineCore
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.config import EngineConfig, resolve_kv_cache_dtype
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.sampling_params import SamplingParams
 from tests import tiny_models
 from tests.helpers import run_engine
 

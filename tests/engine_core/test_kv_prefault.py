@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from engine_core import kv_prefault
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
+from pagoda.engine_core import kv_prefault
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_POPULATE_WRITE)")
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine_core import LLM, SamplingParams
+from pagoda.engine_core import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_cli_generate(default_model_dir):
         [
             sys.executable,
             "-m",
-            "api_proc.cli",
+            "pagoda.api_proc.cli",
             "generate",
             "--chat",
             "--model",
@@ -114,7 +114,7 @@ def test_cli_generate(default_model_dir):
 
 def test_cli_reports_bad_model_cleanly(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "api_proc.cli", "generate", "--model", str(tmp_path), "x"],
+        [sys.executable, "-m", "pagoda.api_proc.cli", "generate", "--model", str(tmp_path), "x"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine_core.lifecycle import ParentLink
+from pagoda.engine_core.lifecycle import ParentLink
 
 RELEASE_S = 0.5  # long enough that the signal's handler and the watcher overlap
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.parallel.distributed import Stage
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.parallel.distributed import Stage
+from pagoda.engine_core.sampling_params import SamplingParams
 from tests.helpers import golden_prompts, greedy_with_first_logprobs
 from tests.parallel_checks import (
     TOLERANCE,

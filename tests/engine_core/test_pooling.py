@@ -11,15 +11,15 @@ import pytest
 import torch
 import transformers
 
-from engine_core.config import EngineConfig
-from engine_core.default_embedding_model import ensure_default_embedding_model
-from engine_core.engine import EngineCore, create_engine
-from engine_core.llm import LLM
-from engine_core.pooling.engine import PoolingEngineCore
-from engine_core.pooling.params import PoolingParams
-from engine_core.pooling.scheduler import PoolingRequest, PoolingScheduler
-from engine_core.sampling_params import SamplingParams
-from engine_core.validation import ParamError
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.default_embedding_model import ensure_default_embedding_model
+from pagoda.engine_core.engine import EngineCore, create_engine
+from pagoda.engine_core.llm import LLM
+from pagoda.engine_core.pooling.engine import PoolingEngineCore
+from pagoda.engine_core.pooling.params import PoolingParams
+from pagoda.engine_core.pooling.scheduler import PoolingRequest, PoolingScheduler
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.validation import ParamError
 from tests import tiny_models
 
 LENGTHS = (1, 2, 7, 16, 33, 70)
@@ -232,7 +232,7 @@ def test_each_engine_refuses_the_other_kind_and_bad_inputs(tmp_path, minilm):
 
 def test_the_engine_process_knows_before_torch_loads_whether_it_pools(tmp_path, minilm):
     """(It then has OpenMP threads sleep rather than spin while they wait: engine_core/environment.py.)"""
-    from engine_core.pooling.config import will_pool
+    from pagoda.engine_core.pooling.config import will_pool
 
     assert will_pool(EngineConfig(model=str(minilm)))
     assert not will_pool(EngineConfig(model=str(minilm), runner="generate"))

@@ -10,10 +10,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.llm import LLM
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.llm import LLM
+from pagoda.engine_core.sampling_params import SamplingParams
 from tests.helpers import run_engine
 
 SYSTEM = (

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine_core import protocol
-from engine_core.llm import LLM
-from engine_core.prompt_logprobs import compute_prompt_logprobs
-from engine_core.sampling_params import SamplingParams
-from engine_core.validation import ParamError
+from pagoda.engine_core import protocol
+from pagoda.engine_core.llm import LLM
+from pagoda.engine_core.prompt_logprobs import compute_prompt_logprobs
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.validation import ParamError
 from tests.helpers import assert_prompt_logprobs_match, hf_prompt_logprobs
 
 TEXTS = [

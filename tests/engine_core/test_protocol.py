@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from engine_core import protocol
-from engine_core.protocol import FinishReason
+from pagoda.engine_core import protocol
+from pagoda.engine_core.protocol import FinishReason
 
 
 def test_finish_reason_crosses_the_wire_as_its_string():

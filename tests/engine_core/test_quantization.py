@@ -9,15 +9,15 @@ import shutil
 import pytest
 import torch
 
-from engine_core.layers.linear import Linear
-from engine_core.llm import LLM
-from engine_core.loader import load_model, weight_bytes
-from engine_core.model_config import ModelConfig
-from engine_core.quantization import resolve_method
-from engine_core.quantization.at_load import quantize_int4_grouped, quantize_int8_per_channel
-from engine_core.quantization.base import QuantizedShard, pack_shards
-from engine_core.sampling_params import SamplingParams
-from kernels.quantized import dequantize_original_order, reference_linear
+from pagoda.engine_core.layers.linear import Linear
+from pagoda.engine_core.llm import LLM
+from pagoda.engine_core.loader import load_model, weight_bytes
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.quantization import resolve_method
+from pagoda.engine_core.quantization.at_load import quantize_int4_grouped, quantize_int8_per_channel
+from pagoda.engine_core.quantization.base import QuantizedShard, pack_shards
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.kernels.quantized import dequantize_original_order, reference_linear
 from tests.helpers import golden_prompts
 from tests.quantization_helpers import identical_count, write_dequantized_checkpoint
 

@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.protocol import RequestFailed
-from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.protocol import RequestFailed
+from pagoda.engine_core.request import Request
+from pagoda.engine_core.sampling_params import SamplingParams
 from tests import tiny_models
 
 POISON = 100  # its embedding row is NaN: a prompt holding it gives NaN logits

@@ -8,10 +8,10 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_core.request import Request
-from engine_core.sampler import SamplingBatch, apply_penalties
-from engine_core.sampler import sample as sample_batch
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.request import Request
+from pagoda.engine_core.sampler import SamplingBatch, apply_penalties
+from pagoda.engine_core.sampler import sample as sample_batch
+from pagoda.engine_core.sampling_params import SamplingParams
 
 VOCAB = 8
 
@@ -141,7 +141,7 @@ def test_a_top_p_that_rounds_to_zero_in_float32_keeps_the_best_token():
 
 
 def test_distributions_of_a_bad_row_are_nan_greedy_or_not():
-    from engine_core.sampler import distributions
+    from pagoda.engine_core.sampler import distributions
 
     logits = torch.tensor([[0.0, 1.0, 2.0, 0, 0, 0, 0, 0], BAD_ROWS["a NaN"], BAD_ROWS["a NaN"]])
     requests = [req([1], temperature=0.0), req([1], temperature=0.0), req([1], temperature=1.0)]
@@ -191,7 +191,7 @@ def test_values_outside_the_finite_range_are_refused_naming_the_field(field, val
 
 @pytest.fixture(scope="module")
 def llm(default_model_dir):
-    from engine_core.llm import LLM
+    from pagoda.engine_core.llm import LLM
 
     return LLM(str(default_model_dir))
 
@@ -236,8 +236,8 @@ def test_long_and_short_prompts_give_the_same_numbers_in_any_batch(default_model
     prefilled in chunks of 64 give the numbers each gives alone, to the bit. (Not a last chunk of 16
     tokens or fewer: such a step attends as decodes, which rounds otherwise, with AMX or without. No
     prefix cache: a block it holds was computed by whichever request came first, as bulk rows or not.)"""
-    from engine_core.llm import LLM
-    from engine_core.model_runner import BULK_PROMPT_TOKENS
+    from pagoda.engine_core.llm import LLM
+    from pagoda.engine_core.model_runner import BULK_PROMPT_TOKENS
 
     llm = LLM(str(default_model_dir), enable_prefix_caching=False)
     short_prompt, long_prompt = " ".join(PROMPTS * 2), " ".join(PROMPTS * 8)

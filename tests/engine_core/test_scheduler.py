@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine_core.kv_cache import KVCacheManager
-from engine_core.request import Request, RequestStatus
-from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import Scheduler
+from pagoda.engine_core.kv_cache import KVCacheManager
+from pagoda.engine_core.request import Request, RequestStatus
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.scheduler import Scheduler
 
 
 def make(num_blocks=64, block_size=4, budget=32, max_seqs=8, max_model_len=200):

@@ -25,7 +25,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine_core.parallel.shm_ring import RingClosed, RingPeerGone, RingReader, RingSpec, RingWriter
+from pagoda.engine_core.parallel.shm_ring import RingClosed, RingPeerGone, RingReader, RingSpec, RingWriter
 
 HEADER = struct.Struct("<QII")  # sequence number, body length, CRC-32 of the body
 POOL = random.Random(16).randbytes(1 << 16)  # message bodies are slices of this
@@ -259,7 +259,7 @@ def test_idle_reader_blocks_without_spinning(rings):
 
 WRITER_SCRIPT = """
 import sys, time, msgspec
-from engine_core.parallel.shm_ring import RingWriter
+from pagoda.engine_core.parallel.shm_ring import RingWriter
 writer = RingWriter(1, slot_bytes=256, num_slots=4, runtime_dir=sys.argv[1])
 for seq in range(1, 4):
     writer.write([seq.to_bytes(8, "little")])

@@ -20,16 +20,16 @@ from hypothesis import strategies as st
 from scipy.stats import chi2_contingency
 
 from benchmarks.spec_decode import truncated_model
-from engine_core.config import EngineConfig
-from engine_core.default_model import ensure_default_gguf
-from engine_core.engine import EngineCore
-from engine_core.kv_cache import KVCacheManager
-from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import Scheduler
-from engine_core.speculative.config import SpeculativeConfig
-from engine_core.speculative.ngram import propose_ngram
-from engine_core.structured_params import StructuredOutputsParams
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.default_model import ensure_default_gguf
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.kv_cache import KVCacheManager
+from pagoda.engine_core.request import Request
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.scheduler import Scheduler
+from pagoda.engine_core.speculative.config import SpeculativeConfig
+from pagoda.engine_core.speculative.ngram import propose_ngram
+from pagoda.engine_core.structured_params import StructuredOutputsParams
 from tests.helpers import golden_prompts, run_engine
 from tests.parallel_checks import tiny_model
 
@@ -436,7 +436,7 @@ def test_kv_accounting_with_a_draft_model(tiny_drafting_engine, requests):
 
 
 def test_speculation_stands_down_for_a_busy_step_and_for_requests_whose_proposals_fail():
-    from engine_core.speculative.proposer import NgramProposer as Proposer
+    from pagoda.engine_core.speculative.proposer import NgramProposer as Proposer
 
     def decoding(rid: str) -> Request:
         request = Request(rid, [5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=100))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine_core.model_runner import BULK_PROMPT_TOKENS, LogitsRows, _layout, _prepare
-from engine_core.parallel import step_message
-from engine_core.request import Request
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.model_runner import BULK_PROMPT_TOKENS, LogitsRows, _layout, _prepare
+from pagoda.engine_core.parallel import step_message
+from pagoda.engine_core.request import Request
+from pagoda.engine_core.sampling_params import SamplingParams
 
 BLOCK = 16
 

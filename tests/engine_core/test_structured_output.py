@@ -11,9 +11,9 @@ import threading
 import jsonschema
 import pytest
 
-from engine_core import LLM, SamplingParams, StructuredOutputsParams, structured_output
-from engine_core.json_schema_support import unsupported_feature
-from engine_core.structured_output import LOAD_NICENESS
+from pagoda.engine_core import LLM, SamplingParams, StructuredOutputsParams, structured_output
+from pagoda.engine_core.json_schema_support import unsupported_feature
+from pagoda.engine_core.structured_output import LOAD_NICENESS
 
 EOS = 2
 PERSON = {

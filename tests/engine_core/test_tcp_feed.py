@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from engine_core.parallel.tcp_feed import TcpFeedReader, TcpFeedSpec, TcpFeedWriter
+from pagoda.engine_core.parallel.tcp_feed import TcpFeedReader, TcpFeedSpec, TcpFeedWriter
 
 
 def test_every_reader_gets_every_message_in_order():

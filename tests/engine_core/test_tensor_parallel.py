@@ -17,11 +17,11 @@ import signal
 import psutil
 import pytest
 
-from api_proc.bench.local_server import alive, wait_until
-from engine_core import protocol
-from engine_core.config import EngineConfig
-from engine_core.default_model import ensure_default_gguf
-from engine_core.engine import EngineCore
+from pagoda.api_proc.bench.local_server import alive, wait_until
+from pagoda.engine_core import protocol
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.default_model import ensure_default_gguf
+from pagoda.engine_core.engine import EngineCore
 from tests.engine_process import EngineProcess
 from tests.helpers import golden_prompts, greedy_with_first_logprobs, run_engine
 from tests.parallel_checks import (

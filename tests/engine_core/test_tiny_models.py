@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.sampling_params import SamplingParams
 from tests import tiny_models
 from tests.helpers import hf_greedy, run_engine
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import copy
 
-from engine_core.tokenizer import render_chat
-from engine_core.tool_prompt import template_renders_tools
+from pagoda.engine_core.tokenizer import render_chat
+from pagoda.engine_core.tool_prompt import template_renders_tools
 
 TOOLS = [
     {

@@ -10,12 +10,12 @@ import threading
 import pytest
 import torch
 
-import kernels
-from engine_core.model_config import ModelConfig
-from engine_core.parallel.sharding import AttentionHeads, check_model_splits, split_rows, split_vocab
-from engine_core.parallel.shm_allreduce import ShmAllReduce, create_file
-from engine_core.quantization.at_load import quantize_int4_grouped, quantize_int8_per_channel
-from engine_core.quantization.base import QuantizedShard, pack_shards, shard_columns
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.parallel.sharding import AttentionHeads, check_model_splits, split_rows, split_vocab
+from pagoda.engine_core.parallel.shm_allreduce import ShmAllReduce, create_file
+from pagoda.engine_core.quantization.at_load import quantize_int4_grouped, quantize_int8_per_channel
+from pagoda.engine_core.quantization.base import QuantizedShard, pack_shards, shard_columns
+from pagoda.kernels import ops
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ def test_models_that_do_not_split_are_refused_up_front(overrides, world, message
 
 
 def _rank_output(shard: QuantizedShard, x: torch.Tensor) -> torch.Tensor:
-    return kernels.quantized_linear(x, pack_shards("layer", [shard]), None)
+    return ops.quantized_linear(x, pack_shards("layer", [shard]), None)
 
 
 def test_row_pieces_of_a_grouped_weight_add_up_to_the_whole_layer():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.validation import TOKEN_ID_LIMIT, ParamError, check_token_ids, param_of
+from pagoda.engine_core.validation import TOKEN_ID_LIMIT, ParamError, check_token_ids, param_of
 
 
 @pytest.mark.parametrize("ids", [[0, 5, 9], [], (3,), {7: 1.0}])

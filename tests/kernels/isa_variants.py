@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu
+from pagoda.kernels import cpu
 
 
 def _cpu_flags() -> set[str]:

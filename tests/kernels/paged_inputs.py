@@ -8,7 +8,7 @@ import math
 
 import torch
 
-import kernels
+from pagoda.kernels import ops
 
 
 def naive_attention(q, k, v, q_start_pos, scale, sliding_window=None):
@@ -42,7 +42,7 @@ def scatter_to_cache(seq_lens, block_size, num_kv_heads, head_dim, gen):
         v = torch.randn(n, num_kv_heads, head_dim, generator=gen)
         pos = torch.arange(n)
         slots = block_tables[b, pos // block_size] * block_size + pos % block_size
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, slots)
+        ops.reshape_and_cache(k, v, key_cache, value_cache, slots)
         keys.append(k)
         values.append(v)
     return key_cache, value_cache, block_tables, keys, values

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels
-from kernels import cpu
-from kernels.panels import PanelWeight
+from pagoda.kernels import cpu, ops
+from pagoda.kernels.panels import PanelWeight
 from tests.kernels.linear_checks import assert_close_to_exact, case
 
 
@@ -28,11 +27,11 @@ SHAPES = [(1, 1), (17, 7), (40, 100), (100, 1536), (960, 576)]
 
 
 def _bulk(x, panels, bias=None):
-    return kernels.panel_linear(x, panels, bias, bulk_rows_from=0)
+    return ops.panel_linear(x, panels, bias, bulk_rows_from=0)
 
 
 def _panel(x, panels, bias=None):
-    return kernels.panel_linear(x, panels, bias)
+    return ops.panel_linear(x, panels, bias)
 
 
 def test_the_kernel_runs_where_the_cpu_has_amx():
@@ -90,11 +89,11 @@ def test_rows_before_the_bulk_are_the_panel_matmuls_and_the_rest_the_bulk_kernel
     w, bias, x = case(960, 576, 150, 3)
     panels = PanelWeight.pack(w)
     for split in (0, 1, 64, 149, 150, 400):
-        y = kernels.panel_linear(x, panels, bias, bulk_rows_from=split)
+        y = ops.panel_linear(x, panels, bias, bulk_rows_from=split)
         head = min(split, 150)
         assert torch.equal(y[:head], _panel(x[:head], panels, bias))
         assert torch.equal(y[head:], _bulk(x[head:], panels, bias))
-    if kernels.bulk_rows_differ(torch.device("cpu")):  # (the other unit rounds its sums differently)
+    if ops.bulk_rows_differ(torch.device("cpu")):  # (the other unit rounds its sums differently)
         assert not torch.equal(_bulk(x, panels, bias), _panel(x, panels, bias))
 
 
@@ -102,12 +101,12 @@ def test_amx_can_be_turned_off():
     w, bias, x = case(960, 576, 64, 4)
     panels = PanelWeight.pack(w)
     try:
-        kernels.configure(amx=False)
+        ops.configure(amx=False)
         assert torch.equal(_bulk(x, panels, bias), _panel(x, panels, bias))
-        assert not kernels.bulk_rows_differ(torch.device("cpu"))
+        assert not ops.bulk_rows_differ(torch.device("cpu"))
     finally:
-        kernels.configure()
-    assert kernels.bulk_rows_differ(torch.device("cpu")) == AMX
+        ops.configure()
+    assert ops.bulk_rows_differ(torch.device("cpu")) == AMX
 
 
 def test_non_finite_inputs_stay_in_their_rows():

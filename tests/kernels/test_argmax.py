@@ -8,8 +8,7 @@ import math
 import pytest
 import torch
 
-import kernels
-from kernels import cpu
+from pagoda.kernels import cpu, ops
 from tests.kernels import isa_variants
 
 
@@ -41,10 +40,10 @@ def test_argmax_rows_is_torch_argmax(width, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        picked = kernels.argmax_rows(logits)
+        picked = ops.argmax_rows(logits)
     finally:
         torch.set_num_threads(before)
-    assert kernels.compiled("argmax_rows", logits.device)
+    assert ops.compiled("argmax_rows", logits.device)
     assert picked.dtype == torch.int64
     assert picked.tolist() == logits.argmax(dim=-1).tolist()
 
@@ -52,14 +51,14 @@ def test_argmax_rows_is_torch_argmax(width, threads):
 def test_rows_a_stride_apart_and_what_the_kernel_does_not_take():
     wide = _rows(8, 2 * 49_152, seed=1)
     view = wide[:, 5 : 5 + 49_152]  # rows with a stride of their own (the LM head's rows of a larger batch)
-    assert kernels.argmax_rows(view).tolist() == view.argmax(dim=-1).tolist()
+    assert ops.argmax_rows(view).tolist() == view.argmax(dim=-1).tolist()
     columns = wide.t()[:100]  # (a last dimension that is not contiguous: the reference)
-    assert kernels.argmax_rows(columns).tolist() == columns.argmax(dim=-1).tolist()
+    assert ops.argmax_rows(columns).tolist() == columns.argmax(dim=-1).tolist()
     as_bf16 = _rows(4, 1000, seed=2).bfloat16()
-    assert kernels.argmax_rows(as_bf16).tolist() == as_bf16.argmax(dim=-1).tolist()
-    assert kernels.argmax_rows(torch.zeros(0, 7)).tolist() == []
+    assert ops.argmax_rows(as_bf16).tolist() == as_bf16.argmax(dim=-1).tolist()
+    assert ops.argmax_rows(torch.zeros(0, 7)).tolist() == []
     with pytest.raises(IndexError):
-        kernels.argmax_rows(torch.zeros(2, 0))  # (torch's own error: no values have no largest)
+        ops.argmax_rows(torch.zeros(2, 0))  # (torch's own error: no values have no largest)
 
 
 @pytest.fixture(scope="module")

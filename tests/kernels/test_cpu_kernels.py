@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.torch_ref import attention as ref_attention
-from kernels.torch_ref import layers as ref_layers
+from pagoda.kernels import cpu
+from pagoda.kernels.torch_ref import attention as ref_attention
+from pagoda.kernels.torch_ref import layers as ref_layers
 from tests.kernels.paged_inputs import SHAPES, scatter_to_cache
 
 
@@ -86,7 +86,7 @@ def _fused_qkv(tokens, num_heads, num_kv_heads, head_dim, gen):
 @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 128), (64, 32)])
 def test_rotary_is_bit_identical_to_reference(neox, head_dim, rot_dim):
     gen = torch.Generator().manual_seed(head_dim + rot_dim)
-    from engine_core.layers.rotary import RotaryEmbedding
+    from pagoda.engine_core.layers.rotary import RotaryEmbedding
 
     cos_sin = RotaryEmbedding(rot_dim, 512, 10000.0).cos_sin_cache
     q, k, _ = _fused_qkv(7, 6, 2, head_dim, gen)
@@ -218,7 +218,7 @@ def test_decode_attention_reads_no_byte_past_a_float16_cache_that_ends_at_an_unm
 
     code = """
 import ctypes, mmap, torch
-from kernels import cpu
+from pagoda.kernels import cpu
 page = mmap.PAGESIZE
 buffer = mmap.mmap(-1, 3 * page)
 base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
@@ -232,7 +232,7 @@ cache.normal_()
 table = torch.tensor([[blocks - 1]])  # the last block, up to its last row
 q = torch.randn(1, 2, 40)
 out = cpu.paged_decode_attention(q, cache, cache, table, torch.tensor([16]), 0.15)
-ref = __import__("kernels.torch_ref.attention", fromlist=["x"]).paged_decode_attention(
+ref = __import__("pagoda.kernels.torch_ref.attention", fromlist=["x"]).paged_decode_attention(
     q, cache, cache, table, torch.tensor([16]), 0.15)
 torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
 print("ok")

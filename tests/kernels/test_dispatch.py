@@ -9,31 +9,31 @@ import inspect
 import pytest
 import torch
 
-import kernels
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.kernels import ops
 from tests import tiny_models
 from tests.helpers import run_engine
 
 pytest.importorskip("triton")
 
-NAMES = sorted(kernels._TORCH)
-CUDA_NAMES = sorted(set(kernels._TORCH) - kernels._CPU_ONLY)
+NAMES = sorted(ops._TORCH)
+CUDA_NAMES = sorted(set(ops._TORCH) - ops._CPU_ONLY)
 
 
 @pytest.mark.parametrize("name", CUDA_NAMES)
 def test_cuda_kernel_has_the_reference_signature(name):
     """Each op's CUDA kernel is Triton's, or torch's own where it has a better one (FP8 GEMMs)."""
-    cuda_fn, reference = kernels._resolve.__wrapped__(name, "cuda"), kernels._TORCH[name]
-    assert cuda_fn.__module__.startswith("kernels.triton.") or cuda_fn is kernels._CUDA_NATIVE.get(name)
+    cuda_fn, reference = ops._resolve.__wrapped__(name, "cuda"), ops._TORCH[name]
+    assert cuda_fn.__module__.startswith("pagoda.kernels.triton.") or cuda_fn is ops._CUDA_NATIVE.get(name)
     assert cuda_fn is not reference
     assert list(inspect.signature(cuda_fn).parameters) == list(inspect.signature(reference).parameters)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_cpu_tensors_never_reach_triton(name):
-    assert not kernels.implementation(name, torch.device("cpu")).__module__.startswith("kernels.triton")
+    assert not ops.implementation(name, torch.device("cpu")).__module__.startswith("pagoda.kernels.triton")
 
 
 @pytest.fixture
@@ -52,11 +52,11 @@ def test_model_on_triton_kernels_gives_the_torch_tokens(tiny_model, monkeypatch)
     config = EngineConfig(model=str(tiny_model), max_num_batched_tokens=40, num_kv_blocks=48, max_model_len=256)
     expected = run_engine(EngineCore(config), prompts, params)
 
-    on_cpu = kernels.implementation  # (the CPU-only ops, the float32 panel linear, stay where they are)
+    on_cpu = ops.implementation  # (the CPU-only ops, the float32 panel linear, stay where they are)
     monkeypatch.setattr(
-        kernels,
+        ops,
         "implementation",
-        lambda name, device: on_cpu(name, device) if name in kernels._CPU_ONLY else kernels._triton(name),
+        lambda name, device: on_cpu(name, device) if name in ops._CPU_ONLY else ops._triton(name),
     )
     assert run_engine(EngineCore(config), prompts, params) == expected
     engine = EngineCore(config)
@@ -64,7 +64,7 @@ def test_model_on_triton_kernels_gives_the_torch_tokens(tiny_model, monkeypatch)
     assert run_engine(engine, prompts, params) == expected
 
 
-@pytest.mark.parametrize("name", sorted(kernels._CPU_ONLY))
+@pytest.mark.parametrize("name", sorted(ops._CPU_ONLY))
 def test_a_cpu_only_op_on_cuda_tensors_is_the_reference(name):
     """No Triton kernel to find: a CUDA tensor gets the torch reference, never an AttributeError."""
-    assert kernels._resolve.__wrapped__(name, "cuda") is kernels._TORCH[name]
+    assert ops._resolve.__wrapped__(name, "cuda") is ops._TORCH[name]

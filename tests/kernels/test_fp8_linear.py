@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import fp8
-from kernels.fp8 import Fp8Weight, quantize_per_channel, quantize_per_token
+from pagoda.kernels import fp8, ops
+from pagoda.kernels.fp8 import Fp8Weight, quantize_per_channel, quantize_per_token
 from tests.kernels.devices import DEVICE, make_generator
 
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -68,8 +67,8 @@ def test_per_channel_quantization_round_trip():
 
 def test_where_fp8_matmuls_run():
     assert not fp8.supported(torch.device("cpu"), torch.bfloat16, 64, 64)
-    assert kernels.implementation("fp8_linear", torch.device("cuda")) is fp8.scaled_mm_linear
-    assert kernels.implementation("fp8_linear", torch.device("cpu")) is fp8.reference_linear
+    assert ops.implementation("fp8_linear", torch.device("cuda")) is fp8.scaled_mm_linear
+    assert ops.implementation("fp8_linear", torch.device("cpu")) is fp8.reference_linear
     if DEVICE == "cuda":
         dev = torch.device("cuda")
         assert not fp8.supported(dev, torch.bfloat16, 64, 72)  # K not a multiple of 16

@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu
+from pagoda.kernels import cpu, ops
 from tests.kernels.paged_inputs import SHAPES, naive_attention, scatter_to_cache
 
 # (keys of the sequence, query rows: its last ones)
@@ -41,7 +40,7 @@ def run(head_dim, block_size, groups, window, sequences, seed=0, cache_dtype=tor
 @pytest.mark.parametrize("head_dim,block_size,groups", SHAPES)
 @pytest.mark.parametrize("window", [None, 20])
 def test_compiled_kernel_matches_naive_over_a_paged_prefix(head_dim, block_size, groups, window):
-    assert cpu.available() and kernels.compiled("paged_prefill_attention", torch.device("cpu"))
+    assert cpu.available() and ops.compiled("paged_prefill_attention", torch.device("cpu"))
     run(head_dim, block_size, groups, window, SEQUENCES)
 
 

@@ -8,10 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
-from engine_core.layers.linear import Linear
-from kernels import cpu
-from kernels.panels import PanelWeight
+from pagoda.engine_core.layers.linear import Linear
+from pagoda.kernels import cpu, ops
+from pagoda.kernels.panels import PanelWeight
 from tests.kernels import isa_variants
 from tests.kernels.linear_checks import assert_close_to_exact, case
 
@@ -32,7 +31,7 @@ def test_packing_round_trips_and_rows_are_the_weights_rows(n, k):
     assert torch.equal(panels.unpack(), w)
     ids = torch.randint(0, n, (3, 5), generator=torch.Generator().manual_seed(1))
     assert torch.equal(panels.rows(ids), w[ids])
-    assert torch.equal(kernels.embedding_rows(panels, ids, torch.float32), w[ids])
+    assert torch.equal(ops.embedding_rows(panels, ids, torch.float32), w[ids])
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -40,8 +39,8 @@ def test_packing_round_trips_and_rows_are_the_weights_rows(n, k):
 def test_matches_float64_at_every_tile_shape(m, n, k):
     w, bias, x = case(n, k, m, m * 1000 + n + k)
     panels = PanelWeight.pack(w)
-    assert_close_to_exact(kernels.panel_linear(x, panels), x, w, None)
-    assert_close_to_exact(kernels.panel_linear(x, panels, bias), x, w, bias)
+    assert_close_to_exact(ops.panel_linear(x, panels), x, w, None)
+    assert_close_to_exact(ops.panel_linear(x, panels, bias), x, w, bias)
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +63,13 @@ def test_a_rows_result_does_not_depend_on_its_batch_or_the_thread_count(m):
     request's tokens do not change with what it is batched with."""
     w, bias, x = case(960, 576, m, 5)
     panels = PanelWeight.pack(w)
-    batch = kernels.panel_linear(x, panels, bias)
-    alone = torch.cat([kernels.panel_linear(x[i : i + 1], panels, bias) for i in range(len(x))])
+    batch = ops.panel_linear(x, panels, bias)
+    alone = torch.cat([ops.panel_linear(x[i : i + 1], panels, bias) for i in range(len(x))])
     assert torch.equal(batch, alone)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(kernels.panel_linear(x, panels, bias), batch)
+        assert torch.equal(ops.panel_linear(x, panels, bias), batch)
     finally:
         torch.set_num_threads(threads)
 
@@ -84,29 +83,29 @@ def test_packed_rows_over_a_long_k(n):
     two two-panel ones in place of a lone panel."""
     w, bias, x = case(n, 3000, 263, 9)
     panels = PanelWeight.pack(w)
-    y = kernels.panel_linear(x, panels, bias)
+    y = ops.panel_linear(x, panels, bias)
     assert_close_to_exact(y, x, w, bias)
-    assert torch.equal(y[250:], kernels.panel_linear(x[250:], panels, bias))
+    assert torch.equal(y[250:], ops.panel_linear(x[250:], panels, bias))
 
 
 def test_inputs_of_any_layout_and_rank():
     w, bias, x = case(100, 96, 12, 6)
     panels = PanelWeight.pack(w)
     strided = torch.randn(96, 12).t()  # not contiguous
-    assert_close_to_exact(kernels.panel_linear(strided, panels, bias), strided, w, bias)
+    assert_close_to_exact(ops.panel_linear(strided, panels, bias), strided, w, bias)
     three_d = x.reshape(3, 4, 96)
-    y = kernels.panel_linear(three_d, panels, bias)
+    y = ops.panel_linear(three_d, panels, bias)
     assert y.shape == (3, 4, 100)
-    assert torch.equal(y.reshape(12, 100), kernels.panel_linear(x, panels, bias))
-    assert kernels.panel_linear(x[:0], panels).shape == (0, 100)
+    assert torch.equal(y.reshape(12, 100), ops.panel_linear(x, panels, bias))
+    assert ops.panel_linear(x[:0], panels).shape == (0, 100)
     with pytest.raises(ValueError, match="95 features"):
-        kernels.panel_linear(x[:, :95], panels)
+        ops.panel_linear(x[:, :95], panels)
 
 
 def test_the_compiled_kernel_is_what_runs():
     """A build failure must not fall back to the (unpacking) reference silently."""
     assert cpu.available(), "the C kernels must build on this machine"
-    assert kernels.compiled("panel_linear", torch.device("cpu"))
+    assert ops.compiled("panel_linear", torch.device("cpu"))
 
 
 def _loaded_linear(n: int, k: int, **kwargs) -> tuple[Linear, torch.Tensor, torch.Tensor]:
@@ -148,5 +147,5 @@ def test_avx2_and_avx512_builds_give_the_same_bits(variant_libraries):
         w, bias, x = case(960, 576, m, 8)
         panels = PanelWeight.pack(w)
         assert torch.equal(
-            cpu._panel_linear(variant_libraries["avx2"], x, panels, bias), kernels.panel_linear(x, panels, bias)
+            cpu._panel_linear(variant_libraries["avx2"], x, panels, bias), ops.panel_linear(x, panels, bias)
         )

@@ -19,9 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels import cpu
-from kernels.quantized import (
+from pagoda.kernels import cpu, ops
+from pagoda.kernels.quantized import (
     PackedWeight,
     dequantize,
     dequantize_original_order,
@@ -196,7 +195,7 @@ IN_FEATURES = [32, 96, 100, 576, 1536]  # 100: padded to 128 in the packed block
 
 
 def _implementations():
-    return {"kernel": kernels.quantized_linear, "reference": reference_linear}
+    return {"kernel": ops.quantized_linear, "reference": reference_linear}
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -231,7 +230,7 @@ def test_int8_path_computes_with_the_rounded_rows(bits, group):
     x = torch.randn(16, 576, generator=gen) * torch.rand(16, 1, generator=gen) * 4
     top = x.abs().amax(dim=1, keepdim=True)
     rounded = torch.round(x * (127.0 / top)) * (top / 127.0)  # float32 throughout, like the kernel
-    y = kernels.quantized_linear(x, packed)
+    y = ops.quantized_linear(x, packed)
     float_part = _int8_bound(x, packed) - (top.double() / 254) * dequantize(packed).double().abs().sum(dim=1)
     _assert_within(y, _exact(rounded, packed), float_part)
 
@@ -279,7 +278,7 @@ def test_non_contiguous_input(m):
     x = wide[:, 96:192]  # rows 288 floats apart
     transposed = torch.randn(96, m, generator=gen).t()  # columns not adjacent
     for inp in (x, transposed):
-        _assert_within(kernels.quantized_linear(inp, packed), _exact(inp, packed), _kernel_bound(inp, packed))
+        _assert_within(ops.quantized_linear(inp, packed), _exact(inp, packed), _kernel_bound(inp, packed))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -294,10 +293,10 @@ def test_threads_split_the_rows_without_changing_a_bit(bits, m):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernels.quantized_linear(x, packed)
+        one = ops.quantized_linear(x, packed)
         torch.set_num_threads(2)
         for _ in range(3):
-            assert torch.equal(kernels.quantized_linear(x, packed), one)
+            assert torch.equal(ops.quantized_linear(x, packed), one)
     finally:
         torch.set_num_threads(threads)
     _assert_within(one, _exact(x, packed), _kernel_bound(x, packed))
@@ -307,20 +306,20 @@ def test_unsupported_activation_dtype_falls_back_to_the_reference():
     gen = torch.Generator().manual_seed(0)
     packed = _weight(20, 64, 4, 32, False, gen)
     x = torch.randn(3, 64, generator=gen, dtype=torch.float64)
-    y = kernels.quantized_linear(x, packed)
+    y = ops.quantized_linear(x, packed)
     assert y.dtype == torch.float64
     assert torch.equal(y, reference_linear(x, packed))
 
 
 def test_empty_input():
     packed = _weight(20, 64, 8, 32, True, torch.Generator().manual_seed(0))
-    assert kernels.quantized_linear(torch.empty(0, 64), packed).shape == (0, 20)
+    assert ops.quantized_linear(torch.empty(0, 64), packed).shape == (0, 20)
 
 
 def test_cpu_dispatch_runs_the_c_kernel():
     """A build failure must not fall back to the reference silently."""
     assert cpu.available(), "the C kernels must build on this machine"
-    assert kernels.implementation("quantized_linear", torch.device("cpu")) is cpu.quantized_linear
+    assert ops.implementation("quantized_linear", torch.device("cpu")) is cpu.quantized_linear
     assert {"quantized_linear_f32", "quantized_dequantize_f32"} <= set(cpu._load() or {})
 
 
@@ -354,5 +353,5 @@ def test_int8_activations_are_opt_in():
     cpu.int8_activations = False
     assert cpu.path(cpu._load(), 16, packed) != "int8"
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(4))
-    alone = torch.cat([kernels.quantized_linear(x[i : i + 1], packed) for i in range(16)])
-    assert torch.allclose(kernels.quantized_linear(x, packed), alone, rtol=1e-5, atol=1e-5)
+    alone = torch.cat([ops.quantized_linear(x[i : i + 1], packed) for i in range(16)])
+    assert torch.allclose(ops.quantized_linear(x, packed), alone, rtol=1e-5, atol=1e-5)

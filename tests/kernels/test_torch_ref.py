@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from kernels.torch_ref import attention as ref_attention
-from kernels.torch_ref import layers
+from pagoda.kernels import ops
+from pagoda.kernels.torch_ref import attention as ref_attention
+from pagoda.kernels.torch_ref import layers
 from tests.kernels.paged_inputs import SHAPES, naive_attention, scatter_to_cache
 
 
@@ -52,12 +52,12 @@ def test_reshape_and_cache_skips_negative_slots():
     kc = torch.zeros(3, 4, 1, 2)
     vc = torch.zeros_like(kc)
     k = torch.ones(3, 1, 2)
-    kernels.reshape_and_cache(k, 2 * k, kc, vc, torch.tensor([5, -1, 8]))
+    ops.reshape_and_cache(k, 2 * k, kc, vc, torch.tensor([5, -1, 8]))
     assert kc.view(-1, 1, 2)[[5, 8]].eq(1).all() and kc.sum() == 4 and vc.sum() == 8
 
 
 def test_rotary_neox_matches_hf_rotate_half_and_gptj_pairs():
-    from engine_core.layers.rotary import RotaryEmbedding
+    from pagoda.engine_core.layers.rotary import RotaryEmbedding
 
     rope = RotaryEmbedding(8, 32, 10000.0)
     pos = torch.tensor([0, 3, 31])

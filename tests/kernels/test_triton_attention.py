@@ -16,8 +16,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.torch_ref import attention as ref
-from kernels.triton import attention as tri
+from pagoda.kernels.torch_ref import attention as ref
+from pagoda.kernels.triton import attention as tri
 from tests.kernels.devices import make_generator
 
 pytestmark = pytest.mark.usefixtures("on_device")

@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.torch_ref import layers as ref
-from kernels.triton import layers as tri
+from pagoda.kernels.torch_ref import layers as ref
+from pagoda.kernels.triton import layers as tri
 from tests.kernels.devices import make_generator
 from tests.kernels.poison import poisoned_empty
 

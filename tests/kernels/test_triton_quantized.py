@@ -24,13 +24,13 @@ pytest.importorskip("triton")
 import triton
 import triton.language as tl
 
-import kernels
-from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
-from engine_core.sampling_params import SamplingParams
-from kernels.quantized import PackedWeight, dequantize, pack
-from kernels.triton import quantized as tri
-from kernels.triton.quantized import _exact_float
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.kernels import ops
+from pagoda.kernels.quantized import PackedWeight, dequantize, pack
+from pagoda.kernels.triton import quantized as tri
+from pagoda.kernels.triton.quantized import _exact_float
 from tests import tiny_models
 from tests.helpers import run_engine
 from tests.kernels.devices import DEVICE, make_generator
@@ -215,9 +215,9 @@ def test_empty_input_and_bad_shapes():
 
 
 def test_cuda_tensors_dispatch_to_this_kernel():
-    """kernels.quantized_linear hands CUDA tensors to this kernel, which takes the reference's arguments."""
-    assert kernels.implementation("quantized_linear", torch.device("cuda")) is tri.quantized_linear
-    reference = kernels._TORCH["quantized_linear"]
+    """ops.quantized_linear hands CUDA tensors to this kernel, which takes the reference's arguments."""
+    assert ops.implementation("quantized_linear", torch.device("cuda")) is tri.quantized_linear
+    reference = ops._TORCH["quantized_linear"]
     assert inspect.signature(tri.quantized_linear).parameters.keys() == inspect.signature(reference).parameters.keys()
 
 
@@ -243,9 +243,9 @@ def test_quantized_model_on_this_kernel_gives_the_cpu_path_tokens(tiny_qwen2, me
     config = EngineConfig(model=str(tiny_qwen2), quantization=method, max_num_batched_tokens=32, num_kv_blocks=32)
     expected = run_engine(EngineCore(config), prompts, params)
 
-    cpu_choice = kernels.implementation
+    cpu_choice = ops.implementation
     monkeypatch.setattr(
-        kernels,
+        ops,
         "implementation",
         lambda name, device: tri.quantized_linear if name == "quantized_linear" else cpu_choice(name, device),
     )

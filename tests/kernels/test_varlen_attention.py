@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from kernels import cpu
-from kernels.torch_ref import attention as ref
+from pagoda.kernels import cpu
+from pagoda.kernels.torch_ref import attention as ref
 
 LENS = [1, 5, 16, 17, 0, 37, 70]
 # (head_dim, num_kv_heads, query heads per kv head)
@@ -99,7 +99,7 @@ def test_a_window_without_causality_is_refused():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_kernel_matches_naive(head_dim, num_kv_heads, group, causal, window, dtype):
     pytest.importorskip("triton")
-    from kernels.triton.varlen_attention import varlen_attention
+    from pagoda.kernels.triton.varlen_attention import varlen_attention
     from tests.kernels.devices import DEVICE
 
     lens = [1, 17, 0, 70, 130]

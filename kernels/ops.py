@@ -1,9 +1,10 @@
-"""Kernel dispatch: model code calls these functions; each picks its implementation by device.
+"""Kernel dispatch (`pagoda.kernels.ops`): model code calls these functions; each picks its implementation
+by device.
 
-Every op has a plain torch implementation (`kernels.torch_ref`), the reference in tests and the
-fallback everywhere. On the CPU, ops with a compiled C kernel (`kernels.cpu`) use it when it builds.
+Every op has a plain torch implementation (`pagoda.kernels.torch_ref`), the reference in tests and the
+fallback everywhere. On the CPU, ops with a compiled C kernel (`pagoda.kernels.cpu`) use it when it builds.
 On CUDA every op but the CPU-only ones (`_CPU_ONLY`: the float32 panel linear, whose weights only
-the CPU path packs) has a Triton kernel with the same signature (`kernels.triton`), imported the first
+the CPU path packs) has a Triton kernel with the same signature (`pagoda.kernels.triton`), imported the first
 time a CUDA tensor asks for one, so CPU processes never load Triton; FP8 linears use torch's own CUDA
 kernel instead (`torch._scaled_mm`, kernels/fp8.py). `configure` turns the compiled
 C kernels or Triton off (the torch path is then used: the reference the GPU check compares against)
@@ -14,39 +15,20 @@ environment.py), since this package reads no environment of its own.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from kernels import fp8 as _fp8
-from kernels import panels as _panels
-from kernels import quantized as _quantized
-from kernels.fp8 import Fp8Weight as Fp8Weight  # (re-exported, like PackedWeight)
-from kernels.panels import PanelWeight as PanelWeight
-from kernels.quantized import PackedWeight as PackedWeight  # (re-exported: the model layers hold one)
-from kernels.torch_ref import attention as _attn
-from kernels.torch_ref import layers as _layers
-from kernels.torch_ref import sampling as _sampling
-
-
-def _refuse_hugging_face_kernels() -> None:
-    """Hugging Face's `kernels` package has this package's import name, and transformers >= 5.25 needs
-    it (and imports it whenever it loads a model config): with both installed, one of them gets the
-    other's module. Say so plainly here rather than let transformers fail on a missing name later."""
-    try:
-        other = importlib.metadata.distribution("kernels")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    raise ImportError(
-        f"Hugging Face's `kernels` package ({other.version}) is installed beside Pagoda, whose kernel package "
-        "has the same import name `kernels`. Pagoda needs transformers < 5.25, which does not need it: "
-        "pip uninstall kernels && pip install 'transformers<5.25'"
-    )
-
-
-_refuse_hugging_face_kernels()
+from pagoda.kernels import fp8 as _fp8
+from pagoda.kernels import panels as _panels
+from pagoda.kernels import quantized as _quantized
+from pagoda.kernels.fp8 import Fp8Weight as Fp8Weight  # (re-exported, like PackedWeight)
+from pagoda.kernels.panels import PanelWeight as PanelWeight
+from pagoda.kernels.quantized import PackedWeight as PackedWeight  # (re-exported: the model layers hold one)
+from pagoda.kernels.torch_ref import attention as _attn
+from pagoda.kernels.torch_ref import layers as _layers
+from pagoda.kernels.torch_ref import sampling as _sampling
 
 _TORCH: dict[str, Callable] = {
     "reshape_and_cache": _attn.reshape_and_cache,
@@ -95,7 +77,7 @@ def configure(
     on the CPU may round their input rows to int8 (from 2 rows on, where that is faster): quicker
     batches, but a request's tokens then depend on what it is batched with. `amx`: the panel linear's
     bulk rows run on Intel's AMX where the CPU has it (kernels/cpu/amx_matmul.c)."""
-    from kernels import cpu
+    from pagoda.kernels import cpu
 
     _enabled["cpu"], _enabled["cuda"] = cpu_kernels, triton
     cpu.int8_activations = int8_activations
@@ -106,7 +88,7 @@ def configure(
 
 
 def _triton(name: str) -> Callable:
-    from kernels.triton import attention, layers, quantized, varlen_attention
+    from pagoda.kernels.triton import attention, layers, quantized, varlen_attention
 
     for module in (attention, varlen_attention, layers, quantized):
         if hasattr(module, name):
@@ -119,7 +101,7 @@ def _resolve(name: str, device_type: str) -> Callable:
     if device_type == "cuda" and _enabled["cuda"] and name not in _CPU_ONLY:
         return _CUDA_NATIVE[name] if name in _CUDA_NATIVE else _triton(name)
     if device_type == "cpu" and name in _CPU_COMPILED and _enabled["cpu"]:
-        from kernels import cpu
+        from pagoda.kernels import cpu
 
         if cpu.available():
             return getattr(cpu, name)
@@ -141,7 +123,7 @@ def bulk_rows_differ(device: torch.device) -> bool:
     kernels/cpu/amx_matmul.c); where they do not, a caller need not tell them apart."""
     if device.type != "cpu" or not compiled("panel_linear", device):
         return False
-    from kernels import cpu
+    from pagoda.kernels import cpu
 
     return cpu.amx_used()
 
