@@ -26,6 +26,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+CODE_FOLDERS = ("api_proc", "detok_proc", "engine_core", "kernels")
+
+
+def import_tree(checkout: Path, where: Path) -> Path:
+    """A directory to put on PYTHONPATH so that `pagoda.*` imports from `checkout`'s four code folders
+    (links pagoda/<folder> -> checkout/<folder>, as the installed package maps them): ahead on sys.path,
+    it wins over the editable install's import hook. Checkouts from before 0.3.0 import their folders by
+    their bare names and need an environment of their own."""
+    if not (checkout / "kernels" / "ops.py").exists():
+        raise ValueError(f"{checkout} predates the pagoda.* import names (0.3.0): it cannot run in this environment")
+    package = where / "pagoda"
+    package.mkdir(parents=True, exist_ok=True)
+    for folder in CODE_FOLDERS:
+        link = package / folder
+        if not link.is_symlink():
+            link.symlink_to(checkout.resolve() / folder, target_is_directory=True)
+    return where
+
+
 def http(
     method: str, url: str, body: bytes | dict | None = None, timeout: float = 60.0, headers: dict | None = None
 ) -> tuple[int, dict | str]:
@@ -98,7 +117,7 @@ class PagodaServer:
         self.runtime_root.mkdir(exist_ok=True)
         env = {**os.environ, "XDG_RUNTIME_DIR": str(self.runtime_root)}
         if source_dir is not None:
-            env["PYTHONPATH"] = str(source_dir)
+            env["PYTHONPATH"] = str(import_tree(source_dir, tmp_path / "source-imports"))
         # A test reads /metrics right after what it counts: a fresh render for every scrape, not the text
         # of up to a second ago (a later --metrics-interval in `extra_args` wins). An older checkout
         # (`source_dir`) may not know the flag.
