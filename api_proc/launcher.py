@@ -237,8 +237,8 @@ def make_runtime_dir() -> str:
 def serve(args) -> int:
     """Run the server until a signal or a failure; the exit status for the shell or systemd."""
     from pagoda.api_proc.engine_replicas import EngineReplicas
+    from pagoda.api_proc.process_settings import api_settings, frontend_limits
     from pagoda.api_proc.sd_notify import SystemdService
-    from pagoda.api_proc.serve_settings import api_settings, frontend_limits
     from pagoda.api_proc.worker import run_api_worker
     from pagoda.detok_proc.server import run_detok
     from pagoda.engine_core.config import engine_config_from_args
