@@ -1,13 +1,19 @@
 # Pagoda: `make serve` starts the server on the default model, `make test` runs the suite.
 # Both set everything up on a fresh machine (a .venv beside this file, the default model in the cache).
+# `make serve` installs what the server runs on and nothing else; `make test`, `make test-fast` and
+# `make lint` add the test and lint extras to the same .venv (docs/install.md: what each costs).
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.pagoda-installed
+# The test and lint extras (Ray, Playwright, schemathesis, sentence-transformers, mypy, ...) on top: a
+# second stamp, so a server's .venv never carries them and a test run adds them once.
+TEST_STAMP := $(VENV)/.pagoda-test-installed
 # torch is pinned for the CPU set-up: this version's CPU wheel is what these machines carry;
-# an unpinned torch would pull a multi-GB CUDA build.
+# an unpinned torch would pull a multi-GB CUDA build. It is installed first, on its own, then named again
+# beside every later install so that no dependency's resolution replaces it.
 TORCH  := torch==2.13.0
 
 .PHONY: install model serve serve-embeddings generate test test-fast lint bench clean quant-tools tool-venvs
@@ -18,8 +24,12 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[test,lint]" "$(TORCH)"
+	$(PIP) install -q -e . "$(TORCH)"
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	$(PIP) install -q -e ".[test,lint]" "$(TORCH)"
+	touch $(TEST_STAMP)
 
 # The quantization tools the tests make real checkpoints with, each in its own venv because each pins
 # other versions of transformers and numpy than .venv (and than each other):
@@ -56,10 +66,10 @@ serve-embeddings: install
 
 # Tests run in a random order (pytest-randomly): PYTEST_FLAGS="-p no:randomly" for file order,
 # "--randomly-seed=N" to repeat one (.ci/run pins one).
-test: install quant-tools
+test: $(TEST_STAMP) model quant-tools
 	$(PY) -m pytest -q $(PYTEST_FLAGS) tests
 
-test-fast: install
+test-fast: $(TEST_STAMP) model
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_FLAGS) tests
 
 # Style and structure: ruff (lint + format), the import layers (import-linter, pyproject.toml), types
@@ -67,7 +77,7 @@ test-fast: install
 # folder names (the import names are pagoda.*). import-linter and mypy read the pagoda.* packages through
 # LINT_TREE, links from pagoda/<name> to each folder: neither follows the editable install's import hook.
 LINT_TREE := $(VENV)/lint-tree
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	@mkdir -p $(LINT_TREE)/pagoda
