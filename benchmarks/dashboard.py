@@ -20,7 +20,7 @@ import msgspec
 
 from pagoda.detok_proc.dashboard import TIMELINE_REQUESTS
 from pagoda.detok_proc.metrics import DetokMetrics
-from pagoda.detok_proc.requests import SampleState
+from pagoda.detok_proc.sample import SampleState
 from pagoda.engine_core import protocol
 
 

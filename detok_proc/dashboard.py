@@ -19,13 +19,11 @@ import itertools
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from pagoda.detok_proc.requests import SampleState
+from pagoda.detok_proc.sample import SampleState
 
 RATE_SECONDS = 300  # the rate charts' span
 TICK_SECONDS = 1.0  # how often the totals are sampled for the rates

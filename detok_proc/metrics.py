@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,11 +39,9 @@ from prometheus_client.registry import Collector
 
 from pagoda.detok_proc.dashboard import Numbers, RecentActivity, numbers_by_engine
 from pagoda.detok_proc.process_metrics import ProcessesCollector
+from pagoda.detok_proc.sample import SampleState
 from pagoda.engine_core import protocol
 from pagoda.engine_core.pooling.params import TASKS
-
-if TYPE_CHECKING:
-    from pagoda.detok_proc.requests import SampleState
 
 disable_created_metrics()  # no *_created series (as vLLM): they double the output and no dashboard reads them
 
@@ -131,17 +127,6 @@ def buckets_1_2_5(max_value: int) -> list[int]:
                 return buckets
             buckets.append(mantissa * scale)
         scale *= 10
-
-
-@dataclass
-class SampleTiming:
-    """One sample's life as this process saw it (time.monotonic()); kept on its SampleState."""
-
-    arrival: float = field(default_factory=time.monotonic)
-    admitted: float = field(default_factory=time.monotonic)  # tokenized and handed to the engine (made then)
-    first_token: float | None = None
-    last_token: float | None = None
-    queue_time: float | None = None  # seconds, measured by the engine
 
 
 EngineStates = Callable[[], Sequence[tuple[bool, protocol.SchedulerStatsMessage]]]

@@ -1,4 +1,4 @@
-"""Turning a client's GenerateRequest into engine requests, and engine deltas back into text deltas.
+"""Turning a client's GenerateRequest into engine requests (how engine deltas become text deltas: sample.py).
 
 Validation that needs the tokenizer or the engine's limits lives here, so HTTP clients and direct
 ZeroMQ clients get the same checks and the same OpenAI-shaped errors.
@@ -6,14 +6,7 @@ ZeroMQ clients get the same checks and the same OpenAI-shaped errors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
-
-from pagoda.detok_proc.incremental import IncrementalDetokenizer
-from pagoda.detok_proc.metrics import SampleTiming
 from pagoda.detok_proc.prompt_size import PromptTooLong, encode_within
-from pagoda.detok_proc.tracing import SampleTrace
 from pagoda.engine_core import protocol
 from pagoda.engine_core.tokenizer import render_chat
 from pagoda.engine_core.validation import ParamError, check_token_ids
@@ -118,68 +111,3 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
             param,
             "context_length_exceeded",
         )
-
-
-@dataclass
-class SampleState:
-    """One engine request: sample `index` of a client's request."""
-
-    identity: bytes
-    client_request_id: str
-    index: int
-    detokenizer: IncrementalDetokenizer
-    num_prompt_tokens: int
-    stop_token_ids: frozenset[int]
-    logprobs: int | None
-    engine: int = 0  # the engine replica running it (data parallel)
-    prompt: str | None = None  # echo: sent once, with the first delta
-    prompt_tokens: bytes | None = None
-    num_output_tokens: int = 0
-    timing: SampleTiming = field(default_factory=SampleTiming)  # for the metrics (detok_proc/metrics.py)
-    trace: SampleTrace | None = None  # with --otlp-traces-endpoint, for a request that carries a trace context
-
-    def delta(self, delta: protocol.RequestDelta, token_text) -> protocol.GenerateDelta:
-        """The client's view of one engine delta. `token_text(id)` names a token for logprobs."""
-        detok = self.detokenizer
-        self.num_output_tokens += len(delta.new_token_ids)
-        text = detok.add(delta.new_token_ids)
-        finish_reason, stop_reason = delta.finish_reason, None
-        if detok.stopped:
-            finish_reason, stop_reason = protocol.FinishReason.STOP, detok.stop_reason
-        elif finish_reason is not None:
-            text += detok.flush()
-            last = delta.new_token_ids[-1] if delta.new_token_ids else None
-            if finish_reason is protocol.FinishReason.STOP and last in self.stop_token_ids:
-                stop_reason = last
-        out = protocol.GenerateDelta(
-            request_id=self.client_request_id,
-            index=self.index,
-            text=text,
-            tokens=protocol.pack_tokens(delta.new_token_ids),
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_output_tokens=self.num_output_tokens,
-            num_cached_tokens=delta.num_cached_tokens,
-            finish_reason=finish_reason,
-            stop_reason=stop_reason,
-        )
-        if self.logprobs is not None:
-            out.logprobs = []
-            for packed in delta.new_logprobs:
-                token = packed.sampled_and_top()
-                out.logprobs.append(
-                    protocol.TokenLogprob(
-                        token_text(token.token_id),
-                        token.token_id,
-                        token.logprob,
-                        [(token_text(tid), tid, lp) for tid, lp in zip(token.top_ids, token.top_logprobs, strict=True)],
-                    )
-                )
-        if delta.prompt_logprobs is not None:  # each distinct token id decoded once (and cached)
-            packed = delta.prompt_logprobs
-            distinct = np.unique(np.append(packed.arrays()[0], packed.first_token)).tolist()
-            texts = {token_id: token_text(token_id) for token_id in distinct}
-            out.prompt_logprobs = protocol.DecodedPromptLogprobs(packed, texts)
-        if self.prompt is not None or self.prompt_tokens is not None:
-            out.prompt, out.prompt_tokens = self.prompt, self.prompt_tokens
-            self.prompt = self.prompt_tokens = None
-        return out

@@ -38,8 +38,9 @@ from pagoda.detok_proc.metrics import DetokMetrics
 from pagoda.detok_proc.metrics_cache import DEFAULT_INTERVAL, MetricsCache
 from pagoda.detok_proc.pooling import PoolingFrontend
 from pagoda.detok_proc.replicas import EngineReplica
-from pagoda.detok_proc.requests import RequestInvalid, SampleState, check_context, check_request_options
+from pagoda.detok_proc.requests import RequestInvalid, check_context, check_request_options
 from pagoda.detok_proc.routing import Router
+from pagoda.detok_proc.sample import SampleState
 from pagoda.detok_proc.tokenizing import PromptTokenizer
 from pagoda.detok_proc.tracing import RequestTracing
 from pagoda.engine_core import protocol

@@ -23,13 +23,10 @@ The SDK and exporter are the optional extra `pagoda-llm[otel]`; without them the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pagoda.detok_proc.sample import SampleState, SampleTrace
 from pagoda.engine_core import protocol
-
-if TYPE_CHECKING:
-    from pagoda.detok_proc.requests import SampleState
 
 TRACES_PATH = "/v1/traces"
 EXPORT_TIMEOUT_S = 5.0  # one export's limit: an unreachable collector never holds a process up longer
@@ -105,18 +102,6 @@ class Tracer:
     def shutdown(self) -> None:
         """Export what is queued (each export bounded by EXPORT_TIMEOUT_S), then stop."""
         self.provider.shutdown()
-
-
-@dataclass
-class SampleTrace:
-    """What one sample's spans need beyond SampleState.timing (times from the engine, wall clock)."""
-
-    parent: Any  # the request's context (from GenerateRequest.trace_context)
-    model: str
-    first_step: float | None = None  # StepOutputs.timestamp of the step with its first token
-    last_step: float | None = None
-    busy: float = 0.0  # seconds this process spent turning its deltas into text
-    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
 class RequestTracing:

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.detok_proc.dashboard import RATE_SECONDS, TIMELINE_REQUESTS, RecentActivity, TimedValues
 from pagoda.detok_proc.metrics import DetokMetrics
-from pagoda.detok_proc.requests import SampleState
+from pagoda.detok_proc.sample import SampleState
 from pagoda.engine_core import protocol
 
 MODEL = "my-model"

@@ -8,7 +8,7 @@ import os
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.detok_proc.metrics import DetokMetrics, buckets_1_2_5
-from pagoda.detok_proc.requests import SampleState
+from pagoda.detok_proc.sample import SampleState
 from pagoda.engine_core import protocol
 
 MODEL = "my-model"
