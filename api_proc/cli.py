@@ -7,6 +7,8 @@ pagoda generate PROMPT [options]       # the offline engine, one prompt
 pagoda keys DIR                        # CURVE certificates for a tcp:// frontend
 pagoda download-default [--gguf]       # prepare the default model, print its path (or its GGUF file's)
 pagoda download-default --embedding    # the default embedding model (all-MiniLM-L6-v2) instead
+pagoda env [--json]                    # what a bug report needs: versions, machine, kernel picks (env_report.py)
+pagoda --version                       # prints "pagoda <version>" (also -V)
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import asdict
 
 from pagoda.api_proc.bench.cli import add_bench_parser
 from pagoda.api_proc.cli_config import parse_args_with_config
+from pagoda.api_proc.env_report import pagoda_version
 from pagoda.api_proc.router.cli import add_router_parser
 from pagoda.api_proc.serve_settings import add_serve_parser
 from pagoda.engine_core.config import add_engine_args, engine_config_from_args
@@ -113,8 +116,33 @@ def cmd_download_default(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_env_parser(subcommands) -> None:
+    env = subcommands.add_parser(
+        "env",
+        help="print what a bug report needs: versions, OS, CPU, compiler, GPUs, the kernels picked here",
+        description="Print what a bug report needs: Pagoda's version and installation, the OS, Python, CPU and "
+        "its instruction sets, the C compiler, library versions, GPUs, and which kernel the engine picks "
+        "for each op on this machine (building the C kernels if they are not yet built). Paste it into the issue.",
+    )
+    env.add_argument("--json", action="store_true", help="one JSON object instead of text, for tools")
+    env.set_defaults(func=cmd_env)
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import json
+
+    from pagoda.api_proc.env_report import gather, render_text
+
+    report = gather()
+    print(json.dumps(report, indent=2) if args.json else render_text(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Pagoda LLM inference engine")
+    parser.add_argument(
+        "-V", "--version", action="version", version=f"pagoda {pagoda_version()}", help="print the version and exit"
+    )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     parser.add_argument(
         "--log-format",
@@ -129,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subcommands)
     add_router_parser(subcommands)
     add_download_parser(subcommands)
+    add_env_parser(subcommands)
     return parser
 
 

@@ -108,6 +108,11 @@ def _resolve(name: str, device_type: str) -> Callable:
     return _TORCH[name]
 
 
+def op_names() -> list[str]:
+    """Every op this module dispatches, in the table's order (`pagoda env` lists each one's pick)."""
+    return list(_TORCH)
+
+
 def implementation(name: str, device: torch.device) -> Callable:
     """The function that runs `name` for tensors on `device` (resolved once per device type)."""
     return _resolve(name, device.type)

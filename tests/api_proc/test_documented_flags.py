@@ -17,8 +17,13 @@ GUIDES = {"command-line.md": ("serve", "generate"), "router.md": ("router",)}  #
 FLAG = re.compile(r"`(--[a-z0-9][a-z0-9-]*)")  # `--max-n N`, `--top-p P` / `--top-k K`: every flag a cell names
 
 
+# Flags that print and exit, never a setting: the docs name them in prose, not in the tables of settings.
+PRINT_AND_EXIT = {"--help", "--version"}
+
+
 def _long_flags(parser: argparse.ArgumentParser) -> set[str]:
-    return {flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")} - {"--help"}
+    flags = {flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")}
+    return flags - PRINT_AND_EXIT
 
 
 def real_flags(commands: tuple[str, ...]) -> set[str]:
@@ -47,7 +52,7 @@ def documented_flags(text: str) -> set[str]:
 def test_the_parser_reports_its_flags():
     flags = real_flags(("serve", "generate"))
     assert {"--log-level", "--max-n", "--header-timeout", "--keepalive-timeout", "--top-k", "--model"} <= flags
-    assert "--help" not in flags
+    assert not flags & PRINT_AND_EXIT
     assert {"--backend", "--policy", "--eject-after-failures", "--read-timeout"} <= real_flags(("router",))
 
 
