@@ -18,7 +18,7 @@ the same Q4_1 file and the fp32 weights with the same prompt (n_threads as --thr
 - C int8 / C int4: `ops.quantized_linear` on weights quantized the way `--quantization int8|int4`
   does at load (int8 per channel symmetric; int4 groups of 32 with scale and min); the path the
   kernel takes is printed at the end of the row (fused / batch / int8 activations / tiles, see
-  kernels/cpu/__init__.py);
+  kernels/cpu/quantized_matmul.py);
 - torch int8 / torch int4: torch's own `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` on the same
   integers, where this torch build runs them.
 Each time is the median of many calls, all in one run (the ratios compare within it: the machine is
@@ -94,7 +94,7 @@ def _c_path(bits: int, n: int, k: int, rows: int) -> str:
         return "torch reference"
     weight = torch.zeros(n, k)
     shard = quantize_int8_per_channel(weight) if bits == 8 else quantize_int4_grouped(weight, INT4_GROUP_SIZE)
-    return cpu.path(cpu._load(), rows, pack_shards("path", [shard]))
+    return cpu.path(cpu.load(), rows, pack_shards("path", [shard]))
 
 
 def _torch_int8(shard: QuantizedShard) -> Kernel | None:
@@ -302,7 +302,7 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
     if args.command == "kernels":
-        cpu.int8_activations = args.int8_activations
+        cpu.settings.int8_activations = args.int8_activations
         header = " ".join(f"{m + ' (vs fp32)':>19}" for m in METHODS)
         print(f"{'linear':>11} {'K->N':>18} {'rows':<7}{header}  ({args.threads} threads, medians)")
         results = bench_kernels(args.rows, args.threads, args.seconds, args.working_set << 20)

@@ -80,10 +80,10 @@ def configure(
     from pagoda.kernels import cpu
 
     _enabled["cpu"], _enabled["cuda"] = cpu_kernels, triton
-    cpu.int8_activations = int8_activations
-    cpu.amx = amx
+    cpu.settings.int8_activations = int8_activations
+    cpu.settings.amx = amx
     if build_dir is not None:
-        cpu.build_dir = Path(build_dir)
+        cpu.settings.build_dir = Path(build_dir)
     _resolve.cache_clear()
 
 

@@ -15,7 +15,9 @@ from typing import cast
 
 import torch
 
-from pagoda.kernels import cpu
+from pagoda.kernels.cpu.arguments import as_int64, scratch_buffer
+from pagoda.kernels.cpu.attention import decode_attention_threads
+from pagoda.kernels.cpu.loader import load
 from pagoda.kernels.panels import PanelWeight
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -100,7 +102,7 @@ def _address(lib, name: str) -> int | None:
 
 class FusedDecoder:
     def __init__(self, shape: Shape, layers: list[LayerTensors], cos_sin_cache: torch.Tensor, is_neox: bool = True):
-        lib = cpu._load()
+        lib = load()
         if lib is None:
             raise RuntimeError("the CPU kernels are not available")
         self._lib = lib
@@ -201,17 +203,17 @@ class FusedDecoder:
                 f"hidden states {tuple(hidden.shape)} {hidden.dtype}: want [batch, {self.shape.hidden}] float32"
             )
         positions, slot_mapping, block_tables, seq_lens = (
-            cpu._int64(t) for t in (positions, slot_mapping, block_tables, seq_lens)
+            as_int64(t) for t in (positions, slot_mapping, block_tables, seq_lens)
         )
         if not (positions.numel() == slot_mapping.numel() == seq_lens.numel() == block_tables.shape[0] == batch):
             raise ValueError("positions, slots, block tables and lengths must have one entry per sequence")
         out = hidden.clone(memory_format=torch.contiguous_format)
         stream = torch.empty_like(out) if residual is None else residual.clone(memory_format=torch.contiguous_format)
         threads = torch.get_num_threads()
-        attention_threads = cpu.decode_attention_threads(batch, max_seq_len)
+        attention_threads = decode_attention_threads(batch, max_seq_len)
         max_blocks = block_tables.shape[1]
         scratch_size = cast(Callable[..., int], self._lib["decoder_scratch_floats"])  # (restype int64)
-        scratch = cpu._scratch(scratch_size(ctypes.byref(self._model), batch, max_blocks, attention_threads))
+        scratch = scratch_buffer(scratch_size(ctypes.byref(self._model), batch, max_blocks, attention_threads))
         step = _Step(
             batch=batch,
             max_blocks=max_blocks,

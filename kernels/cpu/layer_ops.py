@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.kernels import cpu
+from pagoda.kernels.cpu.loader import load
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
@@ -19,7 +19,7 @@ def _threads() -> int:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension. Rows of a token may be heads ([T, H, D] with a weight of D, as
     Qwen3's q/k norms): those may be a view with any token stride, as the split of a fused QKV output is."""
-    lib = cpu._load()
+    lib = load()
     n = weight.shape[0]
     if lib is None or not _usable(weight) or x.dtype != torch.float32 or x.shape[-1] != n or x.dim() not in (2, 3):
         from pagoda.kernels.torch_ref.layers import rms_norm as reference
@@ -39,7 +39,7 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), both new tensors."""
-    lib = cpu._load()
+    lib = load()
     if lib is None or not _usable(x, residual, weight) or x.dim() != 2 or x.shape != residual.shape:
         from pagoda.kernels.torch_ref.layers import fused_add_rms_norm as reference
 
@@ -54,7 +54,7 @@ def fused_add_rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`x` `[T, 2I]` holding gate and up halves -> silu(gate) * up `[T, I]`."""
-    lib = cpu._load()
+    lib = load()
     if lib is None or not _usable(x) or x.dim() != 2 or x.shape[1] % 2:
         from pagoda.kernels.torch_ref.layers import silu_and_mul as reference
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.kernels import cpu
+from pagoda.kernels.cpu import loader
 
 
 def _cpu_flags() -> set[str]:
@@ -35,20 +35,20 @@ def variants() -> list[tuple[str, list[str]]]:
 
 
 def build(library: str, directory: Path, extra: list[str]) -> dict:
-    """kernels/cpu/<library>.c built with `extra` flags: its C functions by name, as `cpu._load` has them."""
+    """kernels/cpu/<library>.c built with `extra` flags: its C functions by name, as `loader.load` has them."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         pytest.skip("no C compiler")
     target = directory / f"{library}.so"
-    source = Path(cpu.__file__).parent / f"{library}.c"
-    flags = [*cpu._COMMON_FLAGS, *cpu._LIBRARIES[library], *extra]
+    source = Path(loader.__file__).parent / f"{library}.c"
+    flags = [*loader._COMMON_FLAGS, *loader._LIBRARIES[library], *extra]
     subprocess.run([compiler, *flags, str(source), "-o", str(target), "-lm"], check=True, capture_output=True)
     lib = ctypes.CDLL(str(target))
     functions = {}
-    for symbol, argtypes in cpu._SIGNATURES.items():
+    for symbol, argtypes in loader._SIGNATURES.items():
         if hasattr(lib, symbol):
             fn = getattr(lib, symbol)
-            fn.argtypes, fn.restype = argtypes, cpu._RESULTS.get(symbol)
+            fn.argtypes, fn.restype = argtypes, loader._RESULTS.get(symbol)
             functions[symbol] = fn
     return functions
 

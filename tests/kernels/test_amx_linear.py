@@ -37,7 +37,7 @@ def _panel(x, panels, bias=None):
 def test_the_kernel_runs_where_the_cpu_has_amx():
     """A host with AMX must run it (a build or permission failure would fall back silently)."""
     w, _, x = case(64, 64, 40, 1)
-    lib = cpu._load()
+    lib = cpu.load()
     assert lib is not None
     out = torch.empty(40, 64)
     panels = PanelWeight.pack(w)

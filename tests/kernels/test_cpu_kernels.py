@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagoda.kernels import cpu
+from pagoda.kernels.cpu import attention as cpu_attention
 from pagoda.kernels.torch_ref import attention as ref_attention
 from pagoda.kernels.torch_ref import layers as ref_layers
 from tests.kernels.paged_inputs import SHAPES, scatter_to_cache
@@ -22,7 +23,7 @@ def test_loading_the_kernels_leaves_the_process_floating_point_state_alone():
     import sys
 
     # In a fresh process: once loaded, flush-to-zero would make the smallest normal double / 4 zero.
-    code = "from kernels import cpu; assert cpu.available(); print(2.2250738585072014e-308 / 4 != 0.0)"
+    code = "from pagoda.kernels import cpu; assert cpu.available(); print(2.2250738585072014e-308 / 4 != 0.0)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "True", result.stderr
 
@@ -119,13 +120,14 @@ def test_the_float16_cache_kernels_exist_where_the_cpu_converts_halves():
     has_f16c = " f16c" in open("/proc/cpuinfo").read()  # noqa: SIM115
     if not has_f16c:
         pytest.skip("this CPU has no F16C")
-    lib = cpu._load()
+    lib = cpu.load()
     assert lib is not None and "paged_decode_attention_f16kv" in lib and "reshape_and_cache_f16kv" in lib
+    function_for = cpu_attention._decode_attention_function
     query, cache = torch.zeros(1, 2, 64), torch.zeros(2, 16, 1, 64, dtype=torch.float16)
-    assert cpu._decode_attention_function(lib, query, cache, cache) is lib["paged_decode_attention_f16kv"]
-    assert cpu._decode_attention_function(lib, query, cache, cache.float()) is None  # (K and V differ)
+    assert function_for(lib, query, cache, cache) is lib["paged_decode_attention_f16kv"]
+    assert function_for(lib, query, cache, cache.float()) is None  # (K and V differ)
     narrow = cache[..., :12]
-    assert cpu._decode_attention_function(lib, torch.zeros(1, 2, 12), narrow, narrow) is None  # (head size % 8)
+    assert function_for(lib, torch.zeros(1, 2, 12), narrow, narrow) is None  # (head size % 8)
 
 
 # Widths: SmolLM2's hidden size and half its MLP, a head, and odd ones (the vector loops' scalar tails).

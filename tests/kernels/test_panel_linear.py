@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from pagoda.engine_core.layers.linear import Linear
 from pagoda.kernels import cpu, ops
+from pagoda.kernels.cpu import panel_matmul
 from pagoda.kernels.panels import PanelWeight
 from tests.kernels import isa_variants
 from tests.kernels.linear_checks import assert_close_to_exact, case
@@ -53,7 +54,7 @@ def variant_libraries(tmp_path_factory):
 @pytest.mark.parametrize("n,k", [(17, 7), (100, 1536), (960, 576)])
 def test_other_instruction_sets_match_float64(variant_libraries, variant, m, n, k):
     w, bias, x = case(n, k, m, m * 1000 + n + k + 1)
-    y = cpu._panel_linear(variant_libraries[variant], x, PanelWeight.pack(w), bias)
+    y = panel_matmul._panel_linear(variant_libraries[variant], x, PanelWeight.pack(w), bias)
     assert_close_to_exact(y, x, w, bias)
 
 
@@ -147,5 +148,5 @@ def test_avx2_and_avx512_builds_give_the_same_bits(variant_libraries):
         w, bias, x = case(960, 576, m, 8)
         panels = PanelWeight.pack(w)
         assert torch.equal(
-            cpu._panel_linear(variant_libraries["avx2"], x, panels, bias), ops.panel_linear(x, panels, bias)
+            panel_matmul._panel_linear(variant_libraries["avx2"], x, panels, bias), ops.panel_linear(x, panels, bias)
         )

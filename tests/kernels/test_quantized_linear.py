@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pagoda.kernels import cpu, ops
+from pagoda.kernels.cpu import quantized_matmul
 from pagoda.kernels.quantized import (
     PackedWeight,
     dequantize,
@@ -37,9 +38,9 @@ U = 2.0**-24
 @pytest.fixture(autouse=True)
 def int8_activations_allowed():
     """This file checks every path of the kernel, the opt-in int8-activation one included."""
-    cpu.int8_activations = True
+    cpu.settings.int8_activations = True
     yield
-    cpu.int8_activations = False
+    cpu.settings.int8_activations = False
 
 
 def _weight(
@@ -103,7 +104,7 @@ def _int8_bound(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
 def _kernel_bound(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """The bound for the path the C kernel takes on this input."""
     rows = x.reshape(-1, packed.in_features).shape[0]
-    if cpu.path(cpu._load(), rows, packed) == "int8":
+    if cpu.path(cpu.load(), rows, packed) == "int8":
         return _int8_bound(x, packed)
     return _bound(x, packed)
 
@@ -222,7 +223,7 @@ def test_quantized_linear_matches_float64(bits, group, k, m, mins):
 def test_int8_path_computes_with_the_rounded_rows(bits, group):
     """Exactly the x that int8 activations stand for: sx * round(x / sx) per row (rounded to nearest
     even in float32, as the kernel does), against which only float rounding remains."""
-    lib = cpu._load()
+    lib = cpu.load()
     gen = torch.Generator().manual_seed(bits + group)
     packed = _weight(45, 576, bits, group, False, gen)
     if cpu.path(lib, 16, packed) != "int8":
@@ -237,7 +238,7 @@ def test_int8_path_computes_with_the_rounded_rows(bits, group):
 
 def test_every_path_is_tested():
     """The shapes above send work down each path the kernel has on this machine."""
-    lib = cpu._load()
+    lib = cpu.load()
     taken = {
         cpu.path(lib, m, _weight(33, k, bits, group, True, torch.Generator().manual_seed(0)))
         for bits in (4, 8)
@@ -320,7 +321,7 @@ def test_cpu_dispatch_runs_the_c_kernel():
     """A build failure must not fall back to the reference silently."""
     assert cpu.available(), "the C kernels must build on this machine"
     assert ops.implementation("quantized_linear", torch.device("cpu")) is cpu.quantized_linear
-    assert {"quantized_linear_f32", "quantized_dequantize_f32"} <= set(cpu._load() or {})
+    assert {"quantized_linear_f32", "quantized_dequantize_f32"} <= set(cpu.load() or {})
 
 
 # ---- the other instruction sets of the same source --------------------------------------------------
@@ -342,7 +343,7 @@ def test_other_instruction_sets_match_float64(variant_libraries, variant, bits, 
     bias = torch.randn(37, generator=gen)
     x = torch.randn(m, k, generator=gen)
     lib = variant_libraries[variant]
-    y = cpu._quantized_linear(lib, x, packed, bias)
+    y = quantized_matmul._quantized_linear(lib, x, packed, bias)
     bound = _int8_bound(x, packed) if cpu.path(lib, m, packed) == "int8" else _bound(x, packed)
     _assert_within(y, _exact(x, packed, bias), bound + 2 * k * U * bias.abs().double())
 
@@ -350,8 +351,8 @@ def test_other_instruction_sets_match_float64(variant_libraries, variant, bits, 
 def test_int8_activations_are_opt_in():
     """By default a batch keeps float activations, so a row's result does not depend on its batch."""
     packed = _weight(64, 256, 8, -1, True, torch.Generator().manual_seed(3))
-    cpu.int8_activations = False
-    assert cpu.path(cpu._load(), 16, packed) != "int8"
+    cpu.settings.int8_activations = False
+    assert cpu.path(cpu.load(), 16, packed) != "int8"
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(4))
     alone = torch.cat([ops.quantized_linear(x[i : i + 1], packed) for i in range(16)])
     assert torch.allclose(ops.quantized_linear(x, packed), alone, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,171 @@
+"""Building and loading the compiled CPU kernels: C sources built once with the system C compiler and loaded
+with ctypes.
+
+Built on first use into `settings.build_dir` (the engine sets it to `$PAGODA_CACHE/kernels/`; keyed by the
+source, compiler flags and machine), in about a second. Where no compiler works, `available()` is
+False and the torch reference is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_DIR = Path(__file__).parent
+# -mprefer-vector-width=512: where the CPU has AVX-512, GCC's tuning for it (Intel's server cores) still
+# vectorizes loops 256 bits wide, and the kernels' tiles are shaped for 512-bit registers: the prefill
+# attention's 8 x 32 score tile is 16 zmm accumulators, but 32 ymm ones, which spill (a 512-token prompt's
+# attention, 30 layers: 94 -> 47 ms; the whole prefill 468-490 -> 396-403 ms, docs/decode-speed.md).
+# Where there is no AVX-512 it changes nothing; the intrinsics code paths choose their own width anyway.
+_COMMON_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-shared", "-fPIC", "-pthread"]
+# Attention may reassociate sums and use vector expf; the element-wise ops must round exactly like torch.
+# Not `-ffast-math` itself: when it links a shared library, GCC 12 adds crtfastmath.o, whose constructor
+# turns on flush-to-zero for the whole process that loads it (every float in it, torch's and Python's
+# included, then loses its subnormals). These are -ffast-math's code-generation flags without that.
+_FAST_MATH = [
+    "-fno-math-errno",
+    "-ffinite-math-only",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-freciprocal-math",
+    "-fno-rounding-math",
+    "-fcx-limited-range",
+]
+_LIBRARIES = {
+    "paged_attention": [*_FAST_MATH, "-fopenmp"],  # libgomp: torch's own, already loaded
+    "varlen_attention": [*_FAST_MATH, "-fopenmp"],
+    "elementwise": ["-fno-fast-math", "-ffp-contract=off"],
+    "quantized_matmul": ["-fopenmp"],
+    "panel_matmul": ["-fopenmp"],
+    "amx_matmul": ["-fopenmp"],
+    "layer_ops": ["-fopenmp"],
+    "argmax": ["-fopenmp"],
+    "decoder": ["-fopenmp"],  # (calls the others' kernels through pointers: its own flags are its own ops')
+}
+_POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "paged_decode_attention_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],
+    "paged_decode_attention_f16kv": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],  # only where the CPU has F16C
+    "paged_decode_attention_workspace": [_I64] * 3,
+    "varlen_attention_f32": [_POINTER] * 6 + [_I64] * 10 + [_F32, _I64],
+    "varlen_attention_workspace": [_I64] * 3,
+    "paged_prefill_attention_f32": [_POINTER] * 8 + [_I64] * 9 + [_F32, _I64],
+    "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
+    "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
+    "reshape_and_cache_f16kv": [_POINTER] * 5 + [_I64] * 4,
+    "quantized_linear_f32": [_POINTER] * 7 + [_I64] * 11,
+    "quantized_dequantize_f32": [_POINTER] * 4 + [_I64] * 9,
+    "quantized_linear_q8_f32": [_POINTER] * 7 + [_I64] * 10,  # only where the CPU has VNNI
+    "quantized_q8_unit": [],
+    "quantized_q8_workspace": [_I64] * 5,
+    "quantized_batch_workspace": [_I64] * 3,
+    "panel_linear_f32": [_POINTER] * 4 + [_I64] * 4,
+    "amx_linear_f32": [_POINTER] * 4 + [_I64] * 4,
+    "rms_norm_f32": [_POINTER] * 3 + [_I64] * 5 + [_F32, _I64],
+    "add_rms_norm_f32": [_POINTER] * 5 + [_I64] * 2 + [_F32, _I64],
+    "silu_and_mul_f32": [_POINTER] * 2 + [_I64] * 3,
+    "argmax_rows_f32": [_POINTER] * 2 + [_I64] * 4,
+    "decode_layers_f32": [_POINTER, _POINTER, _I64, _POINTER],
+    "decoder_scratch_floats": [_POINTER, _I64, _I64, _I64],
+}
+_RESULTS = {
+    "amx_linear_f32": ctypes.c_int,
+    "varlen_attention_f32": ctypes.c_int,
+    "paged_decode_attention_f16kv": ctypes.c_int,
+    "paged_decode_attention_workspace": _I64,
+    "varlen_attention_workspace": _I64,
+    "paged_prefill_attention_f32": ctypes.c_int,
+    "decoder_scratch_floats": _I64,
+    "quantized_q8_unit": _I64,
+    "quantized_q8_workspace": _I64,
+    "quantized_batch_workspace": _I64,
+}
+
+
+@dataclass
+class Settings:
+    """The switches `pagoda.kernels.ops.configure` sets. One object, read by the op modules at each call, so a
+    change takes effect from the next call on."""
+
+    # Where the libraries are built: a directory per user under the system's temporary directory by default.
+    build_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}")
+    # The quantized linear's "int8" path (quantized_matmul.py) is opt-in: it changes results with the batch a
+    # row is in.
+    int8_activations: bool = False
+    # The panel linear's bulk rows may use AMX (panel_matmul.py).
+    amx: bool = True
+
+
+settings = Settings()
+_lib: dict[str, Callable[..., None]] = {}  # C function name -> the ctypes function
+_failed = False
+
+
+def _build(name: str) -> Path:
+    source_path = _DIR / f"{name}.c"
+    flags = _COMMON_FLAGS + _LIBRARIES[name]
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found")
+    key = hashlib.sha256(  # (another compiler, or CC set to one with other flags, builds its own copy)
+        source_path.read_bytes()
+        + b"".join(header.read_bytes() for header in sorted(_DIR.glob("*.h")))  # (what the sources include)
+        + " ".join([compiler, *flags]).encode()
+        + platform.machine().encode()
+        + _cpu_signature()
+    ).hexdigest()[:16]
+    target = settings.build_dir / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run(
+                [compiler, *flags, str(source_path), "-o", str(built), "-lm"], check=True, capture_output=True
+            )
+            built.rename(target)  # atomic: concurrent builders never load a half-written library
+    return target
+
+
+def _cpu_signature() -> bytes:
+    try:
+        return next(
+            (line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), ""
+        ).encode()
+    except OSError:
+        return b""
+
+
+def load() -> dict[str, Callable[..., None]] | None:
+    """Every C function by name, or None (after one warning) if the libraries cannot be built."""
+    global _failed
+    if not _lib and not _failed:
+        try:
+            functions = {}
+            for name in _LIBRARIES:
+                lib = ctypes.CDLL(str(_build(name)))
+                for symbol, argtypes in _SIGNATURES.items():
+                    if hasattr(lib, symbol):
+                        fn = getattr(lib, symbol)
+                        fn.argtypes, fn.restype = argtypes, _RESULTS.get(symbol)
+                        functions[symbol] = fn
+            _lib.update(functions)
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+            _failed = True
+            logger.warning("CPU kernels unavailable (%s); using the torch reference", exc)
+    return _lib or None
+
+
+def available() -> bool:
+    return load() is not None

@@ -1,0 +1,186 @@
+"""Linears with quantized weights on the CPU (kernels/cpu/quantized_matmul.c): float32 activations times
+`pagoda.kernels.quantized.PackedWeight`, by one of four paths chosen by the number of input rows."""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.kernels.cpu.arguments import THREADED_WORK, scratch_buffer
+from pagoda.kernels.cpu.loader import load, settings
+from pagoda.kernels.quantized import PackedWeight, reference_linear
+
+# Which way a quantized linear runs (`path`), by its number of input rows M; crossovers measured on
+# SmolLM2's shapes (one thread, against each other and fp32 in the same run), the C paths described in
+# quantized_matmul.c:
+# - "fused" (1-2 rows; 8-bit: 1-3): every weight block widened in registers once per tile of input
+#   rows, scales applied per group; 2-2.6x the fp32 matmul at one row (it reads 1/4-1/8 of the bytes);
+# - "batch" (batched decode, from _BATCH_ROWS): register tiles of 6 input rows x 3 weight rows, each
+#   weight vector widened and scaled in registers once for the tile's input rows. At 8-16 rows, 1.0-1.3x
+#   fp32 for 8-bit weights (per channel: scaled once per output) and 0.95-1.15x for 4-bit groups of 32;
+#   up to 64-128 rows it still beats dequantizing for oneDNN;
+# - "int8" (where the CPU has VNNI and `settings.int8_activations` is on), from 2 rows on: input rows quantized
+#   to int8 per row, integer dot products. 8-bit weights: 1.5-2.5x the fp32 matmul's speed here at any
+#   row count. 4-bit weights in groups of 128 columns: ~1.4x the float path at any row count; in groups
+#   of 64: ~1.1-1.3x below _INT4_G64_ROWS, slower beyond (the per-group float work eats the gain); other
+#   groups: float. One row (single-stream decode) always keeps float activations. (These ratios were
+#   measured against the float path before "batch" replaced its dequantized strips, which were
+#   1.1-1.3x slower than "batch" at 8-16 rows.);
+# - "tiles" (prefill, from _ONEDNN_ROWS): _TILE_FLOATS of dequantized weight at a time, multiplied by
+#   oneDNN (this machine's fastest float32 matmul, 2x MKL's here) into the output columns of that tile:
+#   its cache blocking wins once the input rows no longer fit the caches beside the weight tile.
+_BATCH_ROWS = {4: 3, 8: 4}
+_INT4_G64_ROWS = 32  # 4-bit weights in 64-column groups: from here on, the float paths are faster
+_ONEDNN_ROWS = {4: 128, 8: 256}
+_TILE_FLOATS = 1 << 17  # 512 KiB of dequantized weight per oneDNN tile
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_tile = torch.empty(0)
+_q8_units: dict[int, int] = {}  # columns per integer vector, by library
+
+
+def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `pagoda.kernels.quantized.reference_linear` (float32 activations on the CPU)."""
+    lib = load()
+    if (
+        lib is None
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or packed.data.device.type != "cpu"
+        or (bias is not None and bias.dtype != torch.float32)
+    ):
+        return reference_linear(x, packed, bias)
+    return _quantized_linear(lib, x, packed, bias)
+
+
+def path(lib, rows: int, packed: PackedWeight) -> str:
+    """How `rows` input rows go through `packed` with `lib`: "fused", "batch", "int8" or "tiles"."""
+    if rows >= 2 and _int8_activations_pay(lib, rows, packed):
+        return "int8"
+    if rows >= _ONEDNN_ROWS[packed.bits]:
+        return "tiles"
+    return "fused" if rows < _BATCH_ROWS[packed.bits] else "batch"
+
+
+def _int8_activations_pay(lib, rows: int, packed: PackedWeight) -> bool:
+    if not settings.int8_activations:
+        return False
+    key = id(lib["quantized_linear_f32"])
+    if key not in _q8_units:  # (a library built without VNNI has no integer path)
+        _q8_units[key] = lib["quantized_q8_unit"]() if "quantized_q8_unit" in lib else 0
+    unit = _q8_units[key]
+    if not unit:
+        return False
+    if packed.bits == 8:  # one group per row, or groups of whole vectors
+        return (
+            packed.group_size % unit == 0
+            and packed.padded_in_features % unit == 0
+            and (packed.num_groups == 1 or packed.group_size >= 2 * unit)
+        )
+    return packed.group_size % 128 == 0 or (packed.group_size % 64 == 0 and rows < _INT4_G64_ROWS)
+
+
+def _mins_f32(packed: PackedWeight) -> int:
+    """The C kernels read raw pointers to `pagoda.kernels.quantized.pack`'s layout: contiguous float16 scales,
+    and mins contiguous in float16 or float32 (this flag tells them which). Checked on every call, cheaply:
+    the C code would read anything else as garbage."""
+    scales, mins = packed.scales, packed.mins
+    if (
+        scales.dtype != torch.float16
+        or not scales.is_contiguous()
+        or (mins is not None and (mins.dtype not in (torch.float16, torch.float32) or not mins.is_contiguous()))
+    ):
+        raise ValueError(
+            f"packed scales {scales.dtype} / mins {None if mins is None else mins.dtype}: the CPU kernel takes "
+            "contiguous float16 scales and float16 or float32 mins (build packed weights with "
+            "pagoda.kernels.quantized.pack)"
+        )
+    return int(mins is not None and mins.dtype == torch.float32)
+
+
+def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    mins_f32 = _mins_f32(packed)
+    k, kp, n = packed.in_features, packed.padded_in_features, packed.out_features
+    if packed.perm is not None:
+        x = x.index_select(-1, packed.perm)
+    rows = x.reshape(-1, k)
+    if kp != k:  # the kernels read whole 32-column blocks: the padding columns must be zero
+        rows = torch.nn.functional.pad(rows, (0, kp - k))
+    elif rows.stride(-1) != 1 or rows.stride(0) < kp:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    bias = None if bias is None else bias.contiguous()
+    if m == 0:
+        return out.reshape(*x.shape[:-1], n)
+    way = path(lib, m, packed)
+    if way == "tiles":
+        _tiled_matmul(lib, rows, packed, bias, out, mins_f32)
+        return out.reshape(*x.shape[:-1], n)
+    threads = torch.get_num_threads() if m * n * kp >= THREADED_WORK else 1
+    weight = [
+        packed.data.data_ptr(),
+        packed.scales.data_ptr(),
+        0 if packed.mins is None else packed.mins.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+    ]
+    sizes = [m, n, kp, packed.num_groups, packed.group_size, packed.bits, rows.stride(0), n]
+    if way == "int8":  # workspace: per-row scales, per-group sums, then the int8 rows
+        workspace = scratch_buffer(
+            lib["quantized_q8_workspace"](m, kp, packed.num_groups, packed.group_size, packed.bits, threads)
+        )
+        lib["quantized_linear_q8_f32"](
+            rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, threads, mins_f32
+        )
+    else:
+        batched = int(way == "batch")
+        if batched:  # workspace: each thread's output buffer and its chunk's scales and offsets
+            workspace = scratch_buffer(lib["quantized_batch_workspace"](m, packed.num_groups, threads))
+        else:  # workspace: the group sums of x
+            workspace = scratch_buffer(m * packed.num_groups)
+        lib["quantized_linear_f32"](
+            rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, batched, threads, mins_f32
+        )
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _matmul_rows(count: int) -> int:
+    """Rows a oneDNN matmul runs at: oneDNN builds and caches a primitive (megabytes each) per shape,
+    so row counts are rounded to few sizes, as engine_core/layers/linear.py's `onednn_rows` does for the
+    float32 linears (the padding rows are zeros, their outputs dropped)."""
+    return -(-count // 8) * 8 if count <= 128 else -(-count // 64) * 64
+
+
+def _tiled_matmul(lib, rows: torch.Tensor, packed: PackedWeight, bias, out: torch.Tensor, mins_f32: int) -> None:
+    """out = rows W^T (+ bias), one tile of dequantized weight rows at a time (never all of W)."""
+    global _tile
+    kp, n, m = packed.padded_in_features, packed.out_features, rows.shape[0]
+    step = max(16, _TILE_FLOATS // kp // 16 * 16)
+    if _tile.numel() < step * kp:
+        _tile = torch.empty(step * kp, dtype=torch.float32)
+    if _ONEDNN and _matmul_rows(m) != m:
+        rows = torch.nn.functional.pad(rows, (0, 0, 0, _matmul_rows(m) - m))
+    threads = torch.get_num_threads()
+    for start in range(0, n, step):
+        stop = min(start + step, n)
+        w = _tile[: (stop - start) * kp].view(stop - start, kp)
+        lib["quantized_dequantize_f32"](
+            packed.data.data_ptr(),
+            packed.scales.data_ptr(),
+            0 if packed.mins is None else packed.mins.data_ptr(),
+            w.data_ptr(),
+            n,
+            kp,
+            packed.num_groups,
+            packed.group_size,
+            packed.bits,
+            start,
+            stop,
+            threads,
+            mins_f32,
+        )
+        b = None if bias is None else bias[start:stop]
+        if _ONEDNN:
+            out[:, start:stop] = torch.ops.mkldnn._linear_pointwise(rows, w, b, "none", [], "")[:m]
+        elif b is None:
+            torch.mm(rows, w.t(), out=out[:, start:stop])
+        else:
+            torch.addmm(b, rows, w.t(), out=out[:, start:stop])
