@@ -118,7 +118,7 @@ def _build(name: str) -> Path:
     flags = _COMMON_FLAGS + _LIBRARIES[name]
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise RuntimeError("no C compiler found")
+        raise RuntimeError("no C compiler found: CC is not set, and neither cc nor gcc is on PATH")
     key = hashlib.sha256(  # (another compiler, or CC set to one with other flags, builds its own copy)
         source_path.read_bytes()
         + b"".join(header.read_bytes() for header in sorted(_DIR.glob("*.h")))  # (what the sources include)
@@ -163,8 +163,24 @@ def load() -> dict[str, Callable[..., None]] | None:
             _lib.update(functions)
         except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
             _failed = True
-            logger.warning("CPU kernels unavailable (%s); using the torch reference", exc)
+            # One line, once per process (`_failed`): a server without a compiler works, only slower, and
+            # its operator needs the cause and the fix, not a line per library or per call.
+            logger.warning(
+                "C kernels unavailable (%s): running on the torch reference kernels, which are slower. To fix: "
+                "install a C compiler (gcc; on Debian or Ubuntu `apt-get install build-essential`) or set CC to one",
+                _why(exc),
+            )
     return _lib or None
+
+
+def _why(exc: Exception) -> str:
+    """The cause in a few words: for a failed compile, the compiler's last line of errors rather than its
+    whole command line."""
+    if isinstance(exc, subprocess.CalledProcessError):
+        stderr = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        return f"{exc.cmd[0]} failed{': ' + lines[-1] if lines else ''}"
+    return str(exc)
 
 
 def available() -> bool:
