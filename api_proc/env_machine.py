@@ -115,8 +115,9 @@ def _physical_cores(entries: list[dict[str, str]]) -> str:
 
 
 def compiler_section() -> dict[str, str]:
-    # The compiler the C kernels are built with, picked as the kernels/cpu loader picks it.
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    from pagoda.kernels.cpu.loader import compiler as kernels_compiler  # (imports torch: only when asked)
+
+    compiler = kernels_compiler()
     if compiler is None:
         return {"path": "not found (no CC, cc or gcc): the C kernels cannot be built"}
     return {

@@ -113,16 +113,21 @@ _lib: dict[str, Callable[..., None]] = {}  # C function name -> the ctypes funct
 _failed = False
 
 
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: $CC, else cc, else gcc on PATH (None: none found)."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _build(name: str) -> Path:
     source_path = _DIR / f"{name}.c"
     flags = _COMMON_FLAGS + _LIBRARIES[name]
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         raise RuntimeError("no C compiler found: CC is not set, and neither cc nor gcc is on PATH")
     key = hashlib.sha256(  # (another compiler, or CC set to one with other flags, builds its own copy)
         source_path.read_bytes()
         + b"".join(header.read_bytes() for header in sorted(_DIR.glob("*.h")))  # (what the sources include)
-        + " ".join([compiler, *flags]).encode()
+        + " ".join([cc, *flags]).encode()
         + platform.machine().encode()
         + _cpu_signature()
     ).hexdigest()[:16]
@@ -131,9 +136,7 @@ def _build(name: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            subprocess.run(
-                [compiler, *flags, str(source_path), "-o", str(built), "-lm"], check=True, capture_output=True
-            )
+            subprocess.run([cc, *flags, str(source_path), "-o", str(built), "-lm"], check=True, capture_output=True)
             built.rename(target)  # atomic: concurrent builders never load a half-written library
     return target
 
