@@ -2,8 +2,9 @@
 engine request per sample (`n`, all to one replica), and the engine's token deltas come back as text deltas
 (incremental detokenization, stop strings) sent to the client in one GenerateOutputs per engine step.
 
-The server (detok_proc/server.py) hands this class what concerns generation: admitted requests, engine
-deltas, aborts and replicas going down; the counterpart of PoolingFrontend (pooling.py) for embeddings.
+The tokenizer process (detok_proc/server.py: intake.py, engine_events.py, ending.py) hands this class
+what concerns generation: admitted requests, engine deltas, aborts and replicas going down; the
+counterpart of PoolingFrontend (pooling.py) for embeddings.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 request each (all to one replica), and their pooled vectors go back in one EmbedResult once every input
 has its own. The packed float32 buffers pass through untouched: nothing here reads a value.
 
-The server (detok_proc/server.py) hands this class what concerns pooling: requests to start, engine
-deltas that carry vectors, aborts, rejections and replicas going down.
+The tokenizer process (detok_proc/server.py: intake.py, generation.py, ending.py) hands this class what
+concerns pooling: requests to start, engine deltas that carry vectors, aborts, rejections and replicas going down.
 """
 
 from __future__ import annotations
