@@ -3,7 +3,7 @@ optionally mixed steps (`--mixed`: a decode batch plus two new prompts, a loaded
 
 Drives a real `EngineCore` on the default SmolLM2 (fp32) in this process and splits each step into:
   schedule      Scheduler.schedule
-  prepare       the rest of ModelRunner.submit: flat numpy inputs (`_prepare`), logits rows
+  prepare       the rest of ModelRunner.submit: flat numpy inputs (`prepare_step`), logits rows
   to device     ModelRunner.to_device (numpy -> tensors, attention metadata)
   forward       the model's forward pass, split by op class (below)
   logits        the LM head (compute_logits)

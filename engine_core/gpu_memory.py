@@ -17,6 +17,7 @@ import torch
 from pagoda.engine_core.request import Request
 from pagoda.engine_core.sampler import SamplingBatch, sample
 from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.step_inputs import StepInputs, prepare_step
 
 logger = logging.getLogger(__name__)
 GiB = 1024**3
@@ -47,14 +48,12 @@ def profile_step(runner, num_tokens: int) -> None:
     (over a temporary cache just big enough), then logits and full sampling for `max_num_seqs` rows.
     Device-agnostic: on the CPU it only proves such a step runs. A pipeline stage runs its own layers
     (the LM head on the first stage)."""
-    from pagoda.engine_core.model_runner import StepInputs, _prepare  # circular at import time
-
     block_size = runner.block_size
     runner.allocate_kv_cache(-(-num_tokens // block_size) + 1)
     request = Request("__profile__", [0] * num_tokens, SamplingParams(max_tokens=1))
     request.block_ids = list(range(1, runner.num_blocks))
     request.num_computed_tokens = num_tokens
-    step: StepInputs = _prepare([request], [num_tokens], block_size)
+    step: StepInputs = prepare_step([request], [num_tokens], block_size)
     with torch.inference_mode():
         activations = None
         if not runner.stage.is_first:  # (a later pipeline stage: what the stage before would hand it)

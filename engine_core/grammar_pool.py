@@ -42,7 +42,7 @@ from pagoda.engine_core.grammar_worker import HEADER, KIND_NAMES, SpecError, rea
 from pagoda.engine_core.structured_limits import COMPILE_TIMEOUT_FLAG
 
 if TYPE_CHECKING:
-    from pagoda.engine_core.structured_output import GrammarBackend
+    from pagoda.engine_core.grammar_backend import GrammarBackend
 
 logger = logging.getLogger(__name__)
 LOAD_NICENESS = 19  # workers started ahead of need import at this priority (see grammar_worker._load)

@@ -15,7 +15,8 @@ if TYPE_CHECKING:  # imported lazily: resolving a model directory must not load 
 
     from pagoda.engine_core.models import PoolingModel
     from pagoda.engine_core.models.llama import LlamaForCausalLM
-    from pagoda.engine_core.parallel.distributed import Stage, TPGroup
+    from pagoda.engine_core.parallel.distributed import TPGroup
+    from pagoda.engine_core.parallel.stage import Stage
     from pagoda.engine_core.quantization.base import QuantizationMethod
 
 # (checkpoint name, shape) -> the slice of it to read; None: all of it (tensor parallel: each rank's shard)
@@ -149,7 +150,8 @@ def _load(build, model_dir, model_cfg, dtype, device, load_format, quantization,
     import torch
 
     from pagoda.engine_core.layers.linear import deferred_weights
-    from pagoda.engine_core.parallel.distributed import SINGLE, WHOLE, building_for
+    from pagoda.engine_core.parallel.distributed import SINGLE, building_for
+    from pagoda.engine_core.parallel.stage import WHOLE
     from pagoda.engine_core.quantization.assembly import LinearAssembler
 
     group, stage = group or SINGLE, stage or WHOLE

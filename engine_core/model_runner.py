@@ -35,8 +35,9 @@ from pagoda.engine_core.kv_prefault import KVPoolPrefault, prefault
 from pagoda.engine_core.layers.attention import AttentionMetadata
 from pagoda.engine_core.loader import load_model, weight_bytes
 from pagoda.engine_core.model_config import ModelConfig
-from pagoda.engine_core.parallel.distributed import SINGLE, WHOLE, TPGroup
+from pagoda.engine_core.parallel.distributed import SINGLE, TPGroup
 from pagoda.engine_core.parallel.pipeline import PipeLink
+from pagoda.engine_core.parallel.stage import WHOLE
 from pagoda.engine_core.prompt_logprobs import PromptLogprobsChunk, compute_prompt_logprobs, row_chunks
 from pagoda.engine_core.protocol import TokenLogprobs
 from pagoda.engine_core.quantization import resolve_method
@@ -44,6 +45,7 @@ from pagoda.engine_core.request import Request
 from pagoda.engine_core.scheduler import SchedulerOutput
 from pagoda.engine_core.speculative.draft_model import DraftModel
 from pagoda.engine_core.speculative.verify import verify
+from pagoda.engine_core.step_inputs import StepInputs, prepare_decode_step, prepare_step
 from pagoda.kernels import ops
 
 logger = logging.getLogger(__name__)
@@ -280,7 +282,7 @@ class ModelRunner:
         requests = [sched.requests[i] for i in order]
         counts = [sched.num_scheduled_tokens[i] for i in order]
         proposals = sched.spec_token_ids
-        step = _prepare(requests, counts, self.block_size, proposals, bulk_requests)
+        step = prepare_step(requests, counts, self.block_size, proposals, bulk_requests)
         sampling = []  # a request samples once its tokens are all computed: at its last row, or at each proposal
         for i, r in enumerate(requests):
             drafts = proposals.get(r.request_id, ())
@@ -342,7 +344,7 @@ class ModelRunner:
         """The draft model's logits [B, V] for one token per request (`token_ids` at `positions`, whose
         K/V it writes into the request's slots, which must exist): one step of proposing."""
         assert self.draft is not None
-        step = _prepare_single(requests, token_ids, positions, self.block_size)
+        step = prepare_decode_step(requests, token_ids, positions, self.block_size)
         hidden = self.draft.model(*self.to_device(step))
         logits = self.draft.model.compute_logits(hidden)
         assert logits is not None
@@ -451,21 +453,6 @@ class ModelRunner:
         return to(step.token_ids), to(step.positions), meta
 
 
-@dataclass
-class StepInputs:
-    """One step's flattened batch on the host (decodes first), before it goes to the device."""
-
-    token_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T]
-    seq_lens: np.ndarray  # [B]
-    block_tables: np.ndarray  # [B, max blocks of any sequence in the step]
-    num_decodes: int
-    query_start_loc: np.ndarray  # [P+1] over the prefill sequences
-    last_token_index: list[int]  # [B] row of each sequence's last token in the flat batch
-    bulk_rows_from: int | None = None  # rows from this one on are long prompts' (see BULK_PROMPT_TOKENS)
-
-
 # Query chunks of at most this many tokens attend as that many decodes (see `_attention_rows`).
 _SHORT_CHUNK_TOKENS = 16
 
@@ -505,70 +492,6 @@ def _bulk(request: Request, count: int) -> bool:
     prompt chunk they fall in.)"""
     start = request.num_computed_tokens - count  # (already advanced by the scheduler)
     return count > 1 and request.num_prompt_tokens >= BULK_PROMPT_TOKENS and start < request.num_prompt_tokens
-
-
-def _prepare(
-    requests: list[Request],
-    counts: list[int],
-    block_size: int,
-    proposals: dict[str, list[int]] | None = None,
-    bulk_requests: int = 0,
-) -> StepInputs:
-    """The step's flat inputs; a request with `proposals` computes them after its last token. The last
-    `bulk_requests` requests' rows are bulk rows."""
-    total = sum(counts)
-    token_ids = np.empty(total, dtype=np.int64)
-    positions = np.empty(total, dtype=np.int64)
-    seq_lens = np.empty(len(requests), dtype=np.int64)
-    max_blocks = max(len(r.block_ids) for r in requests)
-    block_tables = np.zeros((len(requests), max_blocks), dtype=np.int64)
-    offset = 0
-    for i, (request, n) in enumerate(zip(requests, counts, strict=True)):
-        end = request.num_computed_tokens  # already advanced by the scheduler
-        start = end - n
-        drafts = proposals.get(request.request_id) if proposals else None
-        tokens = request.all_token_ids if not drafts else request.all_token_ids + drafts
-        token_ids[offset : offset + n] = tokens[start:end]
-        positions[offset : offset + n] = np.arange(start, end)
-        seq_lens[i] = end
-        block_tables[i, : len(request.block_ids)] = request.block_ids
-        offset += n
-    row_of_token = np.repeat(np.arange(len(requests)), counts)
-    slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
-    first_bulk = len(counts) - bulk_requests
-    num_decodes = sum(1 for n in counts[:first_bulk] if n == 1)  # (they come first; bulk chunks are longer)
-    prefill_counts = np.asarray(counts[num_decodes:], dtype=np.int64)
-    return StepInputs(
-        token_ids,
-        positions,
-        slot_mapping,
-        seq_lens,
-        block_tables,
-        num_decodes,
-        query_start_loc=np.concatenate(([0], np.cumsum(prefill_counts))),
-        last_token_index=(np.cumsum(counts) - 1).tolist(),
-        bulk_rows_from=int(sum(counts[:first_bulk])),
-    )
-
-
-def _prepare_single(requests: list[Request], token_ids: list[int], positions: list[int], block_size: int) -> StepInputs:
-    """The flat inputs of a step that computes one token per request (a batch of decodes)."""
-    max_blocks = max(len(r.block_ids) for r in requests)
-    block_tables = np.zeros((len(requests), max_blocks), dtype=np.int64)
-    for i, request in enumerate(requests):
-        block_tables[i, : len(request.block_ids)] = request.block_ids
-    position = np.asarray(positions, dtype=np.int64)
-    rows = np.arange(len(requests))
-    return StepInputs(
-        np.asarray(token_ids, dtype=np.int64),
-        position,
-        block_tables[rows, position // block_size] * block_size + position % block_size,
-        position + 1,
-        block_tables,
-        num_decodes=len(requests),
-        query_start_loc=np.zeros(1, dtype=np.int64),
-        last_token_index=rows.tolist(),
-    )
 
 
 def _rank_description(group: TPGroup, stage) -> str:

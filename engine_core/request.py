@@ -13,7 +13,7 @@ from pagoda.engine_core.protocol import FinishReason
 from pagoda.engine_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagoda.engine_core.structured_output import RequestGrammar
+    from pagoda.engine_core.grammar_backend import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.engine_core.grammar_backend import RequestGrammar, apply_grammar_bitmask
 from pagoda.engine_core.protocol import TokenLogprobs
 from pagoda.engine_core.request import Request
-from pagoda.engine_core.structured_output import RequestGrammar, apply_grammar_bitmask
 from pagoda.kernels import ops
 
 _NEG_INF = float("-inf")

@@ -11,19 +11,31 @@ small ops are a small share of those steps. docs/decode-speed.md has the measure
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from pagoda.engine_core.environment import fused_decode_disabled
-from pagoda.engine_core.layers.attention import AttentionMetadata
+from pagoda.engine_core.layers.attention import Attention, AttentionMetadata
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.models.llama_layers import LlamaDecoderLayer
+from pagoda.engine_core.parallel.distributed import TPGroup
 from pagoda.kernels import ops
 from pagoda.kernels.cpu.decoder import FusedDecoder, LayerTensors, Shape
 
-if TYPE_CHECKING:
-    from pagoda.engine_core.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-
 logger = logging.getLogger(__name__)
+
+
+class DecoderModel(Protocol):
+    """What the fused path reads of a model: `LlamaForCausalLM` (engine_core/models/llama.py), which holds the
+    `FusedDecodeSeat`."""
+
+    cfg: ModelConfig
+    tp: TPGroup
+
+    def decoder_layers(self) -> list[LlamaDecoderLayer]: ...
+
+    def attention_layers(self) -> list[Attention]: ...
 
 
 class FusedDecodeSeat:
@@ -34,7 +46,7 @@ class FusedDecodeSeat:
         self._decoder: FusedDecoder | None = None
         self._built_for: tuple[int, int] | None = None  # the caches' addresses it was built for
 
-    def decoder_for(self, model: LlamaForCausalLM, meta: object, hidden: torch.Tensor) -> FusedDecoder | None:
+    def decoder_for(self, model: DecoderModel, meta: object, hidden: torch.Tensor) -> FusedDecoder | None:
         """The fused decoder to run this step with, or None for the layer-by-layer forward."""
         if (
             not self.enabled
@@ -55,7 +67,7 @@ class FusedDecodeSeat:
         return self._decoder
 
 
-def _build(model: LlamaForCausalLM) -> FusedDecoder | None:
+def _build(model: DecoderModel) -> FusedDecoder | None:
     if fused_decode_disabled() or model.tp.parallel or not ops.compiled("panel_linear", torch.device("cpu")):
         return None
     layers = model.decoder_layers()

@@ -1,6 +1,7 @@
 """The Llama family: Llama 2/3/3.1, SmolLM2, TinyLlama, Mistral, Qwen2 (QKV bias) and Qwen3 (q/k norm).
 
-They differ only in switches read from the config: QKV bias, per-head q/k RMSNorm, sliding window.
+They differ only in switches read from the config: QKV bias, per-head q/k RMSNorm, sliding window. The decoder
+layer and its parts are engine_core/models/llama_layers.py; this module assembles the model from them.
 
 Under tensor parallel (engine_core/parallel) each layer names its split and the layers do the rest: QKV
 and gate+up are column-parallel (whole heads per rank), the output and down projections row-parallel
@@ -20,106 +21,16 @@ import torch
 from torch import nn
 
 from pagoda.engine_core.layers.attention import Attention, AttentionMetadata, VarlenMetadata
-from pagoda.engine_core.layers.linear import Linear, MergedLinear
+from pagoda.engine_core.layers.linear import Linear
 from pagoda.engine_core.layers.rotary import RotaryEmbedding
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.checkpoint import CheckpointLoading
 from pagoda.engine_core.models.fused_decode import FusedDecodeSeat
+from pagoda.engine_core.models.llama_layers import LlamaDecoderLayer, RMSNorm
 from pagoda.engine_core.parallel.distributed import building_group, building_stage
-from pagoda.engine_core.parallel.sharding import AttentionHeads, Span
+from pagoda.engine_core.parallel.sharding import Span
 from pagoda.engine_core.quantization.assembly import LinearAssembler
 from pagoda.kernels import ops
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype=None):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool, rotary: RotaryEmbedding):
-        super().__init__()
-        self.head_dim = cfg.head_dim
-        q_size, kv_size = cfg.num_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
-        heads = AttentionHeads(cfg.num_heads, cfg.num_kv_heads)
-        self.qkv_proj = MergedLinear(
-            cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias, dtype, parallel="column", heads=heads
-        )
-        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, parallel="row", heads=heads)
-        # This rank's heads (all of them without tensor parallel).
-        self.num_heads, self.num_kv_heads = (size // self.head_dim for size in self.qkv_proj.out_sizes[:2])
-        self.rotary = rotary  # one table shared by every layer
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, cfg.sliding_window)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if qk_norm else None
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        meta: AttentionMetadata | VarlenMetadata,
-        keep: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`keep`: the rows to return (all by default); every row's K/V is still written."""
-        tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden, meta.bulk_rows_from).split(self.qkv_proj.out_sizes, dim=-1)
-        q = q.reshape(tokens, self.num_heads, self.head_dim)
-        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # (both or neither)
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)
-        if keep is not None:
-            out = out[keep]
-        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim), _bulk_after(meta, keep))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype):
-        super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, parallel="column")
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, parallel="row")
-
-    def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, bulk_rows_from)), bulk_rows_from)
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool, rotary: RotaryEmbedding):
-        super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype, qk_norm, rotary)
-        self.mlp = LlamaMLP(cfg, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-    def forward(self, positions, hidden, residual, meta, keep=None):
-        """`keep`: compute only these rows past attention (the model's last layer, when only they are read)."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta, keep)
-        if keep is not None:
-            residual = residual[keep]
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, _bulk_after(meta, keep)), residual
-
-
-def _bulk_after(meta: AttentionMetadata | VarlenMetadata, keep: torch.Tensor | None) -> int | None:
-    """Where the step's bulk rows start among the rows past attention (`keep`'s, or all of them)."""
-    if keep is None:
-        return meta.bulk_rows_from
-    assert isinstance(meta, AttentionMetadata)  # (only its steps keep rows)
-    return meta.bulk_output_rows_from
 
 
 def _head_cost_in_layers(cfg: ModelConfig) -> float:

@@ -21,19 +21,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pagoda.engine_core.parallel.sharding import split_rows
+from pagoda.engine_core.parallel.pipeline import PipeLink
 from pagoda.engine_core.parallel.shm_allreduce import ShmAllReduce
-
-if TYPE_CHECKING:
-    from pagoda.engine_core.parallel.pipeline import PipeLink
+from pagoda.engine_core.parallel.stage import WHOLE, Stage
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits this long for a hung peer (a dead one fails at once)
 
@@ -124,40 +120,6 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-@dataclass(frozen=True)
-class Stage:
-    """Which pipeline stage a process runs: its contiguous share of the model's layers. The first stage
-    also holds the embedding and the LM head (so rank 0 samples without receiving logits); the last the
-    final norm. `WHOLE` is the whole model."""
-
-    index: int = 0
-    count: int = 1
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.count - 1
-
-    def layers(self, num_layers: int, head_cost: float = 0.0) -> range:
-        """This stage's layers. `head_cost`: what the first stage's LM head (and sampling) costs, in
-        layers; the first stage gets that many fewer layers, so that every stage has as much work (a
-        decode step reads every weight once, so the cost of a layer or of the head is its weights). The
-        other stages share the rest evenly (differing by one layer at most); every stage gets one at
-        least."""
-        first = round((num_layers + head_cost) / self.count - head_cost)
-        first = max(1, min(first, num_layers - (self.count - 1)))
-        if self.is_first:
-            return range(first)
-        span = split_rows(num_layers - first, self.index - 1, self.count - 1)
-        return range(first + span.start, first + span.stop)
-
-
-WHOLE = Stage()
-
-
 def init_groups(
     rank: int,
     tensor_parallel_size: int,
@@ -177,8 +139,6 @@ def init_groups(
     address, which the others reach). `shm_paths`: each stage's shared-memory all-reduce file (CPU;
     None for a stage that is not on one machine), whose waits give up once `peers_alive` says a peer
     is gone."""
-    from pagoda.engine_core.parallel.pipeline import PipeLink
-
     world = tensor_parallel_size * pipeline_parallel_size
     timeout = timedelta(seconds=timeout_s)
     store = open_store(store, world, timeout) if isinstance(store, str) else store

@@ -31,7 +31,7 @@ from torch.distributed import Store
 
 from pagoda.engine_core import cpu_binding
 from pagoda.engine_core.config import EngineConfig
-from pagoda.engine_core.model_runner import LogitsRows, StepInputs
+from pagoda.engine_core.model_runner import LogitsRows
 from pagoda.engine_core.parallel import shm_allreduce, step_message
 from pagoda.engine_core.parallel.distributed import DEFAULT_TIMEOUT_S, TPGroup, host_store, init_groups
 from pagoda.engine_core.parallel.pipeline import PipeLink
@@ -39,6 +39,7 @@ from pagoda.engine_core.parallel.ranks import ProcessRanks, WorkerDied, WorkerRa
 from pagoda.engine_core.parallel.shm_ring import RingPeerGone, RingReader, RingSpec, RingWriter
 from pagoda.engine_core.parallel.tcp_feed import TcpFeedWriter
 from pagoda.engine_core.parallel.worker import WorkerSpec
+from pagoda.engine_core.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 __all__ = ["ParallelExecutor", "RingReader", "RingSpec", "WorkerDied"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.engine_core.parallel.distributed import Stage
+from pagoda.engine_core.parallel.stage import Stage
 
 
 class PipeLink:

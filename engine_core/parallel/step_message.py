@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from pagoda.engine_core.model_runner import LogitsRows, StepInputs
+from pagoda.engine_core.model_runner import LogitsRows
+from pagoda.engine_core.step_inputs import StepInputs
 
 _ARRAYS = (
     "token_ids",

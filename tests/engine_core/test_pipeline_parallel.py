@@ -14,7 +14,7 @@ import pytest
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.engine import EngineCore
-from pagoda.engine_core.parallel.distributed import Stage
+from pagoda.engine_core.parallel.stage import Stage
 from pagoda.engine_core.sampling_params import SamplingParams
 from tests.helpers import golden_prompts, greedy_with_first_logprobs
 from tests.parallel_checks import (

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagoda.engine_core.model_runner import BULK_PROMPT_TOKENS, LogitsRows, _layout, _prepare
+from pagoda.engine_core.model_runner import BULK_PROMPT_TOKENS, LogitsRows, _layout
 from pagoda.engine_core.parallel import step_message
 from pagoda.engine_core.request import Request
 from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.step_inputs import prepare_step
 
 BLOCK = 16
 
@@ -40,19 +41,19 @@ def test_decodes_first_long_prompts_last():
     names = [requests[i].request_id for i in order]
     assert names == ["decode", "long-tail", "long-decode", "short-tail", "short-prompt", "long-chunk", "long-two"]
     assert bulk == 2
-    step = _prepare([requests[i] for i in order], [counts[i] for i in order], BLOCK, None, bulk)
+    step = prepare_step([requests[i] for i in order], [counts[i] for i in order], BLOCK, None, bulk)
     assert step.num_decodes == 4
     assert step.bulk_rows_from == 4 + 30
     assert np.diff(step.query_start_loc).tolist() == [30, 64, 2]
     assert len(step.token_ids) == 4 + 30 + 64 + 2
     # where bulk rows would compute as the others do (no AMX), nothing is laid out as bulk
     order, bulk = _layout(requests, counts, bulk_prompts=False)
-    assert bulk == 0 and _prepare([requests[i] for i in order], [counts[i] for i in order], BLOCK).num_decodes == 4
+    assert bulk == 0 and prepare_step([requests[i] for i in order], [counts[i] for i in order], BLOCK).num_decodes == 4
 
 
 def test_other_ranks_receive_where_the_bulk_rows_start():
     requests = [_request("decode", 20, 22, outputs=2), _request("long", BULK_PROMPT_TOKENS, BULK_PROMPT_TOKENS)]
-    step = _prepare(requests, [1, BULK_PROMPT_TOKENS], BLOCK, None, 1)
+    step = prepare_step(requests, [1, BULK_PROMPT_TOKENS], BLOCK, None, 1)
     rows = LogitsRows(np.zeros((0, 2), dtype=np.int64), np.array([0, BULK_PROMPT_TOKENS], dtype=np.int64))
     message = step_message.decode(b"".join(bytes(part) for part in step_message.encode_step(step, rows)))
     assert not isinstance(message, int)

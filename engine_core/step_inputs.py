@@ -1,0 +1,91 @@
+"""One step's flattened batch on the host (`StepInputs`), built from the scheduled requests. The model runner
+sends it to the device; the GPU memory profile (engine_core/gpu_memory.py) builds the largest one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagoda.engine_core.request import Request
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened batch on the host (decodes first), before it goes to the device."""
+
+    token_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    seq_lens: np.ndarray  # [B]
+    block_tables: np.ndarray  # [B, max blocks of any sequence in the step]
+    num_decodes: int
+    query_start_loc: np.ndarray  # [P+1] over the prefill sequences
+    last_token_index: list[int]  # [B] row of each sequence's last token in the flat batch
+    bulk_rows_from: int | None = None  # rows from this one on are long prompts' (model_runner.py's BULK_PROMPT_TOKENS)
+
+
+def prepare_step(
+    requests: list[Request],
+    counts: list[int],
+    block_size: int,
+    proposals: dict[str, list[int]] | None = None,
+    bulk_requests: int = 0,
+) -> StepInputs:
+    """The step's flat inputs; a request with `proposals` computes them after its last token. The last
+    `bulk_requests` requests' rows are bulk rows."""
+    total = sum(counts)
+    token_ids = np.empty(total, dtype=np.int64)
+    positions = np.empty(total, dtype=np.int64)
+    seq_lens = np.empty(len(requests), dtype=np.int64)
+    max_blocks = max(len(r.block_ids) for r in requests)
+    block_tables = np.zeros((len(requests), max_blocks), dtype=np.int64)
+    offset = 0
+    for i, (request, n) in enumerate(zip(requests, counts, strict=True)):
+        end = request.num_computed_tokens  # already advanced by the scheduler
+        start = end - n
+        drafts = proposals.get(request.request_id) if proposals else None
+        tokens = request.all_token_ids if not drafts else request.all_token_ids + drafts
+        token_ids[offset : offset + n] = tokens[start:end]
+        positions[offset : offset + n] = np.arange(start, end)
+        seq_lens[i] = end
+        block_tables[i, : len(request.block_ids)] = request.block_ids
+        offset += n
+    row_of_token = np.repeat(np.arange(len(requests)), counts)
+    slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    first_bulk = len(counts) - bulk_requests
+    num_decodes = sum(1 for n in counts[:first_bulk] if n == 1)  # (they come first; bulk chunks are longer)
+    prefill_counts = np.asarray(counts[num_decodes:], dtype=np.int64)
+    return StepInputs(
+        token_ids,
+        positions,
+        slot_mapping,
+        seq_lens,
+        block_tables,
+        num_decodes,
+        query_start_loc=np.concatenate(([0], np.cumsum(prefill_counts))),
+        last_token_index=(np.cumsum(counts) - 1).tolist(),
+        bulk_rows_from=int(sum(counts[:first_bulk])),
+    )
+
+
+def prepare_decode_step(
+    requests: list[Request], token_ids: list[int], positions: list[int], block_size: int
+) -> StepInputs:
+    """The flat inputs of a step that computes one token per request (a batch of decodes)."""
+    max_blocks = max(len(r.block_ids) for r in requests)
+    block_tables = np.zeros((len(requests), max_blocks), dtype=np.int64)
+    for i, request in enumerate(requests):
+        block_tables[i, : len(request.block_ids)] = request.block_ids
+    position = np.asarray(positions, dtype=np.int64)
+    rows = np.arange(len(requests))
+    return StepInputs(
+        np.asarray(token_ids, dtype=np.int64),
+        position,
+        block_tables[rows, position // block_size] * block_size + position % block_size,
+        position + 1,
+        block_tables,
+        num_decodes=len(requests),
+        query_start_loc=np.zeros(1, dtype=np.int64),
+        last_token_index=rows.tolist(),
+    )
