@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, for a session lent a GPU machine (docs/gpu.md): Triton kernel tests
+# The GPU check, run on a machine with an NVIDIA GPU (docs/gpu.md): Triton kernel tests
 # compiled for the GPU, kernel timings against torch and the copy-bandwidth roofline, the quantized
 # and FP8 GEMMs' tests and timings (Llama-3-8B linears against bf16 F.linear and the weight-read bound), greedy
 # tokens (CUDA graphs = eager = torch-reference kernels), offline throughput of a random-weight
