@@ -33,7 +33,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -46,7 +45,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 LOAD_NICENESS = 19  # workers started ahead of need import at this priority (see grammar_worker._load)
-_ROOT = str(Path(__file__).resolve().parents[1])  # where `engine_core` is importable from
 
 
 class CompileNotDone(SpecError):
@@ -249,12 +247,10 @@ class GrammarCompilePool:
     def _spawn(self, worker: _Worker, niceness: int) -> None:
         """Start the worker's process and wait until it can compile."""
         backend = self._backend()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))}
         process = subprocess.Popen(
             [sys.executable, "-m", "pagoda.engine_core.grammar_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=env,
         )
         with self._lock:
             worker.process = process
