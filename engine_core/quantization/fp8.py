@@ -1,6 +1,6 @@
 """FP8 (E4M3) weights: `quant_method: fp8` checkpoints, and `--quantization fp8` at load.
 
-Per-tensor and per-channel FP8 weights become `pagoda.kernels.Fp8Weight`s (one scale per output channel). Where
+Per-tensor and per-channel FP8 weights become `pagoda.kernels.fp8.Fp8Weight`s (one scale per output channel). Where
 FP8 matmuls run (CUDA of compute capability 8.9 or newer, bfloat16: kernels/fp8.py `supported`), the
 loader keeps them in FP8 and every linear multiplies on FP8 tensor cores through `torch._scaled_mm`, with
 activations quantized per token: half the weight memory of bfloat16. Elsewhere (the CPU, older GPUs) the
