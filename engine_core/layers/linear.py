@@ -16,7 +16,7 @@ the plain weight:
   (oneDNN applies it as it writes the output): 1.3x faster than MKL on the plain weight at one token
   and up to 2.7x at 16. A tied LM head then keeps its plain weight too, for the embedding lookup.
 
-A quantized linear holds a `PackedWeight` (kernels/quantized.py) (integer weights with group scales) or a
+A quantized linear holds a `PackedWeight` (kernels/quantized.py: integer weights with group scales) or an
 `Fp8Weight` (kernels/fp8.py; FP8 on CUDA) instead (see engine_core/quantization). While a
 quantized model is built (`deferred_weights()`), weights are not allocated: the loader either fills a
 linear's packed weight or, for a layer the checkpoint keeps in full precision, allocates its weight
