@@ -19,7 +19,7 @@ from tests.helpers import run_engine
 pytest.importorskip("triton")
 
 NAMES = sorted(ops._TORCH)
-CUDA_NAMES = sorted(set(ops._TORCH) - ops._CPU_ONLY)
+CUDA_NAMES = sorted(set(ops._TORCH) - ops._CPU_ONLY - ops._REFERENCE_ON_CUDA)
 
 
 @pytest.mark.parametrize("name", CUDA_NAMES)
@@ -29,6 +29,11 @@ def test_cuda_kernel_has_the_reference_signature(name):
     assert cuda_fn.__module__.startswith("pagoda.kernels.triton.") or cuda_fn is ops._CUDA_NATIVE.get(name)
     assert cuda_fn is not reference
     assert list(inspect.signature(cuda_fn).parameters) == list(inspect.signature(reference).parameters)
+
+
+@pytest.mark.parametrize("name", sorted(ops._REFERENCE_ON_CUDA))
+def test_ops_without_a_triton_kernel_run_their_reference_on_cuda(name):
+    assert ops._resolve.__wrapped__(name, "cuda") is ops._TORCH[name]
 
 
 @pytest.mark.parametrize("name", NAMES)
