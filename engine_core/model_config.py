@@ -26,6 +26,16 @@ class ModelConfig:
     o_proj_bias: bool  # the output projection too (Llama with attention_bias; never Qwen2)
     sliding_window: int | None
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    # Mixture of experts (0 experts: a dense model). Qwen2/3-MoE name them `num_experts` (transformers 5 saves
+    # it as `num_local_experts`) and size them `moe_intermediate_size`; Mixtral's are `num_local_experts`,
+    # sized `intermediate_size`, their top-k weights always renormalized.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top-k routing weights are divided by their sum
+    decoder_sparse_step: int = 1  # (with mlp_only_layers: which layers are MoE, see `is_moe_layer`)
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -51,12 +61,47 @@ class ModelConfig:
             rope_theta=float(rope.pop("rope_theta", 10000.0)),
             rope_scaling=rope or None,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
-            o_proj_bias=cfg.get("model_type") != "qwen2" and bool(cfg.get("attention_bias", False)),
+            attention_bias=_attention_bias(cfg),
+            o_proj_bias=cfg.get("model_type") not in ("qwen2", "qwen2_moe") and bool(cfg.get("attention_bias", False)),
             sliding_window=_sliding_window(cfg),
             eos_token_ids=_eos_ids(model_dir, cfg),
+            **_moe_fields(cfg),
             raw=cfg,
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index`'s MLP is the mixture of experts (Hugging Face's rule for Qwen2/3-MoE;
+        every layer of Mixtral), else a dense MLP of `intermediate_size`."""
+        return (
+            self.num_experts > 0 and index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+        )
+
+
+def _moe_fields(cfg: dict) -> dict:
+    # (transformers 5 saves Qwen2/3-MoE's `num_experts` as `num_local_experts` too: its attribute map)
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    if cfg.get("model_type") == "mixtral":
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 2),
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,
+        )
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+    )
 
 
 def _rope_parameters(cfg: dict) -> dict:
@@ -72,9 +117,17 @@ def _rope_parameters(cfg: dict) -> dict:
     return params
 
 
+def _attention_bias(cfg: dict) -> bool:
+    if cfg.get("model_type") == "qwen2_moe":  # (its config names it qkv_bias)
+        return bool(cfg.get("qkv_bias", True))
+    return bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2"))
+
+
 def _sliding_window(cfg: dict) -> int | None:
     window = cfg.get("sliding_window")
-    if cfg.get("model_type") in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if cfg.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get(
+        "use_sliding_window", False
+    ):
         return None
     return int(window) if window else None
 

@@ -4,7 +4,8 @@ all build theirs here, with what they change named at the call).
 
 Every input dimension is a multiple of 128 and the weights are drawn large (initializer_range 0.25), so that
 greedy tokens differ between models that differ. Qwen2's QKV biases are drawn large too, so that they matter;
-Mistral's sliding window (24) is shorter than the longer test prompts.
+Mistral's and Mixtral's sliding window (24) is shorter than the longer test prompts. The MoE models
+(qwen3_moe with one dense layer, qwen2_moe with a shared expert, mixtral) route each token to 2 of 8 experts.
 """
 
 from __future__ import annotations
@@ -44,7 +45,34 @@ ARCHITECTURES = {
     "mistral": (transformers.MistralConfig, dict(sliding_window=24)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),
+    # Mixtures of experts: 8 experts, 2 per token, small experts so the tests run in seconds.
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],  # layer 1 dense (of intermediate_size)
+        ),
+    ),
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=128,
+            norm_topk_prob=False,
+        ),
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, sliding_window=24),
+    ),
 }
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral")  # (the rest are dense)
 
 
 def build(name: str, **overrides) -> transformers.PreTrainedModel:
@@ -54,7 +82,7 @@ def build(name: str, **overrides) -> transformers.PreTrainedModel:
     config = config_cls(**{**COMMON, **extra, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    if name == "qwen2":  # make sure the QKV biases matter
+    if name in ("qwen2", "qwen2_moe"):  # make sure the QKV biases matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)

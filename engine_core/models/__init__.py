@@ -9,6 +9,7 @@ import torch
 from pagoda.engine_core.layers.attention import Attention, VarlenMetadata
 from pagoda.engine_core.models.bert import BertModel
 from pagoda.engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
+from pagoda.engine_core.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagoda.engine_core.pooling.config import ENCODER_ARCHITECTURES
 
 # Every generative architecture is LlamaForCausalLM or a subclass; its methods (forward, compute_logits,
@@ -19,6 +20,10 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Mixture of experts (engine_core/models/moe.py)
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 # Encoders: pooling models only (bidirectional attention, no LM head).
 ENCODER_REGISTRY: dict[str, type[BertModel]] = {"BertModel": BertModel}

@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import Protocol, cast
 
 import torch
 from torch import nn
 
 from pagoda.engine_core.layers.linear import Linear, MergedLinear
 from pagoda.engine_core.quantization.assembly import LinearAssembler
+
+
+class ShardedParameters(Protocol):
+    """A module whose parameters are filled from several checkpoint tensors each (MergedLinear's merged
+    rows; an MoE MLP's stacked experts): `_target` names the shard, `shard` gives its view to copy into."""
+
+    def shard_count(self, param: torch.Tensor) -> int: ...
+
+    def shard(self, index: int, param: torch.Tensor) -> torch.Tensor: ...
+
+
+def _shard_indices(module: object, param: torch.Tensor) -> list[int | None]:
+    if isinstance(module, MergedLinear):
+        return list(range(len(module.out_sizes)))
+    if hasattr(module, "shard_count"):
+        return list(range(cast(ShardedParameters, module).shard_count(param)))
+    return [None]
 
 
 class CheckpointLoading:
@@ -27,12 +44,11 @@ class CheckpointLoading:
         (a quantized model), each linear's tensors but its bias go to it instead."""
         model = cast(nn.Module, self)
         pending: set[tuple[str, int | None]] = set()  # (parameter, merged shard or None) still to fill
-        for name, _ in model.named_parameters():
+        for name, param in model.named_parameters():
             module = model.get_submodule(name.rpartition(".")[0]) if "." in name else None
             if assembler is not None and isinstance(module, Linear) and name.endswith(".weight"):
                 continue  # the assembler checks these
-            shards = range(len(module.out_sizes)) if isinstance(module, MergedLinear) else [None]
-            pending.update((name, shard) for shard in shards)
+            pending.update((name, shard) for shard in _shard_indices(module, param))
         for name, tensor in weights:
             target = self._target(name)
             if target is None:
@@ -51,9 +67,9 @@ class CheckpointLoading:
                 param: torch.Tensor = model.get_parameter(param_name)  # or a merged shard of it, below
             except AttributeError:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
-            if shard is not None:
-                merged = cast(MergedLinear, model.get_submodule(param_name.rpartition(".")[0]))  # (see _target)
-                param = merged.shard(shard, param)
+            if shard is not None:  # (see _target)
+                owner = cast(ShardedParameters, model.get_submodule(param_name.rpartition(".")[0]))
+                param = owner.shard(shard, param)
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
             param.copy_(tensor)

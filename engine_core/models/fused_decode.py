@@ -3,7 +3,8 @@
 A step whose tokens are all single-token decodes (and none a long prompt's bulk rows: their linears are
 the layer-by-layer forward's) runs `cpu.decoder.FusedDecoder` over this
 stage's layers instead of the layer-by-layer forward, when every projection is a float32 panel matmul
-(no quantized weights), there is no tensor parallel (its all-reduces sit between the layers' ops), and
+(no quantized weights), every layer's MLP is dense (a mixture of experts, engine_core/models/moe.py, is
+not), there is no tensor parallel (its all-reduces sit between the layers' ops), and
 `PAGODA_DISABLE_FUSED_DECODE` is not set. Prefill and mixed steps keep the layer-by-layer forward, whose
 small ops are a small share of those steps. docs/decode-speed.md has the measurements.
 """
@@ -18,7 +19,7 @@ import torch
 from pagoda.engine_core.environment import fused_decode_disabled
 from pagoda.engine_core.layers.attention import Attention, AttentionMetadata
 from pagoda.engine_core.model_config import ModelConfig
-from pagoda.engine_core.models.llama_layers import LlamaDecoderLayer
+from pagoda.engine_core.models.llama_layers import LlamaDecoderLayer, LlamaMLP
 from pagoda.engine_core.parallel.distributed import TPGroup
 from pagoda.kernels import ops
 from pagoda.kernels.cpu.decoder import FusedDecoder, LayerTensors, Shape
@@ -94,6 +95,8 @@ def _build(model: DecoderModel) -> FusedDecoder | None:
 
 def _layer_tensors(layer: LlamaDecoderLayer) -> LayerTensors | None:
     attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, LlamaMLP):
+        return None  # (a mixture of experts, engine_core/models/moe.py: the C decoder runs dense MLPs only)
     qkv, o, gate_up, down = (p.panels for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
     if qkv is None or o is None or gate_up is None or down is None:
         return None  # (quantized, or the plain/oneDNN path: the fused path reads panels only)

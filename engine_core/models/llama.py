@@ -26,7 +26,7 @@ from pagoda.engine_core.layers.rotary import RotaryEmbedding
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.checkpoint import CheckpointLoading
 from pagoda.engine_core.models.fused_decode import FusedDecodeSeat
-from pagoda.engine_core.models.llama_layers import LlamaDecoderLayer, RMSNorm
+from pagoda.engine_core.models.llama_layers import LlamaDecoderLayer, LlamaMLP, RMSNorm
 from pagoda.engine_core.parallel.distributed import building_group, building_stage
 from pagoda.engine_core.parallel.sharding import Span
 from pagoda.engine_core.quantization.assembly import LinearAssembler
@@ -38,6 +38,8 @@ def _head_cost_in_layers(cfg: ModelConfig) -> float:
     q_and_o = 2 * cfg.hidden_size * cfg.num_heads * cfg.head_dim
     k_and_v = 2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    if cfg.is_moe:  # (every expert's weights, and a shared expert's)
+        mlp = 3 * cfg.hidden_size * (cfg.num_experts * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size)
     return cfg.vocab_size * cfg.hidden_size / (q_and_o + k_and_v + mlp)
 
 
@@ -82,11 +84,18 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
                 )
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, self.qk_norm, rotary) if i in self.layer_range else MissingLayer()
+            LlamaDecoderLayer(cfg, dtype, self.qk_norm, rotary, self.mlp_for(i, dtype))
+            if i in self.layer_range
+            else MissingLayer()
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if self.stage.is_last else None
         self.fused_decode = FusedDecodeSeat()  # (CPU decode steps: every layer in one C call)
+
+    def mlp_for(self, layer_index: int, dtype: torch.dtype) -> nn.Module:
+        """Layer `layer_index`'s MLP: the seat where a family declares each layer's MLP kind (the MoE
+        families, engine_core/models/moe.py, put a mixture of experts in some or all layers). Dense here."""
+        return LlamaMLP(self.cfg, dtype)
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's layers."""

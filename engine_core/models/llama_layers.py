@@ -67,20 +67,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, dtype, intermediate_size: int | None = None):
+        """`intermediate_size`: the config's by default (another for an MoE model's shared expert)."""
         super().__init__()
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, parallel="column")
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, parallel="row")
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter] * 2, False, dtype, parallel="column")
+        self.down_proj = Linear(inter, cfg.hidden_size, False, dtype, parallel="row")
 
     def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, bulk_rows_from)), bulk_rows_from)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool, rotary: RotaryEmbedding, mlp: nn.Module | None = None):
+        """`mlp`: the layer's MLP, called as mlp(hidden, bulk_rows_from) (the model's `mlp_for` picks it:
+        a mixture of experts in an MoE family); a dense `LlamaMLP` by default."""
         super().__init__()
         self.self_attn = LlamaAttention(cfg, dtype, qk_norm, rotary)
-        self.mlp = LlamaMLP(cfg, dtype)
+        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
