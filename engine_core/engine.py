@@ -142,7 +142,9 @@ class EngineCore:
             config.max_joint_prefill_tokens,
         )
         if self.runner.device.type == "cuda" and not config.enforce_eager:
-            if self.executor is None:
+            if self.model_cfg.is_moe:  # (the fused MoE's expert loop reads the routing on the host)
+                logger.info("CUDA graphs are not used for mixture-of-experts models yet: decode steps run eager")
+            elif self.executor is None:
                 self.runner.enable_decode_graphs(self.max_model_len)
             else:  # (the workers would have to capture the same graphs, collectives included, in step)
                 logger.info("CUDA graphs are not used under tensor or pipeline parallel: decode steps run eager")

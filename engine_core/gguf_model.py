@@ -39,6 +39,13 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),  # q/k/v biases (attn_q.bias, ...)
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),  # q/k norms per head (attn_q_norm, attn_k_norm)
 }
+# Mixture-of-experts GGUFs (llama.cpp's names; Mixtral's say llama, with an expert_count): refused until their
+# expert tensors (ffn_*_exps, stacked per layer) load into engine_core/models/moe.py's stacked weights.
+_MOE_ARCHITECTURES = {"qwen2moe", "qwen3moe", "mixtral"}
+_MOE_REFUSAL = (
+    "mixture-of-experts GGUF files are not supported yet; serve the model's Hugging Face safetensors "
+    "checkpoint instead (Qwen2-MoE, Qwen3-MoE and Mixtral run from those, unquantized)"
+)
 # llama.cpp's converter permutes the rows of q/k for the architectures whose rotary embedding it runs
 # in the interleaved (GPT-J) order; the file must be un-permuted for Hugging Face's rotate-half order.
 # Qwen2/3 use the rotate-half (NeoX) order in llama.cpp too, so their rows are stored as in HF.
@@ -105,6 +112,8 @@ def read_gguf(path: Path) -> GGUFModel:
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
     meta = {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
     arch = meta.get("general.architecture")
+    if arch in _MOE_ARCHITECTURES or meta.get(f"{arch}.expert_count"):
+        raise ValueError(f"{path}: {_MOE_REFUSAL} (GGUF architecture {arch!r})")
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))} "
@@ -209,7 +218,7 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
             f"{path}: rotary frequency factors (rope_freqs.weight, Llama 3.1-style rope scaling) are not supported"
         )
     if meta.get(p + "expert_count"):
-        raise ValueError(f"{path}: mixture-of-experts models are not supported")
+        raise ValueError(f"{path}: {_MOE_REFUSAL}")
     try:
         num_heads = int(meta[p + "attention.head_count"])
         hidden = int(meta[p + "embedding_length"])

@@ -155,6 +155,12 @@ def _load(build, model_dir, model_cfg, dtype, device, load_format, quantization,
     from pagoda.engine_core.quantization.assembly import LinearAssembler
 
     group, stage = group or SINGLE, stage or WHOLE
+    if quantization is not None and getattr(model_cfg, "num_experts", 0):
+        raise ValueError(
+            f"{model_cfg.architecture} is a mixture-of-experts model: quantized weights ({quantization.describe()}: "
+            "--quantization at load, or a quantized checkpoint) are not supported for it yet; serve a float "
+            "checkpoint without --quantization"
+        )
     deferred = deferred_weights() if quantization is not None else contextlib.nullcontext()
     with torch.device(device), deferred, building_for(group, stage):
         model = build(model_cfg, dtype)

@@ -202,7 +202,10 @@ class ModelRunner:
             self,
             min(self.config.max_num_batched_tokens, max_len),
             max_len,
-            capture_graphs=not self.config.enforce_eager and not self.tp.parallel and self.pipe is None,  # (no graphs)
+            capture_graphs=not self.config.enforce_eager
+            and not self.tp.parallel
+            and self.pipe is None
+            and not self.model_cfg.is_moe,  # (no graphs: engine.py)
         )
         budget = profile.kv_cache_bytes(self.config.gpu_memory_utilization)
         if budget < 2 * per_block:

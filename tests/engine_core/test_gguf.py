@@ -115,6 +115,17 @@ def test_an_unsupported_architecture_is_refused(tmp_path, q4_1_reader):
 
 
 @pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [("qwen3moe", {}), ("llama", {"llama.expert_count": (8, GGUFValueType.UINT32)})],  # (Mixtral's say llama)
+)
+def test_a_mixture_of_experts_file_is_refused(tmp_path, q4_1_reader, arch, overrides):
+    overrides = {"general.architecture": (arch, GGUFValueType.STRING), **overrides}
+    path = _small_file(tmp_path / "moe.gguf", q4_1_reader, [("output_norm.weight", np.ones(576), T.F32)], overrides)
+    with pytest.raises(ValueError, match=f"mixture-of-experts GGUF files are not supported yet.*'{arch}'"):
+        resolve_model(str(path))
+
+
+@pytest.mark.parametrize(
     ("flag", "message"),
     [
         ("int4", "already quantized with 'gguf'; --quantization int4 cannot quantize it again"),

@@ -1,0 +1,122 @@
+"""Mixture-of-experts models (engine_core/models/moe.py) beyond greedy-equals-HF (test_tiny_models.py): which
+layers are MoE, how checkpoints load, and what this release refuses with an error naming the limit (tensor
+and pipeline parallel, quantized weights; GGUF MoE files: test_gguf.py; the fused CPU decode step:
+test_fused_decode.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.models import model_class
+from pagoda.engine_core.models.llama_layers import LlamaMLP
+from pagoda.engine_core.models.moe import MoEMLP
+from pagoda.engine_core.parallel.distributed import SINGLE, TPGroup, building_for
+from pagoda.engine_core.parallel.sharding import check_model_splits
+from pagoda.engine_core.parallel.stage import Stage
+from tests import tiny_models
+
+
+def _saved(tmp_path, name, **overrides):
+    model = tiny_models.build(name, **overrides)
+    model.save_pretrained(tmp_path / name)
+    return model, tmp_path / name
+
+
+def test_dense_configs_have_no_experts(tmp_path):
+    _, model_dir = _saved(tmp_path, "qwen3")
+    cfg = ModelConfig.from_dir(model_dir)
+    assert not cfg.is_moe and cfg.num_experts == 0 and not any(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("qwen3_moe", {}),  # mlp_only_layers=[1]
+        ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])),
+        ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2)),
+        ("mixtral", {}),
+    ],
+)
+def test_the_moe_layers_are_hfs(tmp_path, name, overrides):
+    """Each layer's MLP kind (and the config's MoE fields) as HF builds them."""
+    hf_model, model_dir = _saved(tmp_path, name, **overrides)
+    cfg = ModelConfig.from_dir(model_dir)
+    hf_moe = [not hasattr(layer.mlp, "gate_proj") for layer in hf_model.model.layers]
+    with torch.device("meta"):
+        ours = model_class(cfg.architecture)(cfg, torch.float32)
+    assert [isinstance(layer.mlp, MoEMLP) for layer in ours.decoder_layers()] == hf_moe
+    assert [isinstance(layer.mlp, LlamaMLP) for layer in ours.decoder_layers()] == [not m for m in hf_moe]
+    assert cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
+    assert cfg.moe_intermediate_size == 64
+    assert cfg.shared_expert_intermediate_size == (128 if name == "qwen2_moe" else 0)
+    assert cfg.norm_topk_prob == (name != "qwen2_moe")
+
+
+def test_experts_load_into_the_stacked_weights(tmp_path):
+    """Each expert's gate/up rows land in its slice of w13, its down projection in w2: the stacked
+    weights equal HF's (which stacks them the same way)."""
+    hf_model, model_dir = _saved(tmp_path, "mixtral")
+    engine = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
+    layer = engine.runner.model.decoder_layers()[2]
+    hf_experts = hf_model.model.layers[2].mlp.experts
+    assert torch.equal(layer.mlp.w13, hf_experts.gate_up_proj)
+    assert torch.equal(layer.mlp.w2, hf_experts.down_proj)
+
+
+def test_a_missing_expert_tensor_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, model_dir = _saved(tmp_path, "qwen3_moe")
+    weights = load_file(str(model_dir / "model.safetensors"))
+    del weights["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(weights, str(model_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing weights.*layers.2.mlp.w13"):
+        EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_parallel_is_refused_before_any_worker_starts(tmp_path, tp, pp):
+    _, model_dir = _saved(tmp_path, "qwen2_moe")
+    cfg = ModelConfig.from_dir(model_dir)
+    with pytest.raises(ValueError, match="mixture-of-experts model: tensor and pipeline parallel"):
+        check_model_splits(cfg, tp, pp)
+
+
+@pytest.mark.parametrize(
+    ("group", "stage", "limit"),
+    [(TPGroup(0, 2), Stage(), "tensor parallel"), (SINGLE, Stage(0, 2), "pipeline parallel")],
+)
+def test_a_parallel_rank_refuses_to_build_the_model(tmp_path, group, stage, limit):
+    _, model_dir = _saved(tmp_path, "mixtral")
+    cfg = ModelConfig.from_dir(model_dir)
+    with building_for(group, stage), pytest.raises(ValueError, match=f"do not run under {limit} yet"):
+        model_class(cfg.architecture)(cfg, torch.float32)
+
+
+@pytest.mark.parametrize("flag", ["int8", "int4"])
+def test_quantizing_at_load_is_refused(tmp_path, flag):
+    _, model_dir = _saved(tmp_path, "qwen3_moe")
+    with pytest.raises(ValueError, match=r"mixture-of-experts model: quantized weights .* not supported for it yet"):
+        EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16, quantization=flag))
+
+
+def test_a_quantized_checkpoint_is_refused(tmp_path):
+    _, model_dir = _saved(tmp_path, "mixtral")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"mixture-of-experts model: quantized weights \(fp8"):
+        EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
+
+
+def test_qwen_moe_sliding_window_is_refused(tmp_path):
+    """HF slides only some Qwen-MoE layers' attention (its layer_types); ours would slide all."""
+    _, model_dir = _saved(tmp_path, "qwen3_moe", use_sliding_window=True, sliding_window=16)
+    with pytest.raises(ValueError, match="use_sliding_window is not supported"):
+        EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
