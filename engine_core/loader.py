@@ -155,7 +155,7 @@ def _load(build, model_dir, model_cfg, dtype, device, load_format, quantization,
     from pagoda.engine_core.quantization.assembly import LinearAssembler
 
     group, stage = group or SINGLE, stage or WHOLE
-    if quantization is not None and getattr(model_cfg, "num_experts", 0):
+    if quantization is not None and model_cfg.is_moe:
         raise ValueError(
             f"{model_cfg.architecture} is a mixture-of-experts model: quantized weights ({quantization.describe()}: "
             "--quantization at load, or a quantized checkpoint) are not supported for it yet; serve a float "

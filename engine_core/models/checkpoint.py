@@ -44,11 +44,11 @@ class CheckpointLoading:
         (a quantized model), each linear's tensors but its bias go to it instead."""
         model = cast(nn.Module, self)
         pending: set[tuple[str, int | None]] = set()  # (parameter, merged shard or None) still to fill
-        for name, param in model.named_parameters():
+        for name, parameter in model.named_parameters():
             module = model.get_submodule(name.rpartition(".")[0]) if "." in name else None
             if assembler is not None and isinstance(module, Linear) and name.endswith(".weight"):
                 continue  # the assembler checks these
-            pending.update((name, shard) for shard in _shard_indices(module, param))
+            pending.update((name, shard) for shard in _shard_indices(module, parameter))
         for name, tensor in weights:
             target = self._target(name)
             if target is None:
