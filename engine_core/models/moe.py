@@ -96,7 +96,6 @@ class MoEMLP(nn.Module):
 class MoEForCausalLM(LlamaForCausalLM):
     """A Llama-family model whose layers `cfg.is_moe_layer` names hold a `MoEMLP`."""
 
-    always_renormalize = False  # Mixtral: the top-k weights always sum to 1 (else the config's norm_topk_prob)
     weights_in_hidden_dtype = True  # (Qwen's routers round the weights to the hidden dtype; Mixtral's do not)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pooling: bool = False):
@@ -113,8 +112,8 @@ class MoEForCausalLM(LlamaForCausalLM):
     def mlp_for(self, layer_index: int, dtype: torch.dtype) -> nn.Module:
         if not self.cfg.is_moe_layer(layer_index):
             return super().mlp_for(layer_index, dtype)
-        renormalize = self.always_renormalize or self.cfg.norm_topk_prob
-        return MoEMLP(self.cfg, dtype, renormalize, self.weights_in_hidden_dtype)
+        # (the config's norm_topk_prob: always True for Mixtral, engine_core/model_config.py)
+        return MoEMLP(self.cfg, dtype, self.cfg.norm_topk_prob, self.weights_in_hidden_dtype)
 
     def _target(self, name: str) -> tuple[str, int | None] | None:
         short = name.removeprefix("model.")
@@ -137,5 +136,4 @@ class Qwen2MoeForCausalLM(MoEForCausalLM):
 
 
 class MixtralForCausalLM(MoEForCausalLM):
-    always_renormalize = True
     weights_in_hidden_dtype = False

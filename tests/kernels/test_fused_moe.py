@@ -110,13 +110,15 @@ def test_an_unchosen_expert_costs_nothing():
 
 
 def test_each_active_expert_runs_once_for_all_its_tokens(monkeypatch):
-    """Grouped by expert: one gate/up GEMM per active expert, holding every token that chose it."""
+    """Grouped by expert: one gate/up GEMM per active expert, holding every token that chose it; none for
+    an expert no token chose."""
     from pagoda.kernels.torch_ref import moe
 
     w13, w2 = _weights()
     gen = torch.Generator().manual_seed(4)
     hidden = torch.randn(30, H, generator=gen)
     logits = torch.randn(30, E, generator=gen)
+    logits[:, 6] = -1e9  # nobody chooses expert 6
     calls: list[tuple[int, int]] = []
     linear = F.linear
 
@@ -129,6 +131,7 @@ def test_each_active_expert_runs_once_for_all_its_tokens(monkeypatch):
     ops.fused_moe(hidden, logits, w13, w2, 2, False)
     _, ids = ops.route_experts(logits, 2, False)
     active = ops.active_experts(logits, 2)
+    assert active == [0, 1, 2, 3, 4, 5, 7]
     assert [e for _, e in calls] == active
     assert [n for n, _ in calls] == [int((ids == e).sum()) for e in active]
 
