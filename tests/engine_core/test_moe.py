@@ -19,7 +19,9 @@ from pagoda.engine_core.models.moe import MoEMLP
 from pagoda.engine_core.parallel.distributed import SINGLE, TPGroup, building_for
 from pagoda.engine_core.parallel.sharding import check_model_splits
 from pagoda.engine_core.parallel.stage import Stage
+from pagoda.engine_core.sampling_params import SamplingParams
 from tests import tiny_models
+from tests.helpers import hf_greedy, run_engine
 
 
 def _saved(tmp_path, name, **overrides):
@@ -120,3 +122,25 @@ def test_qwen_moe_sliding_window_is_refused(tmp_path):
     _, model_dir = _saved(tmp_path, "qwen3_moe", use_sliding_window=True, sliding_window=16)
     with pytest.raises(ValueError, match="use_sliding_window is not supported"):
         EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
+
+
+@pytest.mark.parametrize("name", tiny_models.MOE)
+@pytest.mark.parametrize("mode", ["chunked", "preempting"])
+def test_prefix_caching_chunks_and_preemption_keep_hfs_tokens(tmp_path, name, mode):
+    """Prompts sharing a 40-token prefix, run after the first has cached it: cached prefixes, prompts split
+    into chunks (48-token steps), or requests preempted and recomputed (10 KV blocks for prompts of 45 to 70
+    and 24 new tokens), and every request's greedy tokens still equal HF's."""
+    hf_model, model_dir = _saved(tmp_path, name)
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(3, 512, (40,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (20, 5, 13, 30)]
+    expected = [hf_greedy(hf_model, p, 24, stop_at_eos=False) for p in prompts]
+    args = {"chunked": dict(max_num_batched_tokens=48, num_kv_blocks=64), "preempting": dict(num_kv_blocks=10)}[mode]
+    engine = EngineCore(EngineConfig(model=str(model_dir), **args))
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens = run_engine(engine, prompts[:1], params) + run_engine(engine, prompts[1:], params)
+    assert tokens == expected
+    stats = engine.scheduler.stats()
+    assert stats.prefix_cache_hits >= 3 * 32  # (two whole 16-token blocks of the prefix, three times)
+    if mode == "preempting":
+        assert stats.num_preemptions > 0
