@@ -144,3 +144,30 @@ def test_prefix_caching_chunks_and_preemption_keep_hfs_tokens(tmp_path, name, mo
     assert stats.prefix_cache_hits >= 3 * 32  # (two whole 16-token blocks of the prefix, three times)
     if mode == "preempting":
         assert stats.num_preemptions > 0
+
+
+def test_dummy_weights_run_from_a_config_alone(tmp_path):
+    """`load_format="dummy"` (how benchmarks build a model from its config.json) fills the stacked experts."""
+    config_cls, extra = tiny_models.ARCHITECTURES["qwen2_moe"]
+    model_dir = tmp_path / "config-only"
+    config_cls(**{**tiny_models.COMMON, **extra}, architectures=["Qwen2MoeForCausalLM"]).save_pretrained(model_dir)
+    engine = EngineCore(EngineConfig(model=str(model_dir), load_format="dummy", num_kv_blocks=32))
+    mlp = engine.runner.model.decoder_layers()[0].mlp
+    assert isinstance(mlp, MoEMLP) and bool(mlp.w13.std() > 0) and bool(mlp.w2.std() > 0)
+    tokens = run_engine(engine, [[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(tokens[0]) == 8
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_bfloat16_runs_and_its_first_tokens_agree_with_float32(tmp_path, name):
+    _, model_dir = _saved(tmp_path, name)
+    prompts = [[5, 17, 300, 41] * k for k in (1, 5, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = {
+        dtype: run_engine(
+            EngineCore(EngineConfig(model=str(model_dir), dtype=dtype, num_kv_blocks=32)), prompts, params
+        )
+        for dtype in ("bfloat16", "float32")
+    }
+    assert all(len(t) == 8 for t in runs["bfloat16"])
+    assert [t[0] for t in runs["bfloat16"]] == [t[0] for t in runs["float32"]]
