@@ -171,3 +171,23 @@ def test_bfloat16_runs_and_its_first_tokens_agree_with_float32(tmp_path, name):
     }
     assert all(len(t) == 8 for t in runs["bfloat16"])
     assert [t[0] for t in runs["bfloat16"]] == [t[0] for t in runs["float32"]]
+
+
+def test_a_moe_decoder_pools_like_hf(tmp_path):
+    """`--runner pooling` (whole prompts, no KV cache): the last token's final hidden state equals HF's."""
+    from pagoda.engine_core.engine import create_engine
+    from pagoda.engine_core.pooling.params import PoolingParams
+
+    hf_model, model_dir = _saved(tmp_path, "qwen3_moe")
+    engine = create_engine(EngineConfig(model=str(model_dir), runner="pooling", normalize=False))
+    prompts = [[5, 17, 300, 41, 9], list(range(3, 40))]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, pooling=PoolingParams())
+    pooled = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            pooled[delta.request_id] = torch.from_numpy(delta.pooled.array()[0].copy())
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = hf_model.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        torch.testing.assert_close(pooled[str(i)], expected, atol=1e-5, rtol=1e-4)
