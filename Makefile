@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.pagoda-installed
 # The test and lint extras (Ray, Playwright, schemathesis, sentence-transformers, mypy, ...) on top: a
 # second stamp, so a server's .venv never carries them and a test run adds them once.
 TEST_STAMP := $(VENV)/.pagoda-test-installed
-# torch is pinned for the CPU set-up: this version's CPU wheel is what these machines carry;
+# torch is pinned for the CPU set-up: torch 2.13.0's CPU wheel;
 # an unpinned torch would pull a multi-GB CUDA build. It is installed first, on its own, then named again
 # beside every later install so that no dependency's resolution replaces it.
 TORCH  := torch==2.13.0

@@ -27,4 +27,4 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'engine_core' has no attribute {name!r}")
+    raise AttributeError(f"module 'pagoda.engine_core' has no attribute {name!r}")
