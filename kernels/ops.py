@@ -165,8 +165,6 @@ argmax_rows = _dispatching("argmax_rows")  # (logits [B, V]) -> [B] int64: greed
 # (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize, ...) -> [T, H]:
 # kernels/torch_ref/moe.py
 fused_moe = _dispatching("fused_moe")
-route_experts = _moe.route  # (router_logits, top_k, renormalize) -> (weights, ids): fused_moe's routing
-active_experts = _moe.active_experts  # (router_logits, top_k) -> the experts fused_moe computes
 
 
 def embedding_rows(

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.kernels import ops
+from pagoda.kernels.torch_ref import moe
 
 E, H, INTER = 8, 32, 16
 
@@ -88,22 +89,21 @@ def test_ties_pick_the_experts_hf_picks(family):
         router.weight.copy_(weight)
         logits, hf_weights, hf_ids = router(hidden)
     renormalize = family != "qwen2_moe"
-    weights, ids = ops.route_experts(logits.float(), 2, renormalize)
+    weights, ids = moe.route(logits.float(), 2, renormalize)
     assert torch.equal(ids, hf_ids)
     assert torch.equal(weights, hf_weights.float())
-    assert ops.active_experts(logits.float(), 2) == sorted(set(hf_ids.reshape(-1).tolist()))
 
 
 def test_an_unchosen_expert_costs_nothing():
     """An expert no token routes to is not computed: its weights may be NaN and the result is unchanged,
-    and `active_experts` (what the op runs) leaves it out."""
+    whatever its weights hold."""
     w13, w2 = _weights()
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(20, H, generator=gen)
     logits = torch.randn(20, E, generator=gen)
     logits[:, 4] = -1e9  # nobody chooses expert 4
     expected = ops.fused_moe(hidden, logits, w13, w2, 2, True)
-    assert 4 not in ops.active_experts(logits, 2)
+    assert not (moe.route(logits, 2, True)[1] == 4).any()
     w13[4], w2[4] = float("nan"), float("nan")
     got = ops.fused_moe(hidden, logits, w13, w2, 2, True)
     assert torch.equal(got, expected)
@@ -112,8 +112,6 @@ def test_an_unchosen_expert_costs_nothing():
 def test_each_active_expert_runs_once_for_all_its_tokens(monkeypatch):
     """Grouped by expert: one gate/up GEMM per active expert, holding every token that chose it; none for
     an expert no token chose."""
-    from pagoda.kernels.torch_ref import moe
-
     w13, w2 = _weights()
     gen = torch.Generator().manual_seed(4)
     hidden = torch.randn(30, H, generator=gen)
@@ -129,20 +127,46 @@ def test_each_active_expert_runs_once_for_all_its_tokens(monkeypatch):
 
     monkeypatch.setattr(moe.F, "linear", counting)
     ops.fused_moe(hidden, logits, w13, w2, 2, False)
-    _, ids = ops.route_experts(logits, 2, False)
-    active = ops.active_experts(logits, 2)
+    _, ids = moe.route(logits, 2, False)
+    active = sorted(set(ids.reshape(-1).tolist()))
     assert active == [0, 1, 2, 3, 4, 5, 7]
     assert [e for _, e in calls] == active
     assert [n for n, _ in calls] == [int((ids == e).sum()) for e in active]
 
 
-def test_bfloat16_rounds_as_hf_does():
-    """In bfloat16 the result is close to the float64 loop (the expert outputs are rounded per expert)."""
+def _hf_block(name: str):
+    """Hugging Face's whole MoE block (router and experts) of one family, on a tiny config, in bfloat16."""
+    import transformers
+
+    if name == "mixtral":
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        config = transformers.MixtralConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E)
+        return MixtralSparseMoeBlock(config).bfloat16()
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=2, norm_topk_prob=True
+    )
+    return Qwen3MoeSparseMoeBlock(config).bfloat16()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_bfloat16_equals_hf_exactly(family):
+    """In bfloat16 the op rounds as HF's block does: Qwen's routing weights rounded to bfloat16 before the
+    products, Mixtral's kept float32 (`weights_in_hidden_dtype`)."""
+    block = _hf_block(family)
     w13, w2 = _weights()
     gen = torch.Generator().manual_seed(5)
-    hidden = torch.randn(9, H, generator=gen)
-    logits = torch.randn(9, E, generator=gen)
-    got = ops.fused_moe(hidden.bfloat16(), logits, w13.bfloat16(), w2.bfloat16(), 2, True)
-    assert got.dtype == torch.bfloat16
-    expected = _per_token_loop(hidden, logits, w13, w2, 2, True)
-    torch.testing.assert_close(got.double(), expected, atol=0.05, rtol=0.05)
+    hidden = torch.randn(9, H, generator=gen).bfloat16()
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(E, H, generator=gen))
+        block.experts.gate_up_proj.copy_(w13)
+        block.experts.down_proj.copy_(w2)
+        expected = block(hidden[None])
+        expected = expected[0] if isinstance(expected, tuple) else expected
+        logits = F.linear(hidden, block.gate.weight).float()
+    got = ops.fused_moe(
+        hidden, logits, w13.bfloat16(), w2.bfloat16(), 2, True, weights_in_hidden_dtype=family != "mixtral"
+    )
+    assert torch.equal(got, expected.reshape(got.shape))
