@@ -8,7 +8,6 @@ the engine would build them, and a report made after a switch was set shows what
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from pagoda.api_proc.env_machine import probe
@@ -59,17 +58,10 @@ def pick(name: str, device) -> str:
 
 
 def _c_kernels(cpu, switches: dict[str, str]) -> str:
-    """Whether the C kernels build and load here, with the loader's warning when they do not (the caller's
-    `probe` reports an exception)."""
-    warnings = _Collect()
-    logger = logging.getLogger("pagoda.kernels")  # (the loader's logger is below it)
-    logger.addHandler(warnings)
-    try:
-        works = cpu.available()
-    finally:
-        logger.removeHandler(warnings)
-    if not works:
-        return f"not available: {'; '.join(warnings.messages) or 'the loader gave no reason'}"
+    """Whether the C kernels build and load here, and if not, the loader's reason (the caller's `probe`
+    reports an exception)."""
+    if not cpu.available():
+        return f"not available: {cpu.failure() or 'the loader gave no reason'}"
     if switches.get("PAGODA_DISABLE_CPU_KERNELS") == "1":
         return "built and loaded, but not used (PAGODA_DISABLE_CPU_KERNELS=1)"
     return "built and loaded"
@@ -99,12 +91,3 @@ def _disabled_switches() -> dict[str, str]:
         for name, value in sorted(environment.pagoda_environment().items())
         if name.startswith("PAGODA_DISABLE_")
     }
-
-
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())

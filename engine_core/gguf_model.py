@@ -217,8 +217,6 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
         raise ValueError(
             f"{path}: rotary frequency factors (rope_freqs.weight, Llama 3.1-style rope scaling) are not supported"
         )
-    if meta.get(p + "expert_count"):
-        raise ValueError(f"{path}: {_MOE_REFUSAL}")
     try:
         num_heads = int(meta[p + "attention.head_count"])
         hidden = int(meta[p + "embedding_length"])

@@ -254,7 +254,7 @@ def fill_dummy_weights(model, seed: int = 0) -> None:
         for name, param in model.named_parameters():
             if name.lower().endswith("norm.weight"):  # (RMSNorm's and BERT's LayerNorm's scales)
                 param.fill_(1.0)
-            elif param.dim() == 2:
+            elif param.dim() >= 2:  # (a matrix, or an MoE layer's stacked expert matrices)
                 param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
             else:
                 param.normal_(0.0, 0.02, generator=generator)

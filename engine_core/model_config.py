@@ -83,8 +83,9 @@ class ModelConfig:
 
 def _moe_fields(cfg: dict) -> dict:
     # (transformers 5 saves Qwen2/3-MoE's `num_experts` as `num_local_experts` too: its attribute map)
+    # Other MoE families (OLMoE, PhiMoE, ...) read as dense here and are refused by the model registry.
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    if not experts:
+    if not experts or cfg.get("model_type") not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         return {}
     if cfg.get("model_type") == "mixtral":
         return dict(

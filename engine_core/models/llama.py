@@ -38,8 +38,6 @@ def _head_cost_in_layers(cfg: ModelConfig) -> float:
     q_and_o = 2 * cfg.hidden_size * cfg.num_heads * cfg.head_dim
     k_and_v = 2 * cfg.hidden_size * cfg.num_kv_heads * cfg.head_dim
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    if cfg.is_moe:  # (every expert's weights, and a shared expert's)
-        mlp = 3 * cfg.hidden_size * (cfg.num_experts * cfg.moe_intermediate_size + cfg.shared_expert_intermediate_size)
     return cfg.vocab_size * cfg.hidden_size / (q_and_o + k_and_v + mlp)
 
 

@@ -79,12 +79,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool, rotary: RotaryEmbedding, mlp: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, dtype, qk_norm: bool, rotary: RotaryEmbedding, mlp: nn.Module):
         """`mlp`: the layer's MLP, called as mlp(hidden, bulk_rows_from) (the model's `mlp_for` picks it:
-        a mixture of experts in an MoE family); a dense `LlamaMLP` by default."""
+        a dense `LlamaMLP`, or a mixture of experts in an MoE family)."""
         super().__init__()
         self.self_attn = LlamaAttention(cfg, dtype, qk_norm, rotary)
-        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, dtype)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 

@@ -48,11 +48,11 @@ class MoEMLP(nn.Module):
     expert's SiLU-gated MLP stacked in `w13` and `w2`, and optionally a shared expert (Qwen2-MoE: a dense
     MLP scaled by sigmoid(shared_expert_gate(x)) and added to the routed sum)."""
 
-    def __init__(self, cfg: ModelConfig, dtype, renormalize: bool, weights_in_hidden_dtype: bool):
+    def __init__(self, cfg: ModelConfig, dtype, weights_in_hidden_dtype: bool):
         super().__init__()
         experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k = cfg.num_experts_per_tok
-        self.renormalize = renormalize
+        self.renormalize = cfg.norm_topk_prob  # (always True for Mixtral: engine_core/model_config.py)
         self.weights_in_hidden_dtype = weights_in_hidden_dtype
         self.gate = Linear(hidden, experts, False, dtype)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
@@ -112,17 +112,16 @@ class MoEForCausalLM(LlamaForCausalLM):
     def mlp_for(self, layer_index: int, dtype: torch.dtype) -> nn.Module:
         if not self.cfg.is_moe_layer(layer_index):
             return super().mlp_for(layer_index, dtype)
-        # (the config's norm_topk_prob: always True for Mixtral, engine_core/model_config.py)
-        return MoEMLP(self.cfg, dtype, self.cfg.norm_topk_prob, self.weights_in_hidden_dtype)
+        return MoEMLP(self.cfg, dtype, self.weights_in_hidden_dtype)
 
     def _target(self, name: str) -> tuple[str, int | None] | None:
         short = name.removeprefix("model.")
         match = _EXPERT.match(short)
-        if match is not None:
-            layer, expert, proj = int(match[1]), int(match[2]), match[3]
-            if layer not in self.layer_range or proj not in _EXPERT_PROJ:
-                return None if proj in _EXPERT_PROJ else (name, None)  # (an unknown name: refused when loaded)
-            param, half = _EXPERT_PROJ[proj]
+        if match is not None and match[3] in _EXPERT_PROJ:  # (other names: the Llama mapping refuses them)
+            layer, expert = match[1], int(match[2])
+            if not self._on_this_stage(f"layers.{layer}"):
+                return None
+            param, half = _EXPERT_PROJ[match[3]]
             return f"layers.{layer}.mlp.{param}", expert if half is None else 2 * expert + half
         return super()._target(name.replace(".block_sparse_moe.", ".mlp."))
 

@@ -80,7 +80,7 @@ def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1) -> 
         )
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, not {world_size}")
-    if getattr(model_cfg, "num_experts", 0) and (world_size > 1 or pipeline_stages > 1):
+    if model_cfg.is_moe and (world_size > 1 or pipeline_stages > 1):
         # (engine_core/models/moe.py: its experts are not split over ranks, nor its layers over stages yet)
         raise ValueError(
             f"{model_cfg.architecture} is a mixture-of-experts model: tensor and pipeline parallel "

@@ -22,6 +22,7 @@ from pagoda.kernels.cpu.layer_ops import fused_add_rms_norm as fused_add_rms_nor
 from pagoda.kernels.cpu.layer_ops import rms_norm as rms_norm
 from pagoda.kernels.cpu.layer_ops import silu_and_mul as silu_and_mul
 from pagoda.kernels.cpu.loader import available as available
+from pagoda.kernels.cpu.loader import failure as failure
 from pagoda.kernels.cpu.loader import load as load
 from pagoda.kernels.cpu.loader import settings as settings
 from pagoda.kernels.cpu.panel_matmul import amx_used as amx_used

@@ -111,6 +111,7 @@ class Settings:
 settings = Settings()
 _lib: dict[str, Callable[..., None]] = {}  # C function name -> the ctypes function
 _failed = False
+_failure = ""  # why the libraries could not be built (the warning's cause), for `failure()`
 
 
 def compiler() -> str | None:
@@ -152,7 +153,7 @@ def _cpu_signature() -> bytes:
 
 def load() -> dict[str, Callable[..., None]] | None:
     """Every C function by name, or None (after one warning) if the libraries cannot be built."""
-    global _failed
+    global _failed, _failure
     if not _lib and not _failed:
         try:
             functions = {}
@@ -165,13 +166,13 @@ def load() -> dict[str, Callable[..., None]] | None:
                         functions[symbol] = fn
             _lib.update(functions)
         except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-            _failed = True
+            _failed, _failure = True, _why(exc)
             # One line, once per process (`_failed`): a server without a compiler works, only slower, and
             # its operator needs the cause and the fix, not a line per library or per call.
             logger.warning(
                 "C kernels unavailable (%s): running on the torch reference kernels, which are slower. To fix: "
                 "install a C compiler (gcc; on Debian or Ubuntu `apt-get install build-essential`) or set CC to one",
-                _why(exc),
+                _failure,
             )
     return _lib or None
 
@@ -188,3 +189,8 @@ def _why(exc: Exception) -> str:
 
 def available() -> bool:
     return load() is not None
+
+
+def failure() -> str:
+    """Why the C kernels are unavailable ("" while they load or have not been tried)."""
+    return _failure

@@ -33,7 +33,7 @@ def test_both_import_in_one_process_from_the_checkout_root():
     run = subprocess.run([sys.executable, "-c", BOTH], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     found = json.loads(run.stdout.strip().splitlines()[-1])
-    assert "site-packages" in found["kernels"] and found["get_kernel"], found
+    assert found["kernels"] is not None and "site-packages" in found["kernels"] and found["get_kernel"], found
     assert found["available"], "transformers sees Hugging Face's kernels"
     assert Path(found["ops"]).resolve() == ROOT / "kernels" / "ops.py"
 
