@@ -29,6 +29,7 @@ from pagoda.engine_core.models.llama import LlamaForCausalLM
 from pagoda.engine_core.models.llama_layers import LlamaMLP
 from pagoda.engine_core.parallel.distributed import building_group, building_stage
 from pagoda.kernels import ops
+from pagoda.kernels.torch_ref.moe import Routing
 
 # A checkpoint's per-expert tensor: layer, block name, expert, projection.
 _EXPERT = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
@@ -51,9 +52,8 @@ class MoEMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, weights_in_hidden_dtype: bool):
         super().__init__()
         experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.top_k = cfg.num_experts_per_tok
-        self.renormalize = cfg.norm_topk_prob  # (always True for Mixtral: engine_core/model_config.py)
-        self.weights_in_hidden_dtype = weights_in_hidden_dtype
+        # (norm_topk_prob is always True for Mixtral: engine_core/model_config.py)
+        self.routing = Routing(cfg.num_experts_per_tok, cfg.norm_topk_prob, weights_in_hidden_dtype)
         self.gate = Linear(hidden, experts, False, dtype)
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), requires_grad=False)
@@ -78,15 +78,7 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
         logits = self.gate(x).float()
-        out = ops.fused_moe(
-            x,
-            logits,
-            self.w13,
-            self.w2,
-            self.top_k,
-            self.renormalize,
-            weights_in_hidden_dtype=self.weights_in_hidden_dtype,
-        )
+        out = ops.fused_moe(x, logits, self.w13, self.w2, self.routing)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, bulk_rows_from)
             out = out + shared

@@ -4,6 +4,8 @@ in transformers 5)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -22,36 +24,71 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
+@dataclass(frozen=True)
+class Routing:
+    """How a layer's router picks and weighs each token's experts, and which experts this rank holds.
+
+    `top_k` experts per token; `renormalize`: their weights divided by their sum (Qwen's norm_topk_prob;
+    Mixtral always). `weights_in_hidden_dtype`: the weights are rounded to the hidden dtype before the
+    experts' outputs are scaled (Qwen's routers do; Mixtral's keep them float32 and round the product).
+    `expert_offset` / `local_experts`: expert parallel, where this rank's stacked weights hold the experts
+    `expert_offset .. expert_offset + local_experts - 1` (None: all of them) and only the tokens' pairs with
+    those experts are computed here; the ranks' partial sums are added by the caller."""
+
+    top_k: int
+    renormalize: bool = False
+    weights_in_hidden_dtype: bool = True
+    expert_offset: int = 0
+    local_experts: int | None = None
+
+
+@dataclass
+class Assignment:
+    """A batch's (token, expert) pairs grouped by expert: the experts some token chose (local ids,
+    ascending, each once), how many pairs each has, and per pair (in that order, tokens ascending within
+    an expert) its token and routing weight."""
+
+    experts: list[int]
+    counts: list[int]
+    tokens: torch.Tensor  # int64 [P]
+    weights: torch.Tensor  # [P], float32 or the hidden dtype (Routing.weights_in_hidden_dtype)
+
+
+def assign(router_logits: torch.Tensor, routing: Routing, hidden_dtype: torch.dtype) -> Assignment:
+    """Route every token, then group the pairs by expert (one host read: the chosen experts' ids and
+    counts). Experts no token chose, and under expert parallel other ranks' experts, are absent."""
+    weights, ids = route(router_logits, routing.top_k, routing.renormalize)
+    if routing.weights_in_hidden_dtype:
+        weights = weights.to(hidden_dtype)
+    flat, pair_weights = ids.reshape(-1), weights.reshape(-1)
+    pairs = torch.arange(flat.numel(), device=flat.device)
+    if routing.expert_offset or routing.local_experts is not None:
+        flat = flat - routing.expert_offset
+        limit = routing.local_experts if routing.local_experts is not None else router_logits.shape[-1]
+        mine = (flat >= 0) & (flat < limit)
+        flat, pairs = flat[mine], pairs[mine]
+    order = torch.argsort(flat, stable=True)  # (pairs grouped by expert, tokens ascending)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    pairs = pairs[order]
+    return Assignment(experts.tolist(), counts.tolist(), pairs // routing.top_k, pair_weights[pairs])
+
+
 def fused_moe(
-    hidden: torch.Tensor,
-    router_logits: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    weights_in_hidden_dtype: bool = True,
+    hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing
 ) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] for tokens `hidden` [T, H].
 
     `router_logits` [T, E] (float32: the router's output upcast), `w13` [E, 2I, H] (each expert's gate
-    rows, then its up rows), `w2` [E, H, I]. Tokens are grouped by expert and only the experts some token
-    chose run, each once for all its tokens: silu(gate) * up, then down, times the token's routing
-    weight, added into the output in the hidden dtype in ascending expert order (as HF's loop does).
-    `weights_in_hidden_dtype`: the routing weights are rounded to the hidden dtype first (Qwen's router
-    does; Mixtral's keeps them float32 and rounds the product)."""
-    weights, ids = route(router_logits, top_k, renormalize)
-    if weights_in_hidden_dtype:
-        weights = weights.to(hidden.dtype)
+    rows, then its up rows), `w2` [E, H, I] (E: this rank's experts, `routing.local_experts`). Tokens are
+    grouped by expert (`assign`) and only the experts some token chose run, each once for all its tokens:
+    silu(gate) * up, then down, times the token's routing weight, added into the output in the hidden
+    dtype in ascending expert order (as HF's loop does)."""
     out = torch.zeros_like(hidden)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert, tokens ascending
-    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)  # the chosen experts only
-    tokens = order // top_k
-    pair_weights = weights.reshape(-1)[order]
+    pairs = assign(router_logits, routing, hidden.dtype)
     start = 0
-    for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):  # (one host read per layer)
-        rows = tokens[start : start + count]
+    for expert, count in zip(pairs.experts, pairs.counts, strict=True):
+        rows = pairs.tokens[start : start + count]
         y = F.linear(silu_and_mul(F.linear(hidden[rows], w13[expert])), w2[expert])
-        out.index_add_(0, rows, (y * pair_weights[start : start + count, None]).to(out.dtype))
+        out.index_add_(0, rows, (y * pairs.weights[start : start + count, None]).to(out.dtype))
         start += count
     return out

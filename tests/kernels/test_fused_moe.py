@@ -43,7 +43,7 @@ def test_matches_a_per_token_float64_loop(top_k, renormalize):
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(37, H, generator=gen)
     logits = torch.randn(37, E, generator=gen) * 2
-    got = ops.fused_moe(hidden, logits, w13, w2, top_k, renormalize)
+    got = ops.fused_moe(hidden, logits, w13, w2, moe.Routing(top_k, renormalize))
     assert got.shape == hidden.shape and got.dtype == hidden.dtype
     expected = _per_token_loop(hidden, logits, w13, w2, top_k, renormalize)
     torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-4)  # (float32 vs float64)
@@ -51,7 +51,7 @@ def test_matches_a_per_token_float64_loop(top_k, renormalize):
 
 def test_no_tokens_gives_an_empty_result():
     w13, w2 = _weights()
-    out = ops.fused_moe(torch.empty(0, H), torch.empty(0, E), w13, w2, 2, True)
+    out = ops.fused_moe(torch.empty(0, H), torch.empty(0, E), w13, w2, moe.Routing(2, True))
     assert out.shape == (0, H)
 
 
@@ -102,10 +102,10 @@ def test_an_unchosen_expert_costs_nothing():
     hidden = torch.randn(20, H, generator=gen)
     logits = torch.randn(20, E, generator=gen)
     logits[:, 4] = -1e9  # nobody chooses expert 4
-    expected = ops.fused_moe(hidden, logits, w13, w2, 2, True)
+    expected = ops.fused_moe(hidden, logits, w13, w2, moe.Routing(2, True))
     assert not (moe.route(logits, 2, True)[1] == 4).any()
     w13[4], w2[4] = float("nan"), float("nan")
-    got = ops.fused_moe(hidden, logits, w13, w2, 2, True)
+    got = ops.fused_moe(hidden, logits, w13, w2, moe.Routing(2, True))
     assert torch.equal(got, expected)
 
 
@@ -126,7 +126,7 @@ def test_each_active_expert_runs_once_for_all_its_tokens(monkeypatch):
         return linear(x, w, *args)
 
     monkeypatch.setattr(moe.F, "linear", counting)
-    ops.fused_moe(hidden, logits, w13, w2, 2, False)
+    ops.fused_moe(hidden, logits, w13, w2, moe.Routing(2, False))
     _, ids = moe.route(logits, 2, False)
     active = sorted(set(ids.reshape(-1).tolist()))
     assert active == [0, 1, 2, 3, 4, 5, 7]
@@ -166,7 +166,21 @@ def test_bfloat16_equals_hf_exactly(family):
         expected = block(hidden[None])
         expected = expected[0] if isinstance(expected, tuple) else expected
         logits = F.linear(hidden, block.gate.weight).float()
-    got = ops.fused_moe(
-        hidden, logits, w13.bfloat16(), w2.bfloat16(), 2, True, weights_in_hidden_dtype=family != "mixtral"
-    )
+    routing = moe.Routing(2, True, weights_in_hidden_dtype=family != "mixtral")
+    got = ops.fused_moe(hidden, logits, w13.bfloat16(), w2.bfloat16(), routing)
     assert torch.equal(got, expected.reshape(got.shape))
+
+
+def test_expert_parallel_ranks_sum_to_the_whole():
+    """Under expert parallel each rank computes only its own experts' pairs (`expert_offset`,
+    `local_experts`); the ranks' partial sums add up to the whole layer's output."""
+    w13, w2 = _weights()
+    gen = torch.Generator().manual_seed(6)
+    hidden = torch.randn(25, H, generator=gen)
+    logits = torch.randn(25, E, generator=gen)
+    whole = ops.fused_moe(hidden, logits, w13, w2, moe.Routing(3, True))
+    parts = []
+    for lo, hi in ((0, 3), (3, 8)):
+        routing = moe.Routing(3, True, expert_offset=lo, local_experts=hi - lo)
+        parts.append(ops.fused_moe(hidden, logits, w13[lo:hi], w2[lo:hi], routing))
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-6, rtol=1e-5)
