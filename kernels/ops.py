@@ -65,6 +65,9 @@ _CPU_COMPILED = {
 # keeps its plain weight for cuBLAS and never holds panels), and the greedy argmax (torch's own CUDA
 # reduction does it well).
 _CPU_ONLY = {"panel_linear", "argmax_rows"}
+# Ops whose torch reference reads values on the host (the fused MoE loops over the experts the tokens
+# chose), which a CUDA graph cannot capture; their kernels read nothing there.
+_HOST_READS = {"fused_moe"}
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
 
 
@@ -124,6 +127,12 @@ def implementation(name: str, device: torch.device) -> Callable:
 def compiled(name: str, device: torch.device) -> bool:
     """Whether `name` runs a compiled or Triton kernel on `device` rather than the torch reference."""
     return _resolve(name, device.type) is not _TORCH[name]
+
+
+def graph_safe(name: str, device: torch.device) -> bool:
+    """Whether `name` on `device` reads nothing on the host, so that a CUDA graph can capture it: every
+    kernel, and every torch reference but those of `_HOST_READS`."""
+    return name not in _HOST_READS or compiled(name, device)
 
 
 def bulk_rows_differ(device: torch.device) -> bool:
