@@ -8,8 +8,9 @@ Outputs and intermediates are NaN-poisoned while the op runs, so an element it f
 padding row or another rank's pair it reads, shows up as NaN.
 
 The kernel rounds to the hidden dtype where the reference rounds, so fp16 and bf16 results equal the
-reference's up to the GEMMs' summation order: within one 16-bit rounding of the largest output. For bf16
-that needs two things from the interpreter it lacks: its fp32 -> bf16 casts truncate (the GPU rounds to
+reference's up to the GEMMs' summation order, which may flip a rare rounding: under 1% of the elements
+differ, by at most one rounding of the largest output. For bf16 that needs two things from the
+interpreter it lacks: its fp32 -> bf16 casts truncate (the GPU rounds to
 nearest even), which `bf16_rounds_to_nearest` corrects here, and its bf16 `tl.dot` is wrong, which the
 kernel avoids under the interpreter (`_dot`).
 """
@@ -37,8 +38,8 @@ pytestmark = pytest.mark.usefixtures("on_device", "bf16_rounds_to_nearest")
 
 E, H, INTER = 6, 40, 24
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Largest error allowed, relative to the largest output (see the module docstring).
-TOL = {torch.float32: 1e-5, torch.float16: 2**-11, torch.bfloat16: 2**-8}
+# Largest error allowed, relative to the largest output: float32's accumulation error, else one rounding.
+TOL = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}
 
 
 @pytest.fixture
@@ -80,6 +81,8 @@ def _check(hidden, logits, w13, w2, routing) -> torch.Tensor:
     if expected.numel():
         error = (got.float() - expected.float()).abs().max().item()
         assert error <= TOL[hidden.dtype] * expected.float().abs().max().item(), error
+        if hidden.dtype != torch.float32:
+            assert (got != expected).float().mean() < 0.01, "the 16-bit roundings differ from the reference's"
     return got
 
 
