@@ -29,9 +29,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from pagoda.engine_core.config import EngineConfig
+from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.sampling_params import SamplingParams
 from pagoda.kernels import ops
 from pagoda.kernels.torch_ref import moe as ref
 from pagoda.kernels.triton import moe as tri
+from tests import tiny_models
+from tests.helpers import run_engine
 from tests.kernels.devices import DEVICE, make_generator
 from tests.kernels.moe_sm90 import SHARED_MEMORY_LIMIT
 from tests.kernels.poison import poisoned_empty
@@ -160,6 +165,29 @@ def test_cuda_dispatch_picks_the_triton_kernel(monkeypatch):
     assert ops._resolve.__wrapped__("fused_moe", "cuda") is tri.fused_moe
     monkeypatch.setitem(ops._enabled, "cuda", False)  # (Triton turned off: the reference, on any device)
     assert ops._resolve.__wrapped__("fused_moe", "cuda") is ref.fused_moe
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the GPU check runs MoE models on Triton for real")
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_moe_model_on_the_triton_op_gives_the_torch_tokens(tmp_path, monkeypatch, name):
+    """A tiny Qwen3-MoE (a dense layer among the MoE ones) and Qwen2-MoE (a shared expert, weights not
+    renormalised), their fused MoE on the Triton kernel, the rest on the CPU path: the reference's greedy
+    tokens, eager and through the padded CUDA-graph decode buffers."""
+    tiny_models.build(name, vocab_size=256, num_hidden_layers=2).save_pretrained(tmp_path / name)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 9, 30)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    config = EngineConfig(model=str(tmp_path / name), num_kv_blocks=32, max_model_len=128)
+    expected = run_engine(EngineCore(config), prompts, params)
+
+    on_cpu = ops.implementation
+    monkeypatch.setattr(
+        ops, "implementation", lambda op, device: tri.fused_moe if op == "fused_moe" else on_cpu(op, device)
+    )
+    assert run_engine(EngineCore(config), prompts, params) == expected
+    engine = EngineCore(config)
+    engine.runner.enable_decode_graphs(engine.max_model_len, capture=False)
+    assert run_engine(engine, prompts, params) == expected
 
 
 @pytest.mark.slow  # (15 compiles: about 5 s with Triton's cache warm, 15 s cold)
