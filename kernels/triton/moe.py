@@ -35,7 +35,7 @@ from pagoda.kernels.torch_ref import moe as _reference
 from pagoda.kernels.triton.attention import _dot_precision
 
 _SUM_BLOCK = 1024
-_NUM_STAGES = 3  # K tiles in flight per GEMM program (shared memory: tests/kernels/test_triton_moe.py)
+_NUM_STAGES = 3  # K tiles in flight per GEMM program (its shared memory: tests/kernels/moe_sm90.py)
 
 
 @triton.jit
@@ -236,8 +236,9 @@ def _group_pairs(
     experts = torch.arange(num_experts + 1, device=device)
     starts = torch.searchsorted(sorted_ids, experts)  # starts[e]: first sorted pair of expert e
     counts = starts[1:] - starts[:-1]  # [E] (the sentinel bucket's pairs are not counted)
-    padded_ends = torch.cumsum((counts + block_m - 1) // block_m * block_m, 0)
-    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    padded_counts = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded_counts, 0)
+    padded_starts = padded_ends - padded_counts
 
     padded = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
     # Position of each sorted pair in the padded layout; the sentinel bucket's pairs go to a spare slot
@@ -250,7 +251,7 @@ def _group_pairs(
     block_starts = torch.arange(0, padded, block_m, device=device)
     block_expert = torch.searchsorted(padded_ends, block_starts, right=True)
     return (
-        weights.reshape(-1).contiguous(),
+        weights.reshape(-1),
         local.to(torch.int32),
         sorted_pairs[:padded],
         block_expert.to(torch.int32),
