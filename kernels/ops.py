@@ -4,7 +4,7 @@ by device.
 Every op has a plain torch implementation (`pagoda.kernels.torch_ref`), the reference in tests and the
 fallback everywhere. On the CPU, ops with a compiled C kernel (`pagoda.kernels.cpu`) use it when it builds.
 On CUDA every op but the CPU-only ones (`_CPU_ONLY`: the float32 panel linear, whose weights only
-the CPU path packs) and those without one yet (`_REFERENCE_ON_CUDA`: the fused MoE, which runs its reference)
+the CPU path packs) and those without one (`_REFERENCE_ON_CUDA`: the fused MoE, which runs its reference)
 has a Triton kernel with the same signature (`pagoda.kernels.triton`), imported the first time a CUDA
 tensor asks for one, so CPU processes never load Triton; FP8 linears use torch's own CUDA kernel instead
 (`torch._scaled_mm`, kernels/fp8.py). `configure` turns the compiled
@@ -60,14 +60,15 @@ _CPU_COMPILED = {
     "quantized_linear",
     "panel_linear",
     "argmax_rows",
+    "fused_moe",  # (experts packed at load: ExpertPanels or PackedExperts; plain ones run the reference)
 }
 # Ops with no Triton kernel, for which a CUDA tensor gets the reference: the panel linear (a CUDA linear
 # keeps its plain weight for cuBLAS and never holds panels), and the greedy argmax (torch's own CUDA
 # reduction does it well).
 _CPU_ONLY = {"panel_linear", "argmax_rows"}
-# Ops with no Triton kernel yet, which run their torch reference on CUDA too: the fused mixture-of-experts
-# (routing, grouped expert GEMMs, weighted sum; a Triton and a C kernel are still to come). Without this set
-# `_resolve` would ask `_triton` for a kernel that does not exist.
+# Ops with no Triton kernel, which run their torch reference on CUDA: the fused mixture-of-experts (routing,
+# grouped expert GEMMs, weighted sum; on the CPU a C kernel, kernels/cpu/moe.c). Without this set `_resolve`
+# would ask `_triton` for a kernel that does not exist.
 _REFERENCE_ON_CUDA = {"fused_moe"}
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
 
@@ -162,8 +163,8 @@ fp8_linear = _dispatching("fp8_linear")  # (x, Fp8Weight, bias=None): see kernel
 # (x, PanelWeight, bias=None, bulk_rows_from=None): float32 on the CPU, kernels/panels.py
 panel_linear = _dispatching("panel_linear")
 argmax_rows = _dispatching("argmax_rows")  # (logits [B, V]) -> [B] int64: greedy sampling's pick
-# (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize, ...) -> [T, H]:
-# kernels/torch_ref/moe.py
+# (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], Routing) -> [T, H], the
+# experts plain or packed (ExpertPanels, PackedExperts): kernels/torch_ref/moe.py, kernels/cpu/moe.c
 fused_moe = _dispatching("fused_moe")
 
 

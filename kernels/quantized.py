@@ -32,6 +32,10 @@ scale`; zero points: `min = -zero * scale`). `pack` stores that as a `PackedWeig
 - `perm` (act-order GPTQ): the layer computes `x[..., perm] @ W'^T`, where W' holds the original
   columns in `perm` order, so that each group's columns are adjacent.
 
+A mixture-of-experts layer's stacked expert matrices are quantized expert by expert like dense linears and
+stored as one `PackedExperts`: every expert's `PackedWeight` tensors stacked along a first dimension (one
+layout for all experts), read by the fused MoE kernel (kernels/cpu/moe.c) one chosen expert at a time.
+
 `quantized_linear` dispatches like the other kernels: the compiled C kernel on the CPU where it
 builds, Triton on CUDA, and `reference_linear` (dequantize a slice of rows at a time, then matmul)
 everywhere else; the reference never holds a dequantized copy of the whole weight.
@@ -85,6 +89,61 @@ class PackedWeight:
             move(self.mins),
             move(self.perm),
         )
+
+
+@dataclass
+class PackedExperts:
+    """Stacked expert matrices `W [E, N, K]`, each expert's a `PackedWeight` of one common layout (bits, group
+    size, mins' dtype; no `perm`), its tensors stacked: `data [E, ...]`, `scales [E, N, G]`, `mins [E, N, G]`."""
+
+    bits: int
+    out_features: int  # N, per expert
+    in_features: int  # K
+    group_size: int
+    data: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @classmethod
+    def stack(cls, name: str, experts: list[PackedWeight]) -> PackedExperts:
+        """One `PackedExperts` from each expert's packed weight (`name`, the layer, names the errors). Where
+        some experts store mins and others do not (symmetric 8-bit ones), the symmetric ones get their
+        implicit mins (-128 * scale, exact); float16 mins become float32 where another expert's are."""
+        first = experts[0]
+        layout = (first.bits, first.out_features, first.in_features, first.group_size)
+        for weight in experts:
+            if (weight.bits, weight.out_features, weight.in_features, weight.group_size) != layout:
+                raise ValueError(f"{name}: experts are quantized differently; the fused MoE takes one layout")
+            if weight.perm is not None:
+                raise ValueError(f"{name}: act-order (permuted) expert weights are not supported")
+        mins = None
+        if any(weight.mins is not None for weight in experts):
+            each = [
+                (-float(1 << (w.bits - 1)) * w.scales.float()).to(torch.float16) if w.mins is None else w.mins
+                for w in experts
+            ]
+            wide = any(m.dtype == torch.float32 for m in each)
+            mins = torch.stack([m.float() if wide else m for m in each])
+        data = torch.stack([w.data for w in experts])
+        return cls(*layout, data, torch.stack([w.scales for w in experts]), mins)
+
+    @property
+    def num_experts(self) -> int:
+        return self.data.shape[0]
+
+    def expert(self, index: int) -> PackedWeight:
+        """Expert `index`'s packed weight (views of the stacked tensors)."""
+        mins = None if self.mins is None else self.mins[index]
+        return PackedWeight(
+            self.bits, self.out_features, self.in_features, self.group_size, self.data[index], self.scales[index], mins
+        )
+
+    def matrix(self, index: int, dtype=torch.float32) -> torch.Tensor:
+        """Expert `index`'s matrix `[N, K]`, dequantized (that expert's only)."""
+        return dequantize(self.expert(index), dtype=dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins) if t is not None)
 
 
 def group_size_for(in_features: int, group_size: int) -> int:
