@@ -67,7 +67,7 @@ def test_the_moe_layers_are_hfs(tmp_path, name, overrides):
 
 
 def _stacked(weights) -> torch.Tensor:
-    """Stacked expert weights [E, N, K] from what a layer holds (plain, or packed into panels)."""
+    """Stacked expert weights [E, N, K] from what a layer holds (plain, packed into panels, or quantized)."""
     if isinstance(weights, torch.Tensor):
         return weights
     return torch.stack([weights.matrix(e) for e in range(weights.num_experts)])
@@ -144,7 +144,7 @@ def test_experts_quantized_at_load_give_hfs_tokens_on_the_same_weights(tmp_path,
     the dequantized weights (tests/quantization_helpers.py)."""
     import transformers
 
-    _, model_dir = _saved(tmp_path, "qwen3_moe")
+    original, model_dir = _saved(tmp_path, "qwen3_moe")
     engine = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=32, quantization=flag))
     model = engine.runner.model
     mlp = model.decoder_layers()[0].mlp
@@ -153,6 +153,10 @@ def test_experts_quantized_at_load_give_hfs_tokens_on_the_same_weights(tmp_path,
     assert isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts)
     assert (w13.bits, w2.bits, w13.num_experts, w13.out_features, w2.in_features) == (bits, bits, 8, 128, 64)
     assert mlp.gate.quantized is None
+    hf_experts = original.model.layers[0].mlp.experts
+    for packed, weights in ((w13, hf_experts.gate_up_proj.detach()), (w2, hf_experts.down_proj.detach())):
+        # (each expert's matrix in its place: off by the rounding, a small part of the weights' size)
+        assert float((_stacked(packed) - weights).abs().max()) < 0.1 * float(weights.abs().max())
     prompts = [[5, 17, 300, 41], list(range(3, 40)), [7] * 20]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     tokens = run_engine(engine, prompts, params)
