@@ -96,6 +96,8 @@ _RESULTS = {
     "quantized_q8_workspace": _I64,
     "quantized_batch_workspace": _I64,
     "moe_workspace": _I64,
+    "moe_f32": ctypes.c_int,
+    "moe_quantized_f32": ctypes.c_int,
 }
 
 

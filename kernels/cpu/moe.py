@@ -65,7 +65,7 @@ def _fused_moe(
     common = [hidden.data_ptr(), tokens.data_ptr(), weights.data_ptr(), experts.data_ptr(), counts.data_ptr()]
     if isinstance(w13, ExpertPanels):
         workspace = scratch_buffer(lib["moe_workspace"](tokens.numel(), most, size, inter, size, inter, 0, 0, threads))
-        lib["moe_f32"](
+        done = lib["moe_f32"](
             *common,
             len(pairs.experts),
             w13.data.data_ptr(),
@@ -76,7 +76,7 @@ def _fused_moe(
             inter,
             threads,
         )
-        return out
+        return _checked(done, out)
     assert isinstance(w2, PackedExperts)
     layout13, layout2 = _layout(w13), _layout(w2)
     workspace = scratch_buffer(
@@ -84,7 +84,7 @@ def _fused_moe(
             tokens.numel(), most, size, inter, layout13[3], layout2[3], layout13[2], layout2[2], threads
         )
     )
-    lib["moe_quantized_f32"](
+    done = lib["moe_quantized_f32"](
         *common,
         len(pairs.experts),
         *_pointers(w13),
@@ -97,6 +97,12 @@ def _fused_moe(
         inter,
         threads,
     )
+    return _checked(done, out)
+
+
+def _checked(done: int, out: torch.Tensor) -> torch.Tensor:
+    if not done:  # (the kernel's bookkeeping of its blocks of rows: a few bytes per ~1 MiB of rows)
+        raise MemoryError("fused_moe: no memory for the C kernel's row blocks")
     return out
 
 

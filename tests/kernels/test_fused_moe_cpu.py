@@ -50,10 +50,11 @@ def _packed(kind: str, w13: torch.Tensor, w2: torch.Tensor):
     return _quantized(w13, bits), _quantized(w2, bits)
 
 
-def _assert_matches_reference(got: torch.Tensor, hidden, logits, w13, w2, routing) -> None:
+def _assert_matches_reference(got: torch.Tensor, hidden, logits, w13, w2, routing, atol: float = 2e-6) -> None:
+    """Float32 sums in another order than the reference's (atol: more for longer sums)."""
     expected = moe.fused_moe(hidden, logits, w13, w2, routing)
     assert got.shape == expected.shape and got.dtype == torch.float32
-    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)  # (float32: only the sums' order differs)
+    torch.testing.assert_close(got, expected, atol=atol, rtol=1e-5)
 
 
 def test_packed_experts_give_back_each_experts_matrix():
@@ -98,6 +99,20 @@ def test_any_intermediate_size(kind, inter):
     hidden, logits = _inputs(9)
     routing = moe.Routing(2, True)
     _assert_matches_reference(cpu.fused_moe(hidden, logits, w13, w2, routing), hidden, logits, w13, w2, routing)
+
+
+@pytest.mark.parametrize("kind", ["float32", "int8", "int4"])
+def test_an_expert_with_more_rows_than_a_block(kind):
+    """A long prefill's expert: 4,096 columns, ~1 MiB of rows per block (64), so 150 tokens on 2 experts make
+    two blocks or more of each, each block through all of its expert's tiles."""
+    gen = torch.Generator().manual_seed(7)
+    size, inter = 4096, 24
+    w13 = torch.randn(2, 2 * inter, size, generator=gen) * size**-0.5
+    w13, w2 = _packed(kind, w13, torch.randn(2, size, inter, generator=gen) * inter**-0.5)
+    hidden, logits = torch.randn(150, size, generator=gen), torch.randn(150, 2, generator=gen)
+    routing = moe.Routing(1, False)
+    got = cpu.fused_moe(hidden, logits, w13, w2, routing)
+    _assert_matches_reference(got, hidden, logits, w13, w2, routing, atol=2e-5)  # (sums of 4,096 products)
 
 
 @pytest.mark.parametrize("kind", ["float32", "int4"])
