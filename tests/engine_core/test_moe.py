@@ -209,13 +209,17 @@ def test_prefix_caching_chunks_and_preemption_keep_hfs_tokens(tmp_path, name, mo
         assert stats.num_preemptions > 0
 
 
-def test_dummy_weights_run_from_a_config_alone(tmp_path):
-    """`load_format="dummy"` (how benchmarks build a model from its config.json) fills the stacked experts."""
+@pytest.mark.parametrize("quantization", ["auto", "int4"])
+def test_dummy_weights_run_from_a_config_alone(tmp_path, quantization):
+    """`load_format="dummy"` (how benchmarks build a model from its config.json) fills the stacked experts,
+    quantized at load too (each expert's projections drawn as a checkpoint holds them)."""
     config_cls, extra = tiny_models.ARCHITECTURES["qwen2_moe"]
     model_dir = tmp_path / "config-only"
     config_cls(**{**tiny_models.COMMON, **extra}, architectures=["Qwen2MoeForCausalLM"]).save_pretrained(model_dir)
-    engine = EngineCore(EngineConfig(model=str(model_dir), load_format="dummy", num_kv_blocks=32))
+    config = EngineConfig(model=str(model_dir), load_format="dummy", num_kv_blocks=32, quantization=quantization)
+    engine = EngineCore(config)
     mlp = engine.runner.model.decoder_layers()[0].mlp
+    assert isinstance(mlp.experts()[0], PackedExperts) == (quantization == "int4")
     w13, w2 = (_stacked(w) for w in mlp.experts())
     assert isinstance(mlp, MoEMLP) and bool(w13.std() > 0) and bool(w2.std() > 0)
     tokens = run_engine(engine, [[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
