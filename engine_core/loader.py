@@ -143,6 +143,12 @@ def load_pooling_model(
     return _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, None, None)
 
 
+# Quantization methods a mixture-of-experts model's experts take (engine_core/models/moe.py): integer weights
+# quantized at load, which the fused MoE computes with (kernels/cpu/moe.c). Quantized checkpoints (GPTQ, AWQ,
+# compressed-tensors, GGUF, FP8) and FP8 at load are refused: their experts' tensors have no loader.
+MOE_QUANTIZATION = ("int8", "int4")
+
+
 def _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, group, stage):
     import contextlib
     from functools import partial
@@ -155,11 +161,12 @@ def _load(build, model_dir, model_cfg, dtype, device, load_format, quantization,
     from pagoda.engine_core.quantization.assembly import LinearAssembler
 
     group, stage = group or SINGLE, stage or WHOLE
-    if quantization is not None and model_cfg.is_moe:
+    if quantization is not None and model_cfg.is_moe and quantization.name not in MOE_QUANTIZATION:
         raise ValueError(
-            f"{model_cfg.architecture} is a mixture-of-experts model: quantized weights ({quantization.describe()}: "
-            "--quantization at load, or a quantized checkpoint) are not supported for it yet; serve a float "
-            "checkpoint without --quantization"
+            f"{model_cfg.architecture} is a mixture-of-experts model: quantized weights ({quantization.describe()}) "
+            f"are not supported for it; its experts are quantized at load only (--quantization "
+            f"{' or '.join(MOE_QUANTIZATION)} on a float checkpoint), or serve the float checkpoint without "
+            "--quantization"
         )
     deferred = deferred_weights() if quantization is not None else contextlib.nullcontext()
     with torch.device(device), deferred, building_for(group, stage):
@@ -187,6 +194,7 @@ def _checkpoint_slices(model, assembled: bool, name: str, shape: tuple[int, ...]
 def weight_bytes(model) -> int:
     """Bytes the model's weights hold in memory (quantized and packed layouts as stored)."""
     from pagoda.engine_core.layers.linear import Linear
+    from pagoda.engine_core.models.moe import MoEMLP
 
     total = 0
     linear_params: set[int] = set()
@@ -194,6 +202,8 @@ def weight_bytes(model) -> int:
         if isinstance(module, Linear):
             total += module.weight_bytes()
             linear_params.update(id(p) for p in module.parameters(recurse=False))
+        elif isinstance(module, MoEMLP):
+            total += module.packed_bytes()  # (and its plain stacked weights, if any: parameters, below)
     for param in model.parameters():
         if id(param) not in linear_params and not param.is_meta:
             total += param.numel() * param.element_size()
@@ -218,10 +228,20 @@ def _checkpoint_tensors(model, name: str, param, generator):
     import torch
 
     from pagoda.engine_core.layers.linear import MergedLinear
+    from pagoda.engine_core.models.moe import MoEMLP
 
     module_path = name.rpartition(".")[0]
     module = model.get_submodule(module_path) if module_path else None
     pieces = [(name, param.shape)]
+    if isinstance(module, MoEMLP):  # (stacked experts: each expert's projections, as checkpoints hold them)
+        experts, rows, columns = param.shape
+        halves = [("gate_proj", rows // 2), ("up_proj", rows // 2)]
+        projections = halves if name.endswith("w13") else [("down_proj", rows)]
+        pieces = [
+            (f"{module_path}.experts.{e}.{projection}.weight", (size, columns))
+            for e in range(experts)
+            for projection, size in projections
+        ]
     if isinstance(module, MergedLinear):
         names = _SHARD_NAMES[module_path.rpartition(".")[2]]
         parent = module_path.rpartition(".")[0]
@@ -261,11 +281,15 @@ def fill_dummy_weights(model, seed: int = 0) -> None:
 
 
 def _pack_linears(model) -> None:
-    """Repack CPU float32 linear weights for the CPU's matmul (see layers/linear.py); a tied LM head's
-    weight is also the embedding table."""
+    """Repack CPU float32 linear weights for the CPU's matmul (see layers/linear.py), and mixtures of
+    experts' stacked experts for the fused MoE's (models/moe.py); a tied LM head's weight is also the
+    embedding table."""
     from pagoda.engine_core.layers.linear import Linear
+    from pagoda.engine_core.models.moe import MoEMLP
 
     tied = getattr(model, "embed_tokens", 0) is None
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             module.pack_for_cpu(tied_embedding=tied and name.endswith("lm_head"))
+        elif isinstance(module, MoEMLP):
+            module.pack_for_cpu()

@@ -60,6 +60,7 @@ _CPU_COMPILED = {
     "quantized_linear",
     "panel_linear",
     "argmax_rows",
+    "fused_moe",  # (experts packed at load: ExpertPanels or PackedExperts; plain ones run the reference)
 }
 # Ops with no Triton kernel, for which a CUDA tensor gets the reference: the panel linear (a CUDA linear
 # keeps its plain weight for cuBLAS and never holds panels), and the greedy argmax (torch's own CUDA
@@ -167,8 +168,9 @@ fp8_linear = _dispatching("fp8_linear")  # (x, Fp8Weight, bias=None): see kernel
 # (x, PanelWeight, bias=None, bulk_rows_from=None): float32 on the CPU, kernels/panels.py
 panel_linear = _dispatching("panel_linear")
 argmax_rows = _dispatching("argmax_rows")  # (logits [B, V]) -> [B] int64: greedy sampling's pick
-# (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], Routing) -> [T, H]:
-# kernels/torch_ref/moe.py, on CUDA kernels/triton/moe.py
+# (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], Routing) -> [T, H], the
+# experts plain or packed (ExpertPanels, PackedExperts): kernels/torch_ref/moe.py, on the CPU
+# kernels/cpu/moe.c, on CUDA kernels/triton/moe.py
 fused_moe = _dispatching("fused_moe")
 
 

@@ -5,7 +5,9 @@ panel p holds output columns 16p..16p+15, one 64-byte line of them for each inpu
 kernel (kernels/cpu/panel_matmul.c) then reads each weight once per step as a few sequential
 streams, which is what decode's handful of rows needs (why, and the measurements:
 docs/decode-speed.md). It is packed once at load time and replaces the plain weight; a tied LM head's
-embedding lookup reads its rows from the panels (`rows`), so no second copy is kept.
+embedding lookup reads its rows from the panels (`rows`), so no second copy is kept. A mixture-of-experts
+layer's stacked expert matrices are packed the same way, expert by expert (`ExpertPanels`), for the fused
+MoE kernel (kernels/cpu/moe.c).
 """
 
 from __future__ import annotations
@@ -41,6 +43,36 @@ class PanelWeight:
         flat = ids.reshape(-1)
         picked = self.data[flat // PANEL, :, flat % PANEL]  # [len(ids), K]
         return picked.reshape(*ids.shape, self.in_features)
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+@dataclass
+class ExpertPanels:
+    """Stacked expert matrices `W [E, N, K]`, each expert's packed as a `PanelWeight`: `data [E, Np / 16, K,
+    16]`. The fused MoE reads only the chosen experts' panels; `matrix` unpacks one for the reference."""
+
+    out_features: int  # N, per expert
+    in_features: int  # K
+    data: torch.Tensor  # float32 [E, Np / 16, K, 16]
+
+    @classmethod
+    def pack(cls, weights: torch.Tensor) -> ExpertPanels:
+        """Panels of every expert of `weights [E, N, K]` (float32), one expert at a time."""
+        e, n, k = weights.shape
+        data = torch.empty(e, -(-n // PAD) * PAD // PANEL, k, PANEL, dtype=torch.float32)
+        for expert in range(e):
+            data[expert] = PanelWeight.pack(weights[expert]).data
+        return cls(n, k, data)
+
+    @property
+    def num_experts(self) -> int:
+        return self.data.shape[0]
+
+    def matrix(self, index: int, dtype=torch.float32) -> torch.Tensor:
+        """Expert `index`'s matrix `[N, K]` again (that expert's only), in `dtype`."""
+        return PanelWeight(self.out_features, self.in_features, self.data[index]).unpack().to(dtype)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()

@@ -32,6 +32,10 @@ scale`; zero points: `min = -zero * scale`). `pack` stores that as a `PackedWeig
 - `perm` (act-order GPTQ): the layer computes `x[..., perm] @ W'^T`, where W' holds the original
   columns in `perm` order, so that each group's columns are adjacent.
 
+A mixture-of-experts layer's stacked expert matrices are quantized expert by expert like dense linears and
+stored as one `PackedExperts`: every expert's `PackedWeight` tensors stacked along a first dimension (one
+layout for all experts), read by the fused MoE kernel (kernels/cpu/moe.c) one chosen expert at a time.
+
 `quantized_linear` dispatches like the other kernels: the compiled C kernel on the CPU where it
 builds, Triton on CUDA, and `reference_linear` (dequantize a slice of rows at a time, then matmul)
 everywhere else; the reference never holds a dequantized copy of the whole weight.
@@ -85,6 +89,95 @@ class PackedWeight:
             move(self.mins),
             move(self.perm),
         )
+
+
+@dataclass
+class PackedExperts:
+    """Stacked expert matrices `W [E, N, K]`, each expert's a `PackedWeight` of one common layout (bits, group
+    size, mins' dtype; no `perm`), its tensors stacked: `data [E, ...]`, `scales [E, N, G]`, `mins [E, N, G]`.
+    Where some experts store mins and others do not (symmetric 8-bit ones), all store them (`_common_mins`)."""
+
+    bits: int
+    out_features: int  # N, per expert
+    in_features: int  # K
+    group_size: int
+    data: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @classmethod
+    def stack(cls, name: str, experts: list[PackedWeight]) -> PackedExperts:
+        """One `PackedExperts` from each expert's packed weight (`name`, the layer, names the errors)."""
+        first = experts[0]
+        _check_one_layout(name, experts, first.out_features)
+        mins = _common_mins(experts)
+        data, scales = torch.stack([w.data for w in experts]), torch.stack([w.scales for w in experts])
+        return cls(
+            first.bits,
+            first.out_features,
+            first.in_features,
+            first.group_size,
+            data,
+            scales,
+            None if mins is None else torch.stack(mins),
+        )
+
+    @property
+    def num_experts(self) -> int:
+        return self.data.shape[0]
+
+    def expert(self, index: int) -> PackedWeight:
+        """Expert `index`'s packed weight (views of the stacked tensors)."""
+        mins = None if self.mins is None else self.mins[index]
+        return PackedWeight(
+            self.bits, self.out_features, self.in_features, self.group_size, self.data[index], self.scales[index], mins
+        )
+
+    def matrix(self, index: int, dtype=torch.float32) -> torch.Tensor:
+        """Expert `index`'s matrix `[N, K]`, dequantized (that expert's only)."""
+        return dequantize(self.expert(index), dtype=dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.mins) if t is not None)
+
+
+def concat_rows(name: str, parts: list[PackedWeight]) -> PackedWeight:
+    """The rows of `parts` (one layout, no `perm`) as one packed weight: an expert's gate and up
+    projections, quantized apart, as its gate-then-up matrix."""
+    _check_one_layout(name, parts, None)
+    mins = _common_mins(parts)
+    first = parts[0]
+    return PackedWeight(
+        first.bits,
+        sum(p.out_features for p in parts),
+        first.in_features,
+        first.group_size,
+        torch.cat([p.data for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        None if mins is None else torch.cat(mins),
+    )
+
+
+def _check_one_layout(name: str, weights: list[PackedWeight], out_features: int | None) -> None:
+    first = weights[0]
+    for weight in weights:
+        if (weight.bits, weight.in_features, weight.group_size) != (first.bits, first.in_features, first.group_size):
+            raise ValueError(f"{name}: experts are quantized differently; the fused MoE takes one layout")
+        if out_features is not None and weight.out_features != out_features:
+            raise ValueError(f"{name}: experts have {weight.out_features} and {out_features} output rows")
+        if weight.perm is not None:
+            raise ValueError(f"{name}: act-order (permuted) expert weights are not supported")
+
+
+def _common_mins(weights: list[PackedWeight]) -> list[torch.Tensor] | None:
+    """Each weight's mins in one dtype, or None where none stores any. A weight without mins (symmetric
+    8-bit) gets its implicit ones, -128 * scale (its offsets stay zero); float16 mins become float32 where
+    another weight's are float32."""
+    if all(w.mins is None for w in weights):
+        return None
+    each = [_compact(-float(1 << (w.bits - 1)) * w.scales.float()) if w.mins is None else w.mins for w in weights]
+    wide = any(m.dtype == torch.float32 for m in each)
+    return [m.float() if wide else m for m in each]
 
 
 def group_size_for(in_features: int, group_size: int) -> int:

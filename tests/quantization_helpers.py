@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from pagoda.engine_core.layers.linear import Linear, MergedLinear
+from pagoda.engine_core.models.moe import MoEMLP
 from pagoda.kernels.quantized import dequantize_original_order
 
 # Our merged linears -> the checkpoint's projections, in shard order.
@@ -20,7 +21,7 @@ _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer
 
 
 def write_dequantized_checkpoint(model: torch.nn.Module, source_dir: Path, target_dir: Path) -> Path:
-    """Write `model`'s weights (quantized linears dequantized) as a float32 HF checkpoint, with the
+    """Write `model`'s weights (quantized linears and experts dequantized) as a float32 HF checkpoint, with the
     config and tokenizer of `source_dir` minus any quantization_config."""
     import json
 
@@ -30,9 +31,10 @@ def write_dequantized_checkpoint(model: torch.nn.Module, source_dir: Path, targe
     for path, module in model.named_modules():
         if not isinstance(module, Linear):
             continue
-        weight = (
-            dequantize_original_order(module.quantized) if module.quantized is not None else module.weight
-        ).float()
+        if module.quantized is not None:
+            weight = dequantize_original_order(module.quantized).float()
+        else:  # (a linear kept in full precision: an MoE router, in the CPU matmul's panels once packed)
+            weight = (module.panels.unpack() if module.panels is not None else module.weight).float()
         pieces = [(path, weight, module.bias)]
         if isinstance(module, MergedLinear):
             parent, _, leaf = path.rpartition(".")
@@ -50,9 +52,18 @@ def write_dequantized_checkpoint(model: torch.nn.Module, source_dir: Path, targe
             tensors[f"{checkpoint}.weight"] = w.contiguous().clone()
             if b is not None:
                 tensors[f"{checkpoint}.bias"] = b.float().contiguous().clone()
+    for path, module in model.named_modules():
+        if isinstance(module, MoEMLP):  # (each expert's projections, by Qwen-MoE's checkpoint names)
+            w13, w2 = module.experts()
+            for e in range(_num_experts(w13)):
+                gate_up = _expert_matrix(w13, e)
+                inter = gate_up.shape[0] // 2
+                tensors[f"model.{path}.experts.{e}.gate_proj.weight"] = gate_up[:inter].contiguous().clone()
+                tensors[f"model.{path}.experts.{e}.up_proj.weight"] = gate_up[inter:].contiguous().clone()
+                tensors[f"model.{path}.experts.{e}.down_proj.weight"] = _expert_matrix(w2, e).contiguous().clone()
     for name, param in model.named_parameters():
         module_path = name.rpartition(".")[0]
-        if isinstance(model.get_submodule(module_path) if module_path else None, Linear):
+        if isinstance(model.get_submodule(module_path) if module_path else None, Linear | MoEMLP):
             continue
         tensors["model.embed_tokens.weight" if name == "embed_tokens" else f"model.{name}"] = param.float().clone()
     save_file(tensors, str(target_dir / "model.safetensors"))
@@ -65,6 +76,14 @@ def write_dequantized_checkpoint(model: torch.nn.Module, source_dir: Path, targe
     config["torch_dtype"] = "float32"
     (target_dir / "config.json").write_text(json.dumps(config, indent=2))
     return target_dir
+
+
+def _num_experts(weights) -> int:
+    return weights.shape[0] if isinstance(weights, torch.Tensor) else weights.num_experts
+
+
+def _expert_matrix(weights, expert: int) -> torch.Tensor:
+    return (weights[expert] if isinstance(weights, torch.Tensor) else weights.matrix(expert)).float()
 
 
 def identical_count(a: list[list[int]], b: list[list[int]]) -> int:

@@ -66,6 +66,11 @@ def deferred_weights() -> Iterator[None]:
         _deferred = previous
 
 
+def weights_deferred() -> bool:
+    """Whether layers are being built inside `deferred_weights()` (a quantized model: the loader fills them)."""
+    return _deferred
+
+
 def _weight(in_features: int, out_features: int, dtype, device=None) -> torch.Tensor:
     if _deferred and device is None:
         return torch.empty(out_features, in_features, dtype=dtype, device="meta")
@@ -136,6 +141,10 @@ def _spans(
 
 class Linear(nn.Module):
     activation: str | None = None  # (set by __init__; a MergedLinear has none)
+    # Whether quantization at load (`--quantization int8|int4|fp8`) quantizes this linear; a model sets it False
+    # on a small linear whose outputs decide more than their size (an MoE router), which then stays in full
+    # precision.
+    quantize_at_load = True
 
     def __init__(
         self,

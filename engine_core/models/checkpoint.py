@@ -10,15 +10,24 @@ from torch import nn
 
 from pagoda.engine_core.layers.linear import Linear, MergedLinear
 from pagoda.engine_core.quantization.assembly import LinearAssembler
+from pagoda.kernels.quantized import PackedWeight
 
 
 class ShardedParameters(Protocol):
     """A module whose parameters are filled from several checkpoint tensors each (MergedLinear's merged
-    rows; an MoE MLP's stacked experts): `_target` names the shard, `shard` gives its view to copy into."""
+    rows; an MoE MLP's stacked experts): `_target` names the shard, `shard` gives its view to copy into.
+    Stacked experts built deferred (quantized at load) take each shard quantized instead
+    (`set_quantized_shard`, engine_core/models/moe.py)."""
 
     def shard_count(self, param: torch.Tensor) -> int: ...
 
     def shard(self, index: int, param: torch.Tensor) -> torch.Tensor: ...
+
+
+class QuantizedShards(Protocol):
+    """Stacked parameters that, built deferred, take each checkpoint shard quantized and packed."""
+
+    def set_quantized_shard(self, index: int, param: torch.Tensor, packed: PackedWeight) -> None: ...
 
 
 def _shard_indices(module: object, param: torch.Tensor) -> list[int | None]:
@@ -67,12 +76,18 @@ class CheckpointLoading:
                 param: torch.Tensor = model.get_parameter(param_name)  # or a merged shard of it, below
             except AttributeError:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
+            stacked, owner = param, None
             if shard is not None:  # (see _target)
                 owner = cast(ShardedParameters, model.get_submodule(param_name.rpartition(".")[0]))
                 param = owner.shard(shard, param)
             if param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
-            param.copy_(tensor)
+            if assembler is not None and shard is not None and param.is_meta and hasattr(owner, "set_quantized_shard"):
+                # (stacked experts built deferred, quantized at load: each tensor as it arrives)
+                packed = assembler.quantize_expert(param_name, tensor)
+                cast(QuantizedShards, owner).set_quantized_shard(shard, stacked, packed)
+            else:
+                param.copy_(tensor)
             pending.discard((param_name, shard))
         if assembler is not None:
             assembler.finish(model)

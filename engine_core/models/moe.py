@@ -9,11 +9,19 @@ Checkpoints store each expert's projections apart (`mlp.experts.E.gate_proj` / `
 Mixtral's `block_sparse_moe.experts.E.w1` / `w3` / `w2`); they load straight into the stacked
 parameters `w13` [E, 2I, H] (gate rows, then up rows) and `w2` [E, H, I], one view per tensor.
 
-Not yet (refused with an error naming the limit, never run wrong): tensor and pipeline parallel (here,
-and before any worker starts in parallel/sharding.py `check_model_splits`), quantized weights, at load or
-in the checkpoint (loader.py), GGUF MoE files (gguf_model.py); the fused CPU decode step declines MoE
-layers (fused_decode.py), and with Triton turned off CUDA graphs are not captured for them (the reference
-op's expert loop reads the routing on the host: cuda_graphs.py `model_capturable`).
+After loading, `pack_for_cpu` packs float32 CPU experts into the panels of the CPU's matmul
+(kernels/panels.py `ExpertPanels`) for the fused MoE's C kernel (kernels/cpu/moe.c) and releases the plain
+stacked weights, as a dense `Linear` does; where the C kernels are off they stay plain (the reference).
+Quantization at load (`--quantization int8|int4`) quantizes each expert's gate, up and down projections as
+it would a dense linear's weight, each checkpoint tensor as it arrives (the stacked parameters are never
+allocated in full precision), and stacks them (kernels/quantized.py `PackedExperts`); the router and the
+shared expert's gate stay in full precision.
+
+Refused with an error naming the limit, never run wrong: tensor and pipeline parallel (here, and before any
+worker starts in parallel/sharding.py `check_model_splits`), quantized checkpoints and `--quantization fp8`
+(loader.py); the fused CPU decode step declines MoE layers (fused_decode.py), and CUDA graphs are not
+captured where the torch reference op runs (its expert loop reads the routing on the host:
+cuda_graphs.py `model_capturable`).
 """
 
 from __future__ import annotations
@@ -23,13 +31,15 @@ import re
 import torch
 from torch import nn
 
-from pagoda.engine_core.layers.linear import Linear
+from pagoda.engine_core.layers.linear import Linear, weights_deferred
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.llama import LlamaForCausalLM
 from pagoda.engine_core.models.llama_layers import LlamaMLP
 from pagoda.engine_core.parallel.distributed import building_group, building_stage
 from pagoda.kernels import ops
-from pagoda.kernels.torch_ref.moe import Routing
+from pagoda.kernels.panels import ExpertPanels
+from pagoda.kernels.quantized import PackedExperts, PackedWeight, concat_rows
+from pagoda.kernels.torch_ref.moe import ExpertWeights, Routing
 
 # A checkpoint's per-expert tensor: layer, block name, expert, projection.
 _EXPERT = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
@@ -55,13 +65,23 @@ class MoEMLP(nn.Module):
         # (norm_topk_prob is always True for Mixtral: engine_core/model_config.py)
         self.routing = Routing(cfg.num_experts_per_tok, cfg.norm_topk_prob, weights_in_hidden_dtype)
         self.gate = Linear(hidden, experts, False, dtype)
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), requires_grad=False)
+        self.gate.quantize_at_load = False  # (routing: a few weights that decide which experts run)
+        # Built for quantization at load (`deferred_weights`): the loader hands each expert's projection
+        # quantized (`set_quantized_shard`), so the stacked weights are never allocated in full precision.
+        device = "meta" if weights_deferred() else None
+        w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype, device=device)
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype, device=device), requires_grad=False)
+        # The experts packed (float32 panels for the CPU's C kernel) or quantized, which replace w13 / w2.
+        self.packed13: ExpertPanels | PackedExperts | None = None
+        self.packed2: ExpertPanels | PackedExperts | None = None
+        self._quantized_parts: dict[str, dict[int, PackedWeight]] = {"w13": {}, "w2": {}}  # (while loading)
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = LlamaMLP(cfg, dtype, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(hidden, 1, False, dtype)
+            self.shared_expert_gate.quantize_at_load = False
 
     def shard_count(self, param: torch.Tensor) -> int:
         """Checkpoint tensors per stacked parameter: gate and up of each expert in w13, down in w2."""
@@ -76,9 +96,49 @@ class MoEMLP(nn.Module):
             return param[expert, half * inter : (half + 1) * inter]
         return param[index]
 
+    def set_quantized_shard(self, index: int, param: torch.Tensor, packed: PackedWeight) -> None:
+        """Checkpoint shard `index` of `param` (w13 or w2, built deferred), quantized and packed; once all of a
+        parameter's shards are in, its experts are stacked (`PackedExperts`): w13's gate and up rows of each
+        expert first joined."""
+        name = "w13" if param is self.w13 else "w2"
+        parts = self._quantized_parts[name]
+        parts[index] = packed
+        if len(parts) < self.shard_count(param):
+            return
+        if name == "w13":
+            experts = [concat_rows(name, [parts[2 * e], parts[2 * e + 1]]) for e in range(param.shape[0])]
+            self.packed13 = PackedExperts.stack(name, experts)
+        else:
+            self.packed2 = PackedExperts.stack(name, [parts[e] for e in range(param.shape[0])])
+        parts.clear()
+
+    def pack_for_cpu(self) -> bool:
+        """Pack float32 CPU experts into panels for the fused MoE's C kernel and release the plain stacked
+        weights (like `Linear.pack_for_cpu`); True if packed. Where the C kernel is off they stay plain."""
+        w13, w2 = self.w13, self.w2
+        if self.packed13 is not None or w13.device.type != "cpu" or w13.dtype != torch.float32:
+            return False
+        if not ops.compiled("fused_moe", w13.device):
+            return False
+        self.packed13, self.packed2 = ExpertPanels.pack(w13), ExpertPanels.pack(w2)
+        self.w13 = nn.Parameter(torch.empty(0, dtype=w13.dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, dtype=w2.dtype), requires_grad=False)
+        return True
+
+    def experts(self) -> tuple[ExpertWeights, ExpertWeights]:
+        """(w13, w2) as the op takes them: packed or quantized where they are, else the plain stacked weights."""
+        if self.packed13 is not None and self.packed2 is not None:
+            return self.packed13, self.packed2
+        return self.w13, self.w2
+
+    def packed_bytes(self) -> int:
+        """Bytes the packed or quantized experts hold (the parameters count the plain ones)."""
+        return sum(p.nbytes() for p in (self.packed13, self.packed2) if p is not None)
+
     def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
         logits = self.gate(x).float()
-        out = ops.fused_moe(x, logits, self.w13, self.w2, self.routing)
+        w13, w2 = self.experts()
+        out = ops.fused_moe(x, logits, w13, w2, self.routing)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, bulk_rows_from)
             out = out + shared

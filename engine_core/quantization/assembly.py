@@ -24,6 +24,7 @@ from pagoda.engine_core.layers.linear import Linear, MergedLinear
 from pagoda.engine_core.quantization.base import QuantizationMethod, QuantizedShard, pack_shards, shard_columns
 from pagoda.kernels import fp8
 from pagoda.kernels.fp8 import Fp8Weight
+from pagoda.kernels.quantized import PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,15 @@ class LinearAssembler:
         self._linears[path] = linear
         self._collecting.setdefault(key, {})[kind] = tensor
 
+    def quantize_expert(self, path: str, tensor: torch.Tensor) -> PackedWeight:
+        """One expert's projection of a mixture-of-experts layer (a checkpoint tensor [n, K] of its stacked
+        experts, `path`), quantized at load as a dense linear's weight is, packed and on the device: the
+        layer stacks its experts' (engine_core/models/moe.py `MoEMLP.set_quantized_shard`)."""
+        shard = self.method.quantize(path, tensor) if self.method.quantizes_full_precision else None
+        if not isinstance(shard, QuantizedShard):
+            raise ValueError(f"{path}: {self.method.describe()} does not quantize mixture-of-experts weights")
+        return pack_shards(path, [shard]).to(self.device)
+
     def finish(self, model: torch.nn.Module) -> None:
         """Convert what is still collected; every linear of `model` must now have its weight."""
         for key in list(self._collecting):
@@ -90,8 +100,9 @@ class LinearAssembler:
         part = 0 if shard is None else shard
         if full_precision:
             weight = tensors["weight"]
+            quantize = self.method.quantizes_full_precision and linear.quantize_at_load
             result: QuantizedShard | Fp8Weight | torch.Tensor = (
-                self.method.quantize(path, weight) if self.method.quantizes_full_precision else weight
+                self.method.quantize(path, weight) if quantize else weight
             )
         else:
             result = self.method.from_checkpoint(

@@ -52,6 +52,7 @@ _LIBRARIES = {
     "amx_matmul": ["-fopenmp"],
     "layer_ops": ["-fopenmp"],
     "argmax": ["-fopenmp"],
+    "moe": ["-fopenmp"],
     "decoder": ["-fopenmp"],  # (calls the others' kernels through pointers: its own flags are its own ops')
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -77,6 +78,9 @@ _SIGNATURES = {
     "add_rms_norm_f32": [_POINTER] * 5 + [_I64] * 2 + [_F32, _I64],
     "silu_and_mul_f32": [_POINTER] * 2 + [_I64] * 3,
     "argmax_rows_f32": [_POINTER] * 2 + [_I64] * 4,
+    "moe_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 4 + [_I64] * 3,
+    "moe_quantized_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 10 + [_I64] * 3,
+    "moe_workspace": [_I64] * 9,
     "decode_layers_f32": [_POINTER, _POINTER, _I64, _POINTER],
     "decoder_scratch_floats": [_POINTER, _I64, _I64, _I64],
 }
@@ -91,6 +95,9 @@ _RESULTS = {
     "quantized_q8_unit": _I64,
     "quantized_q8_workspace": _I64,
     "quantized_batch_workspace": _I64,
+    "moe_workspace": _I64,
+    "moe_f32": ctypes.c_int,
+    "moe_quantized_f32": ctypes.c_int,
 }
 
 

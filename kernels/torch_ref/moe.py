@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagoda.kernels.panels import ExpertPanels
+from pagoda.kernels.quantized import PackedExperts
 from pagoda.kernels.torch_ref.layers import silu_and_mul
 
 
@@ -73,13 +75,28 @@ def assign(router_logits: torch.Tensor, routing: Routing, hidden_dtype: torch.dt
     return Assignment(experts.tolist(), counts.tolist(), pairs // routing.top_k, pair_weights[pairs])
 
 
+# Stacked expert matrices [E, N, K]: a plain tensor, or packed (kernels/panels.py `ExpertPanels`: float32 in
+# the CPU matmul's panels; kernels/quantized.py `PackedExperts`: quantized), each able to give one expert's
+# matrix (`matrix`).
+ExpertWeights = torch.Tensor | ExpertPanels | PackedExperts
+
+
+def expert_matrix(weights: ExpertWeights, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert `expert`'s matrix [N, K] of stacked expert weights: a plain tensor's slice, or that expert
+    alone unpacked from its panels or dequantized, in `dtype`."""
+    if isinstance(weights, torch.Tensor):
+        return weights[expert]
+    return weights.matrix(expert, dtype)
+
+
 def fused_moe(
-    hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: Routing
+    hidden: torch.Tensor, router_logits: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, routing: Routing
 ) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] for tokens `hidden` [T, H].
 
     `router_logits` [T, E] (float32: the router's output upcast), `w13` [E, 2I, H] (each expert's gate
-    rows, then its up rows), `w2` [E, H, I] (E: this rank's experts, `routing.local_experts`). Tokens are
+    rows, then its up rows), `w2` [E, H, I] (E: this rank's experts, `routing.local_experts`), plain or
+    packed (`ExpertWeights`: only the chosen experts are unpacked or dequantized). Tokens are
     grouped by expert (`assign`) and only the experts some token chose run, each once for all its tokens:
     silu(gate) * up, then down, times the token's routing weight, added into the output in the hidden
     dtype in ascending expert order (as HF's loop does)."""
@@ -88,7 +105,8 @@ def fused_moe(
     start = 0
     for expert, count in zip(pairs.experts, pairs.counts, strict=True):
         rows = pairs.tokens[start : start + count]
-        y = F.linear(silu_and_mul(F.linear(hidden[rows], w13[expert])), w2[expert])
+        up = F.linear(hidden[rows], expert_matrix(w13, expert, hidden.dtype))
+        y = F.linear(silu_and_mul(up), expert_matrix(w2, expert, hidden.dtype))
         out.index_add_(0, rows, (y * pairs.weights[start : start + count, None]).to(out.dtype))
         start += count
     return out

@@ -1,7 +1,8 @@
 """Mixture-of-experts models (engine_core/models/moe.py) beyond greedy-equals-HF (test_tiny_models.py): which
-layers are MoE, how checkpoints load, and what this release refuses with an error naming the limit (tensor
-and pipeline parallel, quantized weights; GGUF MoE files: test_gguf.py; the fused CPU decode step:
-test_fused_decode.py)."""
+layers are MoE, how checkpoints load (float32 experts packed for the fused MoE's C kernel, or kept plain where
+the C kernels are off; int8 / int4 experts quantized at load, equal to HF on the same dequantized weights),
+and what this release refuses with an error naming the limit (tensor and pipeline parallel, quantized
+checkpoints and FP8 at load; GGUF MoE files: test_gguf.py; the fused CPU decode step: test_fused_decode.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.environment import configure_kernels
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models import model_class
 from pagoda.engine_core.models.llama_layers import LlamaMLP
@@ -20,8 +22,12 @@ from pagoda.engine_core.parallel.distributed import SINGLE, TPGroup, building_fo
 from pagoda.engine_core.parallel.sharding import check_model_splits
 from pagoda.engine_core.parallel.stage import Stage
 from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.kernels import cpu
+from pagoda.kernels.panels import ExpertPanels
+from pagoda.kernels.quantized import PackedExperts
 from tests import tiny_models
 from tests.helpers import hf_greedy, run_engine
+from tests.quantization_helpers import write_dequantized_checkpoint
 
 
 def _saved(tmp_path, name, **overrides):
@@ -60,15 +66,45 @@ def test_the_moe_layers_are_hfs(tmp_path, name, overrides):
     assert cfg.norm_topk_prob == (name != "qwen2_moe")
 
 
+def _stacked(weights) -> torch.Tensor:
+    """Stacked expert weights [E, N, K] from what a layer holds (plain, packed into panels, or quantized)."""
+    if isinstance(weights, torch.Tensor):
+        return weights
+    return torch.stack([weights.matrix(e) for e in range(weights.num_experts)])
+
+
 def test_experts_load_into_the_stacked_weights(tmp_path):
     """Each expert's gate/up rows land in its slice of w13, its down projection in w2: the stacked
-    weights equal HF's (which stacks them the same way)."""
+    weights equal HF's (which stacks them the same way); float32 on the CPU, they are then packed into
+    panels for the fused MoE's C kernel and the plain ones released."""
     hf_model, model_dir = _saved(tmp_path, "mixtral")
     engine = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
     layer = engine.runner.model.decoder_layers()[2]
     hf_experts = hf_model.model.layers[2].mlp.experts
-    assert torch.equal(layer.mlp.w13, hf_experts.gate_up_proj)
-    assert torch.equal(layer.mlp.w2, hf_experts.down_proj)
+    w13, w2 = layer.mlp.experts()
+    if cpu.available():
+        assert isinstance(w13, ExpertPanels) and isinstance(w2, ExpertPanels)
+        assert layer.mlp.w13.numel() == 0 and layer.mlp.w2.numel() == 0
+    assert torch.equal(_stacked(w13), hf_experts.gate_up_proj)
+    assert torch.equal(_stacked(w2), hf_experts.down_proj)
+
+
+@pytest.fixture
+def c_kernels_off(monkeypatch):
+    monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
+    yield
+    monkeypatch.delenv("PAGODA_DISABLE_CPU_KERNELS")
+    configure_kernels()  # (this process's kernels as the environment says again)
+
+
+def test_without_c_kernels_the_experts_stay_plain_and_keep_hfs_tokens(tmp_path, c_kernels_off):
+    hf_model, model_dir = _saved(tmp_path, "qwen3_moe")
+    engine = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=32))
+    mlp = engine.runner.model.decoder_layers()[0].mlp
+    assert mlp.packed13 is None and mlp.w13.numel() > 0
+    prompts = [[5, 17, 300, 41], list(range(3, 40))]
+    tokens = run_engine(engine, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert tokens == [hf_greedy(hf_model, p, 12, stop_at_eos=False) for p in prompts]
 
 
 def test_a_missing_expert_tensor_is_refused(tmp_path):
@@ -101,11 +137,38 @@ def test_a_parallel_rank_refuses_to_build_the_model(tmp_path, group, stage, limi
         model_class(cfg.architecture)(cfg, torch.float32)
 
 
-@pytest.mark.parametrize("flag", ["int8", "int4"])
-def test_quantizing_at_load_is_refused(tmp_path, flag):
+@pytest.mark.parametrize(("flag", "bits"), [("int8", 8), ("int4", 4)])
+def test_experts_quantized_at_load_give_hfs_tokens_on_the_same_weights(tmp_path, flag, bits):
+    """`--quantization int8|int4`: every expert's projections quantized (the router in full precision), the
+    stacked parameters never allocated in full precision, and the greedy tokens of HF's model holding exactly
+    the dequantized weights (tests/quantization_helpers.py)."""
+    import transformers
+
+    original, model_dir = _saved(tmp_path, "qwen3_moe")
+    engine = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=32, quantization=flag))
+    model = engine.runner.model
+    mlp = model.decoder_layers()[0].mlp
+    assert isinstance(mlp, MoEMLP) and mlp.w13.is_meta and mlp.w2.is_meta
+    w13, w2 = mlp.experts()
+    assert isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts)
+    assert (w13.bits, w2.bits, w13.num_experts, w13.out_features, w2.in_features) == (bits, bits, 8, 128, 64)
+    assert mlp.gate.quantized is None
+    hf_experts = original.model.layers[0].mlp.experts
+    for packed, weights in ((w13, hf_experts.gate_up_proj.detach()), (w2, hf_experts.down_proj.detach())):
+        # (each expert's matrix in its place: off by the rounding, a small part of the weights' size)
+        assert float((_stacked(packed) - weights).abs().max()) < 0.1 * float(weights.abs().max())
+    prompts = [[5, 17, 300, 41], list(range(3, 40)), [7] * 20]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    tokens = run_engine(engine, prompts, params)
+    reference_dir = write_dequantized_checkpoint(model, model_dir, tmp_path / "dequantized")
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    assert tokens == [hf_greedy(hf_model, p, 16, stop_at_eos=False) for p in prompts]
+
+
+def test_fp8_at_load_is_refused(tmp_path):
     _, model_dir = _saved(tmp_path, "qwen3_moe")
-    with pytest.raises(ValueError, match=r"mixture-of-experts model: quantized weights .* not supported for it yet"):
-        EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16, quantization=flag))
+    with pytest.raises(ValueError, match=r"mixture-of-experts model: .* quantized at load only \(--quantization int8"):
+        EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16, quantization="fp8"))
 
 
 def test_a_quantized_checkpoint_is_refused(tmp_path):
@@ -146,14 +209,19 @@ def test_prefix_caching_chunks_and_preemption_keep_hfs_tokens(tmp_path, name, mo
         assert stats.num_preemptions > 0
 
 
-def test_dummy_weights_run_from_a_config_alone(tmp_path):
-    """`load_format="dummy"` (how benchmarks build a model from its config.json) fills the stacked experts."""
+@pytest.mark.parametrize("quantization", ["auto", "int4"])
+def test_dummy_weights_run_from_a_config_alone(tmp_path, quantization):
+    """`load_format="dummy"` (how benchmarks build a model from its config.json) fills the stacked experts,
+    quantized at load too (each expert's projections drawn as a checkpoint holds them)."""
     config_cls, extra = tiny_models.ARCHITECTURES["qwen2_moe"]
     model_dir = tmp_path / "config-only"
     config_cls(**{**tiny_models.COMMON, **extra}, architectures=["Qwen2MoeForCausalLM"]).save_pretrained(model_dir)
-    engine = EngineCore(EngineConfig(model=str(model_dir), load_format="dummy", num_kv_blocks=32))
+    config = EngineConfig(model=str(model_dir), load_format="dummy", num_kv_blocks=32, quantization=quantization)
+    engine = EngineCore(config)
     mlp = engine.runner.model.decoder_layers()[0].mlp
-    assert isinstance(mlp, MoEMLP) and bool(mlp.w13.std() > 0) and bool(mlp.w2.std() > 0)
+    assert isinstance(mlp.experts()[0], PackedExperts) == (quantization == "int4")
+    w13, w2 = (_stacked(w) for w in mlp.experts())
+    assert isinstance(mlp, MoEMLP) and bool(w13.std() > 0) and bool(w2.std() > 0)
     tokens = run_engine(engine, [[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert len(tokens[0]) == 8
 
