@@ -31,6 +31,7 @@ pytest.importorskip("triton")
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.engine import EngineCore
+from pagoda.engine_core.models.moe import MoEMLP
 from pagoda.engine_core.sampling_params import SamplingParams
 from pagoda.kernels import ops
 from pagoda.kernels.torch_ref import moe as ref
@@ -152,6 +153,19 @@ def test_options_run_the_reference(monkeypatch):
     assert calls == [{"swiglu_limit": 7.0}]
 
 
+def test_packed_experts_run_the_reference(monkeypatch):
+    """Experts packed or quantized (kernels/panels.py ExpertPanels, kernels/quantized.py PackedExperts) are
+    not the kernel's plain stacked tensors: the reference, which unpacks the chosen ones, computes them."""
+    from pagoda.kernels.panels import ExpertPanels
+
+    calls = []
+    monkeypatch.setattr(ref, "fused_moe", lambda *args, **options: calls.append(args[2]) or "reference")
+    hidden, logits, w13, w2 = _inputs(2, torch.float32, seed=0)
+    packed13, packed2 = ExpertPanels.pack(w13.cpu()), ExpertPanels.pack(w2.cpu())
+    assert tri.fused_moe(hidden, logits, packed13, packed2, ref.Routing(2)) == "reference"
+    assert calls == [packed13]
+
+
 def test_grouping_reads_nothing_on_the_host():
     """The routing and grouping run on meta tensors, which hold no values (`.item()`, `.tolist()` and
     data-dependent shapes raise there): nothing waits for the GPU, and a CUDA graph can capture the op."""
@@ -174,6 +188,7 @@ def test_moe_model_on_the_triton_op_gives_the_torch_tokens(tmp_path, monkeypatch
     renormalised), their fused MoE on the Triton kernel, the rest on the CPU path: the reference's greedy
     tokens, eager and through the padded CUDA-graph decode buffers."""
     tiny_models.build(name, vocab_size=256, num_hidden_layers=2).save_pretrained(tmp_path / name)
+    monkeypatch.setattr(MoEMLP, "pack_for_cpu", lambda self: False)  # (plain experts, as on CUDA)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (1, 9, 30)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
