@@ -5,9 +5,10 @@ parallel (whole MoE layers per stage).
 Without processes: which rank holds which experts, each rank's layer output being its share of the whole
 layer's (their sum equals it), dummy weights, and the splits refused up front. With real worker processes
 over gloo: tiny Qwen3-MoE (a dense layer among the MoE ones) and Qwen2-MoE (a shared expert) under TP=2,
-EP=2 and PP=2, whose greedy tokens equal one rank's and HF's, and whose first-step logprobs agree with
-one rank's within tests/parallel_checks.py TOLERANCE (1e-4: the ranks' partial sums add up in another
-order, and pipelining batches the requests otherwise, two steps in flight).
+EP=2 and PP=2 (and EP=2 x PP=2, four processes: slow), whose greedy tokens equal one rank's and HF's,
+and whose first-step logprobs agree with one rank's within tests/parallel_checks.py TOLERANCE (1e-4: the
+ranks' partial sums add up in another order, and pipelining batches the requests otherwise, two steps in
+flight).
 """
 
 from __future__ import annotations
@@ -163,7 +164,9 @@ SPLITS = {
     "tp2": dict(tensor_parallel_size=2),
     "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
     "pp2": dict(pipeline_parallel_size=2),
+    "ep2xpp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True),
 }
+SLOW = {"ep2xpp2"}  # (four processes on the test host's cores)
 NEW_TOKENS = 24
 
 
@@ -183,7 +186,7 @@ def _run(model_dir, split: dict):
     return greedy_with_first_logprobs(model_dir, random_prompts(), NEW_TOKENS, **split, **args)
 
 
-@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("split", [pytest.param(s, marks=[pytest.mark.slow] if s in SLOW else []) for s in SPLITS])
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
 def test_split_engines_generate_one_ranks_tokens(saved, one_rank, name, split):
     """Every prompt's greedy tokens equal one rank's (and so HF's); first-step logprobs within TOLERANCE."""
