@@ -3,7 +3,8 @@ intermediate rows split), expert parallel (`enable_expert_parallel`: whole exper
 parallel (whole MoE layers per stage).
 
 Without processes: which rank holds which experts, each rank's layer output being its share of the whole
-layer's (their sum equals it), dummy weights, and the splits refused up front. With real worker processes
+layer's (their sum equals it; Qwen3-MoE, Qwen2-MoE, Mixtral, and splits that do not divide), dummy
+weights, and the splits refused up front. With real worker processes
 over gloo: tiny Qwen3-MoE (a dense layer among the MoE ones) and Qwen2-MoE (a shared expert) under TP=2,
 EP=2 and PP=2 (and EP=2 x PP=2, four processes: slow), whose greedy tokens equal one rank's and HF's,
 and whose first-step logprobs agree with one rank's within tests/parallel_checks.py TOLERANCE (1e-4: the
@@ -36,13 +37,26 @@ def test_experts_are_placed_in_contiguous_ranges_the_first_ranks_holding_the_rem
     assert placement(3, 3) == [(0, 1), (1, 2), (2, 3)]
 
 
+# name -> (tests/tiny_models.py architecture, what differs)
+CHECKPOINTS = {
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "mixtral": ("mixtral", {}),
+    # Splits that do not divide: 7 experts over 2 ranks (4 + 3), 63 and 127 intermediate rows (31 + 32, 63 + 64)
+    "qwen2_moe-uneven": (
+        "qwen2_moe",
+        dict(num_experts=7, moe_intermediate_size=63, shared_expert_intermediate_size=127),
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """name -> (HF model, its checkpoint directory), each built once."""
     root = tmp_path_factory.mktemp("moe-parallel")
     models = {}
-    for name in ("qwen3_moe", "qwen2_moe"):
-        models[name] = tiny_models.build(name), root / name
+    for name, (arch, overrides) in CHECKPOINTS.items():
+        models[name] = tiny_models.build(arch, **overrides), root / name
         models[name][0].save_pretrained(root / name)
     return models
 
@@ -67,7 +81,7 @@ def test_an_expert_parallel_rank_holds_and_reads_only_its_experts(saved):
     assert torch.equal(mlp.w2, hf_experts.down_proj[4:8])
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 def test_the_ranks_partial_sums_add_up_to_the_whole_layer(saved, name, expert_parallel):
     """Each rank's MoE layer (built as a worker builds it, its all-reduce left out: a group without a
@@ -82,8 +96,11 @@ def test_the_ranks_partial_sums_add_up_to_the_whole_layer(saved, name, expert_pa
         parts = [mlp(x) for mlp in ranks]
     assert all(float(part.sub(expected).abs().max()) > 1e-3 for part in parts)  # (each rank holds a share only)
     torch.testing.assert_close(parts[0] + parts[1], expected, atol=1e-5, rtol=1e-5)
-    if not expert_parallel:  # each expert's 64 intermediate rows: 32 per rank
-        assert [tuple(mlp.w13.shape) for mlp in ranks] == [(8, 64, 128)] * 2
+    shapes = [tuple(mlp.w13.shape) for mlp in ranks]
+    if name == "qwen2_moe-uneven":
+        assert shapes == ([(4, 126, 128), (3, 126, 128)] if expert_parallel else [(7, 62, 128), (7, 64, 128)])
+    elif not expert_parallel:  # each expert's 64 intermediate rows: 32 per rank
+        assert shapes == [(8, 64, 128)] * 2
 
 
 def test_expert_parallel_is_a_no_op_on_one_rank(saved):
@@ -142,6 +159,14 @@ def test_moe_splits_that_cannot_work_are_refused_up_front(overrides, expert_para
     check_model_splits(cfg, 4, 2, expert_parallel)  # (4 ranks: 4 experts, 4 rows each; and two stages)
 
 
+def test_an_unreduced_row_parallel_linear_refuses_a_bias():
+    """(Each rank would add it to its partial sum: N biases in the all-reduced output.)"""
+    from pagoda.engine_core.layers.linear import Linear
+
+    with building_for(TPGroup(0, 2)), pytest.raises(ValueError, match="without its all-reduce takes no bias"):
+        Linear(64, 32, True, torch.float32, parallel="row", reduce=False)
+
+
 def test_a_moe_model_builds_under_every_split_a_rank_may_hold(saved):
     """Tensor, expert and pipeline parallel ranks build the model (the refusals of these splits are gone)."""
     from pagoda.engine_core.models import model_class
@@ -166,6 +191,7 @@ SPLITS = {
     "pp2": dict(pipeline_parallel_size=2),
     "ep2xpp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, enable_expert_parallel=True),
 }
+ENGINE_MODELS = ("qwen3_moe", "qwen2_moe")
 SLOW = {"ep2xpp2"}  # (four processes on the test host's cores)
 NEW_TOKENS = 24
 
@@ -174,7 +200,8 @@ NEW_TOKENS = 24
 def one_rank(saved):
     """name -> the single-rank engine's (tokens, first-step logprobs) on random_prompts(), which equal HF's."""
     runs = {}
-    for name, (hf_model, model_dir) in saved.items():
+    for name in ENGINE_MODELS:
+        hf_model, model_dir = saved[name]
         runs[name] = _run(model_dir, {})
         expected = [hf_greedy(hf_model, prompt, NEW_TOKENS, stop_at_eos=False) for prompt in random_prompts()]
         assert runs[name][0] == expected
@@ -187,7 +214,7 @@ def _run(model_dir, split: dict):
 
 
 @pytest.mark.parametrize("split", [pytest.param(s, marks=[pytest.mark.slow] if s in SLOW else []) for s in SPLITS])
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ENGINE_MODELS)
 def test_split_engines_generate_one_ranks_tokens(saved, one_rank, name, split):
     """Every prompt's greedy tokens equal one rank's (and so HF's); first-step logprobs within TOLERANCE."""
     _, model_dir = saved[name]
