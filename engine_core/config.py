@@ -104,6 +104,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU (per rank); default = torch's choice
     tensor_parallel_size: int = 1  # ranks each layer is split over (docs/parallel.md)
     pipeline_parallel_size: int = 1  # stages the layers are split into, each with its tensor-parallel ranks
+    # Mixtures of experts under tensor parallel: whole experts per rank instead of each expert split over
+    # the ranks (vLLM's flag; a no-op at tensor_parallel_size 1 and for dense models, as there)
+    enable_expert_parallel: bool = False
     # Which replica this engine is: on CUDA its GPUs start at this x its ranks (tensor x pipeline parallel).
     data_parallel_rank: int = 0
     # CPU cores per engine process (engine_core/cpu_binding.py): "auto", "none" or "0-3|4-7"; one
@@ -308,6 +311,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size ranks, with up to this many steps in flight (one per stage); docs/parallel.md",
     )
     g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="mixture-of-experts models under tensor parallel: place whole experts on the ranks (a contiguous "
+        "range each) instead of splitting every expert over them; attention stays split by heads. No effect at "
+        "--tensor-parallel-size 1 or on a dense model; docs/parallel.md",
+    )
+    g.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
@@ -444,6 +454,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         speculative_config=args.speculative_config,
         speculative_disable_batch_size=args.speculative_disable_batch_size,
         cpu_threads_bind=args.cpu_threads_bind,

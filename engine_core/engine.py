@@ -107,7 +107,12 @@ class EngineCore:
         if config.num_ranks > 1:
             from pagoda.engine_core.parallel.executor import ParallelExecutor
 
-            check_model_splits(self.model_cfg, config.tensor_parallel_size, config.pipeline_parallel_size)
+            check_model_splits(
+                self.model_cfg,
+                config.tensor_parallel_size,
+                config.pipeline_parallel_size,
+                config.enable_expert_parallel,
+            )
             self.executor = ParallelExecutor(config, str(self.model_dir), ranks=ranks)
             # The workers are stopped when this engine is closed or collected, whichever comes first.
             self._finalizer = weakref.finalize(self, self.executor.close)

@@ -31,7 +31,8 @@ class LLM:
     Hugging Face model directory or hub id. Keyword arguments are `EngineConfig` fields
     (`dtype`, `block_size`, `kv_cache_memory` ("2GiB"), `max_num_batched_tokens`, `max_num_seqs`, ...).
     `tensor_parallel_size=T` and `pipeline_parallel_size=P` split the model over T x P processes (this
-    one and the workers it starts); `close()`, or leaving a `with LLM(...) as llm:` block, stops them.
+    one and the workers it starts; `enable_expert_parallel=True`: a mixture of experts' experts whole per
+    rank); `close()`, or leaving a `with LLM(...) as llm:` block, stops them.
     An embedding model (an encoder such as all-MiniLM-L6-v2, or any model with `runner="pooling"`)
     answers `embed` instead of `generate`.
     """

@@ -113,16 +113,20 @@ def load_model(
     fp8_matmul: bool | None = None,
     group: TPGroup | None = None,
     stage: Stage | None = None,
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model and fill it from the checkpoint; with a `quantization` method its linears are
     assembled from quantized tensors (or quantized as they stream by) without a full-precision copy.
     `fp8_matmul`: keep FP8 weights in FP8 (None: where the device multiplies in FP8). `group`: the
     tensor-parallel group this rank's shard of the model is for, `stage` the pipeline stage whose layers
-    it holds (None: the whole model)."""
+    it holds (None: the whole model); `expert_parallel`: a mixture of experts' experts placed whole on the
+    group's ranks (engine_core/models/moe.py)."""
     from pagoda.engine_core.models import model_class
 
     build = model_class(model_cfg.architecture)
-    return _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, group, stage)
+    return _load(
+        build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, group, stage, expert_parallel
+    )
 
 
 def load_pooling_model(
@@ -140,7 +144,7 @@ def load_pooling_model(
     from pagoda.engine_core.models import pooling_model_class
 
     build = partial(pooling_model_class(model_cfg.architecture), pooling=True)
-    return _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, None, None)
+    return _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, None, None, False)
 
 
 # Quantization methods a mixture-of-experts model's experts take (engine_core/models/moe.py): integer weights
@@ -149,7 +153,9 @@ def load_pooling_model(
 MOE_QUANTIZATION = ("int8", "int4")
 
 
-def _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, group, stage):
+def _load(
+    build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, group, stage, expert_parallel
+):
     import contextlib
     from functools import partial
 
@@ -169,7 +175,7 @@ def _load(build, model_dir, model_cfg, dtype, device, load_format, quantization,
             "--quantization"
         )
     deferred = deferred_weights() if quantization is not None else contextlib.nullcontext()
-    with torch.device(device), deferred, building_for(group, stage):
+    with torch.device(device), deferred, building_for(group, stage, expert_parallel):
         model = build(model_cfg, dtype)
     assembler = None if quantization is None else LinearAssembler(quantization, device, fp8_matmul)
     select = partial(_checkpoint_slices, model, assembler is not None) if group.parallel else None
@@ -180,7 +186,8 @@ def _load(build, model_dir, model_cfg, dtype, device, load_format, quantization,
         else:
             fill_dummy_weights(model)
     else:
-        keep = model.holds if stage.count > 1 else None
+        # (a stage's tensors only; under expert parallel, also this rank's experts only: others are not read)
+        keep = model.holds if stage.count > 1 or group.parallel else None
         model.load_weights(iterate_weights(model_dir, select, keep), assembler)
     model.eval()
     _pack_linears(model)

@@ -157,6 +157,7 @@ class ModelRunner:
             fp8_matmul,
             group,
             self.stage,
+            config.enable_expert_parallel,
         )
         self.num_layers = len(self.model.attention_layers())  # this stage's
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's

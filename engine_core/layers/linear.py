@@ -29,7 +29,8 @@ Tensor parallel: a linear's `parallel` style says how it is split over the group
   whole attention heads, see engine_core/parallel/sharding.py), so its output is a slice of the full
   output;
 - "row": each rank holds a slice of the input columns and computes a partial sum of the full output;
-  one all-reduce adds the partial sums, then the bias is added (once);
+  one all-reduce adds the partial sums, then the bias is added (once); with `reduce=False` the caller
+  adds them (a mixture of experts: its shared expert's sum and the experts' in one all-reduce);
 - "vocab": the LM head's rows split by vocabulary (the model gathers the logits).
 `in_features` / `out_features` / `out_sizes` are this rank's; `in_span` / `out_spans` place them in the
 checkpoint's tensors, which the loader slices accordingly.
@@ -155,11 +156,18 @@ class Linear(nn.Module):
         parallel: str = "replicated",
         heads: AttentionHeads | None = None,
         activation: str | None = None,
+        reduce: bool = True,
     ):
         """`heads`: a row-parallel linear's inputs are the attention's query heads, split whole with
         their K/V heads (the output projection). `activation`: one of ACTIVATIONS, applied to the output
-        (not under tensor parallel's row split, whose partial sums are added after the matmul)."""
+        (not under tensor parallel's row split, whose partial sums are added after the matmul).
+        `reduce=False`: a row-parallel linear returns this rank's partial sum, which the caller adds to
+        others before one all-reduce of its own (a mixture of experts' shared expert); no bias then."""
         self._init(in_features, [out_features], bias, dtype, parallel, heads)
+        if not reduce:
+            if bias:
+                raise ValueError("a row-parallel linear without its all-reduce takes no bias (each rank would add it)")
+            self.reduces = False
         if activation is not None and (activation not in ACTIVATIONS or self.reduces):
             raise ValueError(f"activation {activation!r}: one of {', '.join(ACTIVATIONS)}, on an unreduced linear")
         self.activation = activation

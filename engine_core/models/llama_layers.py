@@ -67,12 +67,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, intermediate_size: int | None = None):
-        """`intermediate_size`: the config's by default (another for an MoE model's shared expert)."""
+    def __init__(self, cfg: ModelConfig, dtype, intermediate_size: int | None = None, reduce: bool = True):
+        """`intermediate_size`: the config's by default (another for an MoE model's shared expert).
+        `reduce=False`: under tensor parallel, return this rank's partial sum (the caller all-reduces)."""
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, [inter] * 2, False, dtype, parallel="column")
-        self.down_proj = Linear(inter, cfg.hidden_size, False, dtype, parallel="row")
+        self.down_proj = Linear(inter, cfg.hidden_size, False, dtype, parallel="row", reduce=reduce)
 
     def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x, bulk_rows_from)), bulk_rows_from)

@@ -9,6 +9,17 @@ Checkpoints store each expert's projections apart (`mlp.experts.E.gate_proj` / `
 Mixtral's `block_sparse_moe.experts.E.w1` / `w3` / `w2`); they load straight into the stacked
 parameters `w13` [E, 2I, H] (gate rows, then up rows) and `w2` [E, H, I], one view per tensor.
 
+Tensor parallel (engine_core/parallel): the router is replicated (every rank routes every token the
+same way). By default each expert is split as a dense MLP is: every rank holds every expert's slice of
+the intermediate rows (gate and up rows, the down projection's columns; unevenly when the ranks do not
+divide I, as engine_core/parallel/sharding.py `split_rows` does). With expert parallel
+(`--enable-expert-parallel`) each rank holds whole experts instead, a contiguous range (`split_experts`),
+and computes only the (token, expert) pairs of its experts (`Routing.expert_offset` / `local_experts`);
+attention stays split by heads, so every rank already holds every token and no token moves. Either way
+each rank's output is a partial sum: the experts' and Qwen2-MoE's shared expert's (split as a dense MLP,
+its down projection not reduced) are added on the rank and summed over the ranks in one all-reduce per
+layer. Pipeline parallel holds whole MoE layers per stage, as it does dense ones.
+
 After loading, `pack_for_cpu` packs float32 CPU experts into the panels of the CPU's matmul
 (kernels/panels.py `ExpertPanels`) for the fused MoE's C kernel (kernels/cpu/moe.c) and releases the plain
 stacked weights, as a dense `Linear` does; where the C kernels are off they stay plain (the reference).
@@ -17,8 +28,7 @@ it would a dense linear's weight, each checkpoint tensor as it arrives (the stac
 allocated in full precision), and stacks them (kernels/quantized.py `PackedExperts`); the router and the
 shared expert's gate stay in full precision.
 
-Refused with an error naming the limit, never run wrong: tensor and pipeline parallel (here, and before any
-worker starts in parallel/sharding.py `check_model_splits`), quantized checkpoints and `--quantization fp8`
+Refused with an error naming the limit, never run wrong: quantized checkpoints and `--quantization fp8`
 (loader.py); the fused CPU decode step declines MoE layers (fused_decode.py), and CUDA graphs are not
 captured where the torch reference op runs (its expert loop reads the routing on the host:
 cuda_graphs.py `model_capturable`).
@@ -27,6 +37,7 @@ cuda_graphs.py `model_capturable`).
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import torch
 from torch import nn
@@ -35,7 +46,8 @@ from pagoda.engine_core.layers.linear import Linear, weights_deferred
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.llama import LlamaForCausalLM
 from pagoda.engine_core.models.llama_layers import LlamaMLP
-from pagoda.engine_core.parallel.distributed import building_group, building_stage
+from pagoda.engine_core.parallel.distributed import building_expert_parallel, building_group
+from pagoda.engine_core.parallel.sharding import Span, split_experts, split_rows
 from pagoda.kernels import ops
 from pagoda.kernels.panels import ExpertPanels
 from pagoda.kernels.quantized import PackedExperts, PackedWeight, concat_rows
@@ -57,21 +69,39 @@ _EXPERT_PROJ = {
 class MoEMLP(nn.Module):
     """A layer's mixture of experts: the router (a replicated Linear [E, H] -> float32 logits), each
     expert's SiLU-gated MLP stacked in `w13` and `w2`, and optionally a shared expert (Qwen2-MoE: a dense
-    MLP scaled by sigmoid(shared_expert_gate(x)) and added to the routed sum)."""
+    MLP scaled by sigmoid(shared_expert_gate(x)) and added to the routed sum).
+
+    Under tensor parallel `expert_span` (expert parallel) or `inter_span` (otherwise) says which experts,
+    and which of their intermediate rows, this rank's stacked weights hold, in checkpoint coordinates."""
 
     def __init__(self, cfg: ModelConfig, dtype, weights_in_hidden_dtype: bool):
         super().__init__()
         experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.tp = building_group()
+        self.expert_parallel = self.tp.parallel and building_expert_parallel()
+        self.expert_span, self.inter_span = Span(0, experts), Span(0, inter)
+        if self.expert_parallel:
+            self.expert_span = split_experts(experts, self.tp.rank, self.tp.world_size)
+        elif self.tp.parallel:
+            self.inter_span = split_rows(inter, self.tp.rank, self.tp.world_size)
+        local_experts, local_inter = self.expert_span.size, self.inter_span.size
         # (norm_topk_prob is always True for Mixtral: engine_core/model_config.py)
-        self.routing = Routing(cfg.num_experts_per_tok, cfg.norm_topk_prob, weights_in_hidden_dtype)
+        self.routing = Routing(
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            weights_in_hidden_dtype,
+            self.expert_span.start,
+            local_experts if self.expert_parallel else None,
+        )
         self.gate = Linear(hidden, experts, False, dtype)
         self.gate.quantize_at_load = False  # (routing: a few weights that decide which experts run)
         # Built for quantization at load (`deferred_weights`): the loader hands each expert's projection
         # quantized (`set_quantized_shard`), so the stacked weights are never allocated in full precision.
         device = "meta" if weights_deferred() else None
-        w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype, device=device)
+        w13 = torch.empty(local_experts, 2 * local_inter, hidden, dtype=dtype, device=device)
         self.w13 = nn.Parameter(w13, requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype, device=device), requires_grad=False)
+        w2 = torch.empty(local_experts, hidden, local_inter, dtype=dtype, device=device)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
         # The experts packed (float32 panels for the CPU's C kernel) or quantized, which replace w13 / w2.
         self.packed13: ExpertPanels | PackedExperts | None = None
         self.packed2: ExpertPanels | PackedExperts | None = None
@@ -79,9 +109,23 @@ class MoEMLP(nn.Module):
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: Linear | None = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = LlamaMLP(cfg, dtype, cfg.shared_expert_intermediate_size)
+            # (split as a dense MLP; its partial sum joins the experts' in forward's one all-reduce)
+            self.shared_expert = LlamaMLP(cfg, dtype, cfg.shared_expert_intermediate_size, reduce=False)
             self.shared_expert_gate = Linear(hidden, 1, False, dtype)
             self.shared_expert_gate.quantize_at_load = False
+
+    def local_expert(self, expert: int) -> int | None:
+        """Checkpoint expert `expert`'s index in this rank's stacked weights; None if another rank holds it."""
+        local = expert - self.expert_span.start
+        return local if 0 <= local < self.expert_span.size else None
+
+    def checkpoint_slices(self, param: str) -> tuple[slice, ...] | None:
+        """The slice of an expert's checkpoint tensor (gate/up [I, H] for `w13`, down [H, I] for `w2`) this
+        rank loads: its intermediate rows, or columns of the down projection; None: all of it."""
+        if not self.tp.parallel or self.expert_parallel:
+            return None
+        rows = self.inter_span.slice()
+        return (rows,) if param == "w13" else (slice(None), rows)
 
     def shard_count(self, param: torch.Tensor) -> int:
         """Checkpoint tensors per stacked parameter: gate and up of each expert in w13, down in w2."""
@@ -89,7 +133,7 @@ class MoEMLP(nn.Module):
 
     def shard(self, index: int, param: torch.Tensor) -> torch.Tensor:
         """The view of `param` checkpoint shard `index` fills: w13's (expert, half) = divmod(index, 2),
-        w2's expert `index`."""
+        w2's expert `index` (local indices: this rank's experts)."""
         if param is self.w13:
             expert, half = divmod(index, 2)
             inter = param.shape[1] // 2
@@ -140,9 +184,11 @@ class MoEMLP(nn.Module):
         w13, w2 = self.experts()
         out = ops.fused_moe(x, logits, w13, w2, self.routing)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, bulk_rows_from)
-            out = out + shared
-        return out
+            # (the gate scales each token's row: it commutes with the sum over the ranks)
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, bulk_rows_from)
+        # Under tensor parallel `out` is this rank's partial sum (its intermediate rows of every expert, or
+        # its experts' pairs, plus its share of the shared expert): one all-reduce per layer adds them.
+        return self.tp.all_reduce(out)
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -152,10 +198,6 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pooling: bool = False):
         name = cfg.architecture
-        if building_group().parallel:
-            raise ValueError(f"{name}: mixture-of-experts models do not run under tensor parallel yet")
-        if building_stage().count > 1:
-            raise ValueError(f"{name}: mixture-of-experts models do not run under pipeline parallel yet")
         if cfg.raw.get("use_sliding_window") and cfg.raw.get("model_type") in ("qwen2_moe", "qwen3_moe"):
             # (HF's layer_types make only some layers' attention sliding; ours would slide in all)
             raise ValueError(f"{name}: use_sliding_window is not supported for this family yet")
@@ -166,12 +208,23 @@ class MoEForCausalLM(LlamaForCausalLM):
             return super().mlp_for(layer_index, dtype)
         return MoEMLP(self.cfg, dtype, self.weights_in_hidden_dtype)
 
+    def checkpoint_slices(self, name: str, assembled: bool) -> tuple[slice, ...] | None:
+        target = self._target(name)
+        if target is not None and target[0].endswith((".mlp.w13", ".mlp.w2")):
+            module_path, _, param = target[0].rpartition(".")
+            return cast(MoEMLP, self.get_submodule(module_path)).checkpoint_slices(param)
+        return super().checkpoint_slices(name, assembled)
+
     def _target(self, name: str) -> tuple[str, int | None] | None:
         short = name.removeprefix("model.")
         match = _EXPERT.match(short)
         if match is not None and match[3] in _EXPERT_PROJ:  # (other names: the Llama mapping refuses them)
-            layer, expert = match[1], int(match[2])
+            layer = match[1]
             if not self._on_this_stage(f"layers.{layer}"):
+                return None
+            # (expert parallel: another rank's expert is skipped, and not even read: loader.py `keep`)
+            expert = cast(MoEMLP, self.get_submodule(f"layers.{layer}.mlp")).local_expert(int(match[2]))
+            if expert is None:
                 return None
             param, half = _EXPERT_PROJ[match[3]]
             return f"layers.{layer}.mlp.{param}", expert if half is None else 2 * expert + half

@@ -191,16 +191,17 @@ def _process_group(store, rank: int, size: int, device: torch.device, timeout: t
 
 
 # What a model being built is split over (see `building_for`).
-_building: tuple[TPGroup, Stage] = (SINGLE, WHOLE)
+_building: tuple[TPGroup, Stage, bool] = (SINGLE, WHOLE, False)
 
 
 @contextlib.contextmanager
-def building_for(group: TPGroup, stage: Stage = WHOLE) -> Iterator[None]:
-    """Build a model's layers split over `group`, holding `stage`'s layers only (layers and models read
-    `building_group()` and `building_stage()` in their constructor, so model files need not pass them
-    down)."""
+def building_for(group: TPGroup, stage: Stage = WHOLE, expert_parallel: bool = False) -> Iterator[None]:
+    """Build a model's layers split over `group`, holding `stage`'s layers only; with `expert_parallel`,
+    a mixture of experts places whole experts on the group's ranks instead of splitting each one
+    (engine_core/models/moe.py). Layers and models read `building_group()`, `building_stage()` and
+    `building_expert_parallel()` in their constructor, so model files need not pass them down."""
     global _building
-    _building, previous = (group, stage), _building
+    _building, previous = (group, stage, expert_parallel), _building
     try:
         yield
     finally:
@@ -213,3 +214,9 @@ def building_group() -> TPGroup:
 
 def building_stage() -> Stage:
     return _building[1]
+
+
+def building_expert_parallel() -> bool:
+    """Whether the experts of the model being built are placed whole on the ranks (only meaningful
+    with a tensor-parallel group of more than one rank)."""
+    return _building[2]

@@ -7,6 +7,9 @@
   ranks than K/V heads (a multiple of them), each K/V head is held by `N / kv_heads` ranks (replicated)
   and its query heads are split between those ranks. A rank's query heads always find their K/V head.
 - Vocabulary (embedding and LM head rows): `ceil(V / N)` each, the last rank's possibly fewer.
+- Experts under expert parallel (`split_experts`): whole experts, a contiguous range per rank, `E // N`
+  each and one more on each of the first `E % N` ranks (vLLM's placement: 60 experts over 8 ranks are
+  8, 8, 8, 8, 7, 7, 7, 7). Without it each expert's intermediate rows are split as a dense MLP's.
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ def split_vocab(vocab_size: int, rank: int, world_size: int) -> Span:
     return Span(start, min(per_rank, vocab_size - start))
 
 
+def split_experts(num_experts: int, rank: int, world_size: int) -> Span:
+    """The experts rank `rank` holds under expert parallel: `num_experts // world_size`, plus one on the
+    first `num_experts % world_size` ranks."""
+    base, extra = divmod(num_experts, world_size)
+    return Span(rank * base + min(rank, extra), base + (1 if rank < extra else 0))
+
+
 @dataclass(frozen=True)
 class AttentionHeads:
     """A model's attention heads; `of_rank` says which query and K/V heads a rank holds."""
@@ -68,9 +78,10 @@ class AttentionHeads:
         return Span(head * group + part.start, part.size), Span(head, 1)
 
 
-def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1) -> None:
+def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1, expert_parallel: bool = False) -> None:
     """A clear error, before any process starts, if the model cannot be split over `world_size`
-    tensor-parallel ranks and `pipeline_stages` stages (each at least one layer)."""
+    tensor-parallel ranks and `pipeline_stages` stages (each at least one layer); `expert_parallel`:
+    a mixture of experts' experts placed whole on the ranks."""
     if pipeline_stages < 1:
         raise ValueError(f"pipeline_parallel_size must be at least 1, not {pipeline_stages}")
     if pipeline_stages > model_cfg.num_layers:
@@ -80,12 +91,6 @@ def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1) -> 
         )
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, not {world_size}")
-    if model_cfg.is_moe and (world_size > 1 or pipeline_stages > 1):
-        # (engine_core/models/moe.py: its experts are not split over ranks, nor its layers over stages yet)
-        raise ValueError(
-            f"{model_cfg.architecture} is a mixture-of-experts model: tensor and pipeline parallel "
-            "(tensor_parallel_size / pipeline_parallel_size > 1) do not support it yet"
-        )
     if world_size == 1:
         return
     heads = AttentionHeads(model_cfg.num_heads, model_cfg.num_kv_heads)
@@ -97,3 +102,21 @@ def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1) -> 
         )
     if split_vocab(model_cfg.vocab_size, world_size - 1, world_size).size == 0:
         raise ValueError(f"tensor_parallel_size {world_size} is too large for a vocabulary of {model_cfg.vocab_size}")
+    if not model_cfg.is_moe:
+        return
+    if expert_parallel and model_cfg.num_experts < world_size:
+        raise ValueError(
+            f"--enable-expert-parallel places whole experts on the {world_size} tensor-parallel ranks, but the "
+            f"model has {model_cfg.num_experts} experts: use at most {model_cfg.num_experts} ranks, or split "
+            "each expert over the ranks (without --enable-expert-parallel)"
+        )
+    if not expert_parallel and model_cfg.moe_intermediate_size < world_size:
+        raise ValueError(
+            f"tensor_parallel_size {world_size} exceeds the experts' intermediate size "
+            f"{model_cfg.moe_intermediate_size}: use fewer ranks, or --enable-expert-parallel"
+        )
+    if model_cfg.shared_expert_intermediate_size and model_cfg.shared_expert_intermediate_size < world_size:
+        raise ValueError(
+            f"tensor_parallel_size {world_size} exceeds the shared expert's intermediate size "
+            f"{model_cfg.shared_expert_intermediate_size}"
+        )

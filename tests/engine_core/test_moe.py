@@ -1,8 +1,9 @@
 """Mixture-of-experts models (engine_core/models/moe.py) beyond greedy-equals-HF (test_tiny_models.py): which
 layers are MoE, how checkpoints load (float32 experts packed for the fused MoE's C kernel, or kept plain where
 the C kernels are off; int8 / int4 experts quantized at load, equal to HF on the same dequantized weights),
-and what this release refuses with an error naming the limit (tensor and pipeline parallel, quantized
-checkpoints and FP8 at load; GGUF MoE files: test_gguf.py; the fused CPU decode step: test_fused_decode.py)."""
+and what this release refuses with an error naming the limit (quantized checkpoints and FP8 at load; the fused
+CPU decode step: test_fused_decode.py). GGUF files: test_gguf_moe.py. Tensor, expert and pipeline parallel:
+test_moe_parallel.py."""
 
 from __future__ import annotations
 
@@ -18,9 +19,6 @@ from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models import model_class
 from pagoda.engine_core.models.llama_layers import LlamaMLP
 from pagoda.engine_core.models.moe import MoEMLP
-from pagoda.engine_core.parallel.distributed import SINGLE, TPGroup, building_for
-from pagoda.engine_core.parallel.sharding import check_model_splits
-from pagoda.engine_core.parallel.stage import Stage
 from pagoda.engine_core.sampling_params import SamplingParams
 from pagoda.kernels import cpu
 from pagoda.kernels.panels import ExpertPanels
@@ -116,25 +114,6 @@ def test_a_missing_expert_tensor_is_refused(tmp_path):
     save_file(weights, str(model_dir / "model.safetensors"))
     with pytest.raises(ValueError, match=r"missing weights.*layers.2.mlp.w13"):
         EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
-
-
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
-def test_parallel_is_refused_before_any_worker_starts(tmp_path, tp, pp):
-    _, model_dir = _saved(tmp_path, "qwen2_moe")
-    cfg = ModelConfig.from_dir(model_dir)
-    with pytest.raises(ValueError, match="mixture-of-experts model: tensor and pipeline parallel"):
-        check_model_splits(cfg, tp, pp)
-
-
-@pytest.mark.parametrize(
-    ("group", "stage", "limit"),
-    [(TPGroup(0, 2), Stage(), "tensor parallel"), (SINGLE, Stage(0, 2), "pipeline parallel")],
-)
-def test_a_parallel_rank_refuses_to_build_the_model(tmp_path, group, stage, limit):
-    _, model_dir = _saved(tmp_path, "mixtral")
-    cfg = ModelConfig.from_dir(model_dir)
-    with building_for(group, stage), pytest.raises(ValueError, match=f"do not run under {limit} yet"):
-        model_class(cfg.architecture)(cfg, torch.float32)
 
 
 @pytest.mark.parametrize(("flag", "bits"), [("int8", 8), ("int4", 4)])
