@@ -117,6 +117,34 @@ def test_the_ranks_partial_sums_add_up_to_the_whole_layer(saved, name, expert_pa
         assert shapes == [(8, 64, 128)] * 2
 
 
+@pytest.mark.parametrize("flag", ["int8", "int4"])
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_experts_quantized_at_load_split_over_the_ranks(saved, flag, expert_parallel):
+    """`--quantization int8|int4` with the experts split: each rank quantizes what it holds. Whole experts
+    per rank (EP) are quantized as on one rank, so the partial sums add up to the single-rank quantized
+    layer; split intermediate rows (TP) group their columns otherwise (int8's per-channel scales of the
+    down projection span a rank's columns only), so theirs stay within the quantization's error of it."""
+    from pagoda.engine_core.quantization import resolve_method
+
+    _, model_dir = saved["qwen2_moe"]
+    cfg = ModelConfig.from_dir(model_dir)
+
+    def layer(group=SINGLE):
+        method = resolve_method(flag, cfg.raw)
+        model = load_model(
+            model_dir, cfg, torch.float32, torch.device("cpu"), quantization=method, group=group,
+            expert_parallel=expert_parallel,
+        )  # fmt: skip
+        return model.decoder_layers()[0].mlp
+
+    whole, ranks = layer(), [layer(TPGroup(rank, 2)) for rank in range(2)]
+    x = torch.randn(19, 128, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, parts = whole(x), [mlp(x) for mlp in ranks]
+    tolerance = 1e-5 if expert_parallel else 0.05 * float(expected.abs().max())
+    torch.testing.assert_close(parts[0] + parts[1], expected, atol=tolerance, rtol=1e-4)
+
+
 def test_expert_parallel_is_a_no_op_on_one_rank(saved):
     """vLLM's behaviour: the flag without tensor parallel holds every expert, as without it."""
     _, model_dir = saved["qwen2_moe"]
