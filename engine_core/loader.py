@@ -148,9 +148,10 @@ def load_pooling_model(
 
 
 # Quantization methods a mixture-of-experts model's experts take (engine_core/models/moe.py): integer weights
-# quantized at load, which the fused MoE computes with (kernels/cpu/moe.c). Quantized checkpoints (GPTQ, AWQ,
-# compressed-tensors, GGUF, FP8) and FP8 at load are refused: their experts' tensors have no loader.
-MOE_QUANTIZATION = ("int8", "int4")
+# quantized at load, and GGUF files' blocks repacked into the same layouts, which the fused MoE computes with
+# (kernels/cpu/moe.c). Other quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8) and FP8 at load are
+# refused: their experts' tensors have no loader.
+MOE_QUANTIZATION = ("int8", "int4", "gguf")
 
 
 def _load(
@@ -170,9 +171,8 @@ def _load(
     if quantization is not None and model_cfg.is_moe and quantization.name not in MOE_QUANTIZATION:
         raise ValueError(
             f"{model_cfg.architecture} is a mixture-of-experts model: quantized weights ({quantization.describe()}) "
-            f"are not supported for it; its experts are quantized at load only (--quantization "
-            f"{' or '.join(MOE_QUANTIZATION)} on a float checkpoint), or serve the float checkpoint without "
-            "--quantization"
+            "are not supported for it; its experts load quantized from GGUF files, or are quantized at load "
+            "(--quantization int8 or int4 on a float checkpoint); or serve the float checkpoint without --quantization"
         )
     deferred = deferred_weights() if quantization is not None else contextlib.nullcontext()
     with torch.device(device), deferred, building_for(group, stage, expert_parallel):

@@ -80,12 +80,20 @@ class CheckpointLoading:
             if shard is not None:  # (see _target)
                 owner = cast(ShardedParameters, model.get_submodule(param_name.rpartition(".")[0]))
                 param = owner.shard(shard, param)
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
             if assembler is not None and shard is not None and param.is_meta and hasattr(owner, "set_quantized_shard"):
-                # (stacked experts built deferred, quantized at load: each tensor as it arrives)
-                packed = assembler.quantize_expert(param_name, tensor)
+                # (stacked experts built deferred: each expert's projection quantized at load as it arrives, or
+                # converted from a quantized checkpoint's tensors once they all have)
+                kind = name.rpartition(".")[2]
+                if kind == "weight" and param.shape != tensor.shape:
+                    raise ValueError(
+                        f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+                    )
+                packed = assembler.expert_shard(f"{param_name}[{shard}]", kind, tensor, param.shape)
+                if packed is None:
+                    continue
                 cast(QuantizedShards, owner).set_quantized_shard(shard, stacked, packed)
+            elif param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
             else:
                 param.copy_(tensor)
             pending.discard((param_name, shard))

@@ -54,7 +54,10 @@ from pagoda.kernels.quantized import PackedExperts, PackedWeight, concat_rows
 from pagoda.kernels.torch_ref.moe import ExpertWeights, Routing
 
 # A checkpoint's per-expert tensor: layer, block name, expert, projection.
-_EXPERT = re.compile(r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+# (weight; a GGUF file's quantized experts: gguf_blocks and gguf_type, engine_core/gguf_weights.py)
+_EXPERT = re.compile(
+    r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(?:weight|gguf_blocks|gguf_type)$"
+)
 # projection -> (our stacked parameter, which half of w13: gate 0, up 1; None for w2)
 _EXPERT_PROJ = {
     "gate_proj": ("w13", 0),

@@ -43,6 +43,7 @@ class LinearAssembler:
         self._done: set[tuple[str, int | None]] = set()
         self._last: tuple[str, int | None] | None = None
         self._linears: dict[str, Linear] = {}
+        self._expert_parts: dict[str, dict[str, torch.Tensor]] = {}  # an expert's tensors until all arrived
 
     @staticmethod
     def accepts(kind: str) -> bool:
@@ -68,8 +69,27 @@ class LinearAssembler:
             raise ValueError(f"{path}: {self.method.describe()} does not quantize mixture-of-experts weights")
         return pack_shards(path, [shard]).to(self.device)
 
+    def expert_shard(self, path: str, kind: str, tensor: torch.Tensor, shape: torch.Size) -> PackedWeight | None:
+        """One expert's projection (`path` names it, `shape` is its [n, K]) from one of its checkpoint tensors
+        of `kind`: a full-precision weight is quantized at load (`quantize_expert`); a quantized checkpoint's
+        tensors (a GGUF file's blocks and type) are kept until all the method needs have arrived, then
+        converted as a dense linear's are. The packed weight, on the device, once complete; else None."""
+        if kind == "weight":
+            return self.quantize_expert(path, tensor)
+        if kind not in self.method.kinds:
+            raise ValueError(f"{path}: checkpoint tensor kind {kind!r} is not one of {self.method.describe()}'s")
+        tensors = self._expert_parts.setdefault(path, {})
+        tensors[kind] = tensor
+        if not self.method.required <= tensors.keys():
+            return None
+        del self._expert_parts[path]
+        shard = self.method.from_checkpoint(path, tensors, shape[0], shape[1])
+        return pack_shards(path, [shard]).to(self.device)
+
     def finish(self, model: torch.nn.Module) -> None:
         """Convert what is still collected; every linear of `model` must now have its weight."""
+        for path, tensors in self._expert_parts.items():
+            raise ValueError(f"checkpoint is missing {sorted(self.method.required - tensors.keys())} of {path}")
         for key in list(self._collecting):
             self._flush(key, final=True)
         for path, module in model.named_modules():

@@ -161,6 +161,34 @@ def test_a_float_file_serves_like_the_hugging_face_model(tmp_path, q4_1_reader, 
     assert ours == reference
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_type", [T.Q8_0, T.Q4_0], ids=["Q8_0", "Q4_0"])
+def test_quantized_experts_serve_like_hf_on_their_dequantized_weights(tmp_path, q4_1_reader, tokenizer, expert_type):
+    """Experts stored Q8_0 / Q4_0 load into the fused MoE's INT8 / INT4 layouts (losslessly: GGUF's blocks
+    are copied) and give the tokens of Hugging Face's model holding the file's dequantized experts."""
+    from gguf.quants import dequantize, quantize
+
+    model, path = _write(tmp_path, "qwen3_moe", q4_1_reader, expert_type)
+    engine = EngineCore(EngineConfig(model=str(path), kv_cache_memory=256 * 1024**2))
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    try:
+        w13, w2 = engine.runner.model.decoder_layers()[0].mlp.experts()
+        assert (w13.bits, w2.bits) == ({T.Q8_0: 8, T.Q4_0: 4}[expert_type],) * 2
+        ours = run_engine(engine, prompts, GREEDY)
+    finally:
+        del engine
+        gc.collect()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            experts = getattr(layer.mlp, "experts", None)
+            for param in () if experts is None else (experts.gate_up_proj, experts.down_proj):
+                array = param.detach().numpy()
+                blocks = quantize(np.ascontiguousarray(array.reshape(-1, array.shape[-1])), expert_type)
+                param.copy_(torch.from_numpy(dequantize(blocks, expert_type).reshape(array.shape)))
+        reference = [hf_greedy(model, p, GREEDY.max_tokens, stop_at_eos=False) for p in prompts]
+    assert sum(a == b for a, b in zip(ours, reference, strict=True)) >= len(prompts) - 1
+
+
 def test_float16_experts_load_as_stored(tmp_path, q4_1_reader):
     """Each expert's rows of a stacked F16 tensor arrive under that expert's checkpoint name."""
     from pagoda.engine_core.loader import iterate_weights, resolve_model
