@@ -30,6 +30,9 @@ AT_LOAD: dict[str, str] = {
     "int4": "pagoda.engine_core.quantization.at_load:Int4AtLoad",
     "fp8": "pagoda.engine_core.quantization.fp8:Fp8AtLoad",
 }
+# Formats only a model family's experts use, which that family's model stores itself (no linear is
+# quantized): the architectures that read each.
+EXPERT_FORMATS: dict[str, tuple[str, ...]] = {"mxfp4": ("GptOssForCausalLM",)}  # engine_core/models/gpt_oss.py
 CHOICES = ("auto", "none", *sorted(set(CHECKPOINT_FORMATS) | set(AT_LOAD)))
 
 
@@ -48,6 +51,8 @@ def resolve_method(flag: str, config: dict) -> QuantizationMethod | None:
     declared = checkpoint_method_name(config)
     if flag not in CHOICES:
         raise ValueError(f"unknown --quantization {flag!r}; choose one of {', '.join(CHOICES)}")
+    if declared in EXPERT_FORMATS:
+        return _expert_format(declared, flag, config)
     if declared is not None and flag in AT_LOAD and flag != declared:
         raise ValueError(
             f"the checkpoint is already quantized with {declared!r}; --quantization {flag} cannot quantize it "
@@ -81,3 +86,20 @@ def resolve_method(flag: str, config: dict) -> QuantizationMethod | None:
         if (declared is not None)
         else cls()
     )
+
+
+def _expert_format(declared: str, flag: str, config: dict) -> None:
+    """A checkpoint whose experts alone are quantized (`EXPERT_FORMATS`): the model stores them itself, the
+    linears load at full precision (None); anything but `auto` is refused, as is another architecture."""
+    architecture = (config.get("architectures") or ["?"])[0]
+    if architecture not in EXPERT_FORMATS[declared]:
+        raise ValueError(
+            f"the checkpoint is quantized with {declared!r}, which Pagoda loads for "
+            f"{', '.join(EXPERT_FORMATS[declared])} only, not {architecture}"
+        )
+    if flag != "auto":
+        raise ValueError(
+            f"the checkpoint's experts are quantized with {declared!r}; --quantization {flag} cannot load or "
+            "requantize it (use auto)"
+        )
+    return None

@@ -1,5 +1,7 @@
 """Attention on the CPU (kernels/cpu/paged_attention.c, varlen_attention.c), float32 queries: decode over the
-paged KV cache, whole sequences without a cache, and prefill chunks over the paged cache."""
+paged KV cache, whole sequences without a cache, and prefill chunks over the paged cache.
+
+Attention sinks (gpt-oss) run the torch reference: the C kernels have no sink term."""
 
 from __future__ import annotations
 
@@ -46,15 +48,19 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     max_seq_len: int | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `pagoda.kernels.torch_ref.attention.paged_decode_attention` (float32 queries, CPU; a
     float32 or float16 cache)."""
     lib = load()
     function = _decode_attention_function(lib, query, key_cache, value_cache)
-    if function is None or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+    if function is None or not (key_cache.is_contiguous() and value_cache.is_contiguous()) or sinks is not None:
         from pagoda.kernels.torch_ref.attention import paged_decode_attention as reference
 
-        return reference(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len)
+        return reference(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len, sinks=sinks
+        )
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     if not query.is_contiguous():
@@ -98,13 +104,15 @@ def varlen_attention(
     scale: float,
     causal: bool = True,
     sliding_window: int | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `pagoda.kernels.torch_ref.attention.varlen_attention` (float32, CPU)."""
     lib = load()
-    if lib is None or not all(rows_contiguous(x) for x in (query, key, value)):
+    if lib is None or not all(rows_contiguous(x) for x in (query, key, value)) or sinks is not None:
         from pagoda.kernels.torch_ref.attention import varlen_attention as reference
 
-        return reference(query, key, value, query_start_loc, scale, causal, sliding_window)
+        return reference(query, key, value, query_start_loc, scale, causal, sliding_window, sinks=sinks)
     if sliding_window is not None and not causal:
         raise ValueError("a sliding window applies to causal attention only")
     tokens, num_heads, head_dim = query.shape
@@ -169,15 +177,27 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `pagoda.kernels.torch_ref.attention.paged_prefill_attention` (float32 queries and caches,
     CPU; other caches go to the reference)."""
     lib = load()
     caches_ok = all(c.dtype == torch.float32 and c.is_contiguous() for c in (key_cache, value_cache))
-    if lib is None or not caches_ok or not rows_contiguous(query):
+    if lib is None or not caches_ok or not rows_contiguous(query) or sinks is not None:
         from pagoda.kernels.torch_ref.attention import paged_prefill_attention as reference
 
-        return reference(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
+        return reference(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            sliding_window,
+            sinks=sinks,
+        )
     tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     cu_seqlens, seq_lens, block_tables = as_int64(query_start_loc), as_int64(seq_lens), as_int64(block_tables)
