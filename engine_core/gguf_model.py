@@ -41,10 +41,11 @@ ARCHITECTURES = {
 }
 # Mixture-of-experts GGUFs (llama.cpp's names; Mixtral's say llama, with an expert_count): refused until their
 # expert tensors (ffn_*_exps, stacked per layer) load into engine_core/models/moe.py's stacked weights.
-_MOE_ARCHITECTURES = {"qwen2moe", "qwen3moe", "mixtral"}
+_MOE_ARCHITECTURES = {"qwen2moe", "qwen3moe", "mixtral", "gpt-oss"}
 _MOE_REFUSAL = (
     "mixture-of-experts GGUF files are not supported yet; serve the model's Hugging Face safetensors "
-    "checkpoint instead (Qwen2-MoE, Qwen3-MoE and Mixtral run from those, unquantized)"
+    "checkpoint instead (Qwen2-MoE, Qwen3-MoE and Mixtral run from those, unquantized; gpt-oss from its "
+    "MXFP4 or float checkpoint)"
 )
 # llama.cpp's converter permutes the rows of q/k for the architectures whose rotary embedding it runs
 # in the interleaved (GPT-J) order; the file must be un-permuted for Hugging Face's rotate-half order.

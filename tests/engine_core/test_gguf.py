@@ -116,7 +116,11 @@ def test_an_unsupported_architecture_is_refused(tmp_path, q4_1_reader):
 
 @pytest.mark.parametrize(
     ("arch", "overrides"),
-    [("qwen3moe", {}), ("llama", {"llama.expert_count": (8, GGUFValueType.UINT32)})],  # (Mixtral's say llama)
+    [
+        ("qwen3moe", {}),
+        ("llama", {"llama.expert_count": (8, GGUFValueType.UINT32)}),  # (Mixtral's say llama)
+        ("gpt-oss", {}),
+    ],
 )
 def test_a_mixture_of_experts_file_is_refused(tmp_path, q4_1_reader, arch, overrides):
     overrides = {"general.architecture": (arch, GGUFValueType.STRING), **overrides}
