@@ -14,6 +14,8 @@ min hold them without rounding; INT8 could hold them exactly, but at twice the b
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -65,6 +67,15 @@ class Mxfp4Experts(nn.Module):
 
     def __getitem__(self, expert: int) -> torch.Tensor:
         return dequantize(self.blocks[expert], self.scales[expert], self.dtype)
+
+    @torch.no_grad()
+    def fill_dummy(self, generator: torch.Generator) -> None:
+        """Random weights of std about 1/sqrt(cols), as the loader's dummy weights draw a matrix: random
+        nibbles (whose levels have an RMS of about 2.9), every group's scale 2^round(log2(cols^-0.5 / 2.9))."""
+        self.blocks.copy_(torch.randint(0, 256, self.blocks.shape, generator=generator, device=self.blocks.device))
+        cols = self.blocks.shape[-2] * GROUP
+        exponent = round(math.log2(cols**-0.5 / math.sqrt(sum(v * v for v in E2M1_VALUES[:8]) / 8)))
+        self.scales.fill_(exponent + SCALE_BIAS)
 
     def dequantized(self) -> torch.Tensor:
         """Every expert's weights [E, rows, cols] (tests: the whole stack in full precision)."""

@@ -245,3 +245,30 @@ def test_chat_through_the_checkpoints_template(tmp_path, default_model_dir):
     llm = LLM(str(tmp_path), num_kv_blocks=32)
     out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert out[0].prompt_token_ids == prompt and list(out[0].outputs[0].token_ids) == want
+
+
+@pytest.mark.parametrize("experts", ["float", "mxfp4"])
+def test_dummy_weights_run_from_a_config_alone(tmp_path, experts):
+    """`load_format="dummy"` (benchmarks: a model from its config.json alone; the released configs declare
+    MXFP4 experts) draws every weight, MXFP4 blocks and scales included, to a finite model."""
+    config_cls, extra = tiny_models.ARCHITECTURES["gpt_oss"]
+    config = config_cls(**{**tiny_models.COMMON, **extra}, architectures=["GptOssForCausalLM"])
+    if experts == "mxfp4":
+        config.quantization_config = {"quant_method": "mxfp4"}
+    config.save_pretrained(tmp_path)
+    engine = _engine(tmp_path, load_format="dummy")
+    mlp = engine.runner.model.decoder_layers()[0].mlp
+    w13 = mlp.w13.dequantized() if experts == "mxfp4" else mlp.w13
+    assert isinstance(mlp.w13, Mxfp4Experts) == (experts == "mxfp4")
+    assert bool(torch.isfinite(w13).all()) and 0.05 < float(w13.std()) * 64**0.5 < 20
+    tokens = run_engine(engine, [[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(tokens[0]) == 8
+
+
+def test_bfloat16_runs_and_its_first_tokens_agree_with_float32(saved):
+    _, model_dir = saved
+    prompts = _prompts()[1:4]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    runs = {dtype: run_engine(_engine(model_dir, dtype=dtype), prompts, params) for dtype in ("bfloat16", "float32")}
+    assert all(len(t) == 4 for t in runs["bfloat16"])
+    assert [t[0] for t in runs["bfloat16"]] == [t[0] for t in runs["float32"]]
