@@ -78,8 +78,8 @@ class GptOssMLP(nn.Module):
         return ops.fused_moe(
             x,
             logits,
-            self.w13,  # type: ignore[arg-type]  (MXFP4 storage: fused_moe reads experts[e])
-            self.w2,  # type: ignore[arg-type]
+            self.w13,  # (a tensor, or MXFP4 storage: fused_moe reads experts[e])
+            self.w2,
             self.routing,
             w13_bias=self.w13_bias,
             w2_bias=self.w2_bias,

@@ -52,7 +52,8 @@ def resolve_method(flag: str, config: dict) -> QuantizationMethod | None:
     if flag not in CHOICES:
         raise ValueError(f"unknown --quantization {flag!r}; choose one of {', '.join(CHOICES)}")
     if declared in EXPERT_FORMATS:
-        return _expert_format(declared, flag, config)
+        _check_expert_format(declared, flag, config)
+        return None  # (the linears load at full precision; the model stores its experts itself)
     if declared is not None and flag in AT_LOAD and flag != declared:
         raise ValueError(
             f"the checkpoint is already quantized with {declared!r}; --quantization {flag} cannot quantize it "
@@ -88,9 +89,9 @@ def resolve_method(flag: str, config: dict) -> QuantizationMethod | None:
     )
 
 
-def _expert_format(declared: str, flag: str, config: dict) -> None:
-    """A checkpoint whose experts alone are quantized (`EXPERT_FORMATS`): the model stores them itself, the
-    linears load at full precision (None); anything but `auto` is refused, as is another architecture."""
+def _check_expert_format(declared: str, flag: str, config: dict) -> None:
+    """A checkpoint whose experts alone are quantized (`EXPERT_FORMATS`): anything but `--quantization auto`
+    is refused, as is an architecture that does not read the format."""
     architecture = (config.get("architectures") or ["?"])[0]
     if architecture not in EXPERT_FORMATS[declared]:
         raise ValueError(
@@ -102,4 +103,3 @@ def _expert_format(declared: str, flag: str, config: dict) -> None:
             f"the checkpoint's experts are quantized with {declared!r}; --quantization {flag} cannot load or "
             "requantize it (use auto)"
         )
-    return None
