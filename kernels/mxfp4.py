@@ -5,7 +5,8 @@ E2M1 values a byte, the element at the even column in the low nibble) and `*_sca
 cols/32]: a power-of-two exponent per 32 values, biased by 127). An E2M1 nibble is a sign bit and one of
 the levels 0, .5, 1, 1.5, 2, 3, 4, 6. `Mxfp4Experts` holds those bytes as they are (4.25 bits a weight) and
 the torch reference (`fused_moe`, kernels/torch_ref/moe.py) dequantizes only the experts a step chose,
-one at a time, through `experts[e]`.
+one at a time, through `experts[e]` (`ops.mxfp4_dequantize`: `dequantize` below, or on the CPU a C kernel
+reading the blocks with a 16-entry table lookup, kernels/cpu/mxfp4.c).
 
 Why not repack into the INT4 layout of kernels/quantized.py: its groups are an affine grid (scale * q +
 min, q = 0..15), and E2M1's levels are not evenly spaced (steps of .5, then 1, then 2), so no scale and
@@ -66,7 +67,9 @@ class Mxfp4Experts(nn.Module):
         self.dtype = dtype
 
     def __getitem__(self, expert: int) -> torch.Tensor:
-        return dequantize(self.blocks[expert], self.scales[expert], self.dtype)
+        from pagoda.kernels import ops  # (ops imports this module for its reference)
+
+        return ops.mxfp4_dequantize(self.blocks[expert], self.scales[expert], self.dtype)
 
     @torch.no_grad()
     def fill_dummy(self, generator: torch.Generator) -> None:

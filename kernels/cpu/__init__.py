@@ -7,6 +7,7 @@ each op's Python side in the module of its kind:
 - quantized_matmul.py: linears with quantized weights;
 - panel_matmul.py: float32 linears with weights in panels, on AMX where there is one;
 - argmax.py: the greedy pick;
+- mxfp4.py: MXFP4 expert weights to float32 (gpt-oss);
 - decoder.py: a decode step's decoder layers as one C call.
 
 `pagoda.kernels.ops` dispatches to the ops by name from here and sets `settings`.
@@ -25,6 +26,7 @@ from pagoda.kernels.cpu.loader import available as available
 from pagoda.kernels.cpu.loader import failure as failure
 from pagoda.kernels.cpu.loader import load as load
 from pagoda.kernels.cpu.loader import settings as settings
+from pagoda.kernels.cpu.mxfp4 import mxfp4_dequantize as mxfp4_dequantize
 from pagoda.kernels.cpu.panel_matmul import amx_used as amx_used
 from pagoda.kernels.cpu.panel_matmul import panel_linear as panel_linear
 from pagoda.kernels.cpu.quantized_matmul import path as path

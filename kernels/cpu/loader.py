@@ -52,6 +52,7 @@ _LIBRARIES = {
     "amx_matmul": ["-fopenmp"],
     "layer_ops": ["-fopenmp"],
     "argmax": ["-fopenmp"],
+    "mxfp4": ["-fopenmp"],
     "decoder": ["-fopenmp"],  # (calls the others' kernels through pointers: its own flags are its own ops')
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -78,6 +79,7 @@ _SIGNATURES = {
     "add_rms_norm_f32": [_POINTER] * 5 + [_I64] * 2 + [_F32, _I64],
     "silu_and_mul_f32": [_POINTER] * 2 + [_I64] * 3,
     "argmax_rows_f32": [_POINTER] * 2 + [_I64] * 4,
+    "mxfp4_dequantize_f32": [_POINTER] * 3 + [_I64] * 2,
     "decode_layers_f32": [_POINTER, _POINTER, _I64, _POINTER],
     "decoder_scratch_floats": [_POINTER, _I64, _I64, _I64],
 }
