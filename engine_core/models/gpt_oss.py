@@ -98,10 +98,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{name}: layer_types names {len(cfg.layer_types)} layers, the model has {cfg.num_layers}")
         self.mxfp4 = uses_mxfp4(cfg)
         super().__init__(cfg, dtype, pooling)
+        # (no layer_types: HF's default, sliding in the even layers, full in the odd ones)
+        kinds = cfg.layer_types or tuple("sliding_attention" if i % 2 == 0 else "full" for i in range(cfg.num_layers))
         for i, layer in enumerate(self.decoder_layers()):
             attn = layer.self_attn.attn
-            sliding = not cfg.layer_types or cfg.layer_types[i] == "sliding_attention"
-            attn.sliding_window = cfg.sliding_window if sliding else None
+            attn.sliding_window = cfg.sliding_window if kinds[i] == "sliding_attention" else None
             attn.sinks = nn.Parameter(torch.empty(attn.num_heads, dtype=dtype), requires_grad=False)
 
     def mlp_for(self, layer_index: int, dtype: torch.dtype) -> nn.Module:
@@ -123,8 +124,6 @@ class GptOssForCausalLM(LlamaForCausalLM):
                     tensor = tensor.transpose(1, 2)  # [E, in, out] -> [E, out, in]
                 if proj == "gate_up_proj":
                     tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
-                else:
-                    tensor = tensor.contiguous()
             yield name, tensor
 
     def _target(self, name: str) -> tuple[str, int | None] | None:

@@ -76,6 +76,40 @@ def test_the_layers_are_hfs(saved):
     assert all(isinstance(layer.mlp, GptOssMLP) for layer in model.decoder_layers())
 
 
+def test_without_layer_types_the_layers_alternate_as_hfs_default(saved, tmp_path):
+    """A config without layer_types: HF's default (sliding in the even layers) is ours too."""
+    _, model_dir = saved
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert cfg.layer_types == ()
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg, torch.float32)
+    assert [a.sliding_window for a in model.attention_layers()] == [8, None, 8, None]
+
+
+def test_pooling_runs_like_hf(saved):
+    """`--runner pooling` (whole prompts, no KV cache: the varlen attention with sinks): the last token's
+    final hidden state equals HF's."""
+    from pagoda.engine_core.engine import create_engine
+    from pagoda.engine_core.pooling.params import PoolingParams
+
+    hf_model, model_dir = saved
+    engine = create_engine(EngineConfig(model=str(model_dir), runner="pooling", normalize=False))
+    prompts = _prompts()[1:4]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, pooling=PoolingParams())
+    pooled = {}
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            pooled[delta.request_id] = torch.from_numpy(delta.pooled.array()[0].copy())
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            want = hf_model.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        torch.testing.assert_close(pooled[str(i)], want, atol=1e-5, rtol=1e-4)
+
+
 def test_greedy_matches_hf_chunked(saved, expected):
     """Prompts past the window, the longest split into 48-token chunks."""
     _, model_dir = saved
