@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # The GPU check, run on a machine with an NVIDIA GPU (docs/gpu.md): Triton kernel tests
 # compiled for the GPU, kernel timings against torch and the copy-bandwidth roofline, the quantized
-# and FP8 GEMMs' tests and timings (Llama-3-8B linears against bf16 F.linear and the weight-read bound), greedy
+# and FP8 GEMMs' tests and timings (Llama-3-8B linears against bf16 F.linear and the weight-read bound), the
+# fused MoE's tests and its Triton kernel against the torch reference at Qwen3-30B-A3B's shapes, greedy
 # tokens (CUDA graphs = eager = torch-reference kernels), offline throughput of a random-weight
 # Llama-3-8B-shaped model in bf16 with graphs on and off, batch-1 decode against the weight-bytes bound, and
 # what broadcasting each step's inputs to tensor/pipeline-parallel workers adds per step (one GPU: TP=1 with a
 # reader that only decodes the steps).
 # Ends with a short table. Results (JSON) go to $OUT (default /tmp/pagoda-gpu-check).
 #
-#   bash benchmarks/gpu_check.sh                        # every step (timeouts add up to 16 min)
-#   bash benchmarks/gpu_check.sh tests kernels tokens   # some steps: tests kernels quantized tokens throughput broadcast
+#   bash benchmarks/gpu_check.sh                        # every step (timeouts add up to 19.5 min)
+#   bash benchmarks/gpu_check.sh tests kernels tokens   # some steps: tests kernels quantized moe tokens throughput broadcast
 #
-# Not yet run on a GPU. The device tool allows 10 minutes per command: run it as two commands with the
-# same OUT, `tests kernels quantized` (timeouts 8 min) then `tokens throughput broadcast` (8 min); the summary
-# reads whatever is there. Without a GPU, `tests kernels quantized` run on the CPU (Triton through its
-# interpreter, SmolLM2's shapes in the timings): that is how those steps are checked off the GPU.
+# Not yet run on a GPU. The device tool allows 10 minutes per command: run it as commands with the same
+# OUT, `tests kernels quantized` (timeouts 8 min), `moe` (3.5 min), then `tokens throughput broadcast` (8 min);
+# the summary reads whatever is there. The timeouts are upper bounds: a session with less device time left
+# runs the steps it needs first. Without a GPU, `tests kernels quantized` run on the CPU (Triton through its
+# interpreter, SmolLM2's shapes in the timings), and `moe` with TRITON_INTERPRET=1 at a tiny shape: that is
+# how those steps are checked off the GPU.
 #
 # pyzmq and msgspec are not on that machine: carry them as wheels in .whl/ (see docs/gpu.md).
 set -uo pipefail
@@ -29,7 +32,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-STEPS=${*:-tests kernels quantized tokens throughput broadcast}
+STEPS=${*:-tests kernels quantized moe tokens throughput broadcast}
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 step() { echo; echo "== $1"; }
 if wanted tests; then
@@ -48,6 +51,13 @@ if wanted quantized; then
         tests/kernels/test_fp8_linear.py 2>&1 | tail -5
     echo "quantized tests exit $?" >"$OUT/tests_quantized.txt"
     timeout 90 python3 -m benchmarks.kernel_ops --only quantized --json "$OUT/quantized.json"
+fi
+if wanted moe; then
+    step "fused MoE: tests on the GPU, then Triton against the torch reference (Qwen3-30B-A3B's shapes, bf16)"
+    # (-m "not slow": the sm_90 compile check needs no GPU and runs with the CPU suite)
+    timeout 120 python3 -m pytest -q -x -p no:cacheprovider -m "not slow" tests/kernels/test_triton_moe.py 2>&1 | tail -5
+    echo "moe tests exit $?" >"$OUT/tests_moe.txt"
+    timeout 90 python3 -m benchmarks.kernel_ops --only moe --json "$OUT/moe.json"
 fi
 if wanted tokens; then
     step "greedy tokens: graphs, eager, torch reference (SmolLM2-135M shape, random weights, fp32)"
@@ -75,7 +85,7 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 load = lambda name: json.loads((out / name).read_text()) if (out / name).exists() else None
-for name in ("tests.txt", "tests_quantized.txt"):
+for name in ("tests.txt", "tests_quantized.txt", "tests_moe.txt"):
     if (out / name).exists():
         print((out / name).read_text().strip())
 kern = load("kernels.json")
@@ -92,6 +102,15 @@ if quant:
         shape = f"{r['in_features']}->{r['out_features']}"
         print(f"  {r['layer']:<8} {shape:<11} M={r['rows']:<4} {r['format']:<16} {r['ours_ms']:8.3f} ms  "
               f"{r['vs_dense']:5.2f}x dense  {r['x_bound']:5.2f}x bound")
+moe = load("moe.json")
+if moe and moe["moe"]:
+    r0 = moe["moe"][0]
+    print(f"fused_moe (hidden {r0['hidden']}, {r0['experts']} experts of {r0['inter']}, top-{r0['top_k']}, "
+          f"{moe['dtype']}): errors against float32, Triton and torch-reference times, CUDA graph replay")
+    for r in moe["moe"]:
+        print(f"  {r['tokens']:>4} tokens  err triton {r['triton_err']:.2e} ref {r['ref_err']:.2e} "
+              f"(max |out| {r['max_abs']:.2f})  {r['triton_ms']:7.3f} ms vs {r['ref_ms']:7.3f} ms  "
+              f"graph {r['graph_ms']:7.3f} ms, equal {r['graph_equal']}  {r['x_bound']:5.2f}x bound")
 toks = {p: load(f"tokens_{p}.json") for p in ("graphs", "eager", "reference")}
 def same(a, b):
     if not (toks[a] and toks[b]):

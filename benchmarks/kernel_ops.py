@@ -13,7 +13,14 @@ copy bandwidth, the least time any weight-only kernel can take while the weights
     python -m benchmarks.kernel_ops                   # shapes for the device found: Llama-3-8B on CUDA,
                                                    # SmolLM2-135M on the CPU
     python -m benchmarks.kernel_ops --json out.json   # also save the rows
-    python -m benchmarks.kernel_ops --only quantized  # one table: ops, quantized or dense
+    python -m benchmarks.kernel_ops --only quantized  # one table: ops, quantized, dense or moe
+
+The MoE table times the fused mixture-of-experts op's Triton kernel against its torch reference at
+Qwen3-30B-A3B's shapes (hidden 2048, 128 experts of 768, top-8, bf16) at 1, 16 and 256 tokens: each one's
+largest error against the reference computed in float32, their largest difference, each one's time, and
+the Triton op captured in a CUDA graph and replayed (its output must equal the eager call's), against the
+bound of reading the chosen experts' weights once. On the CPU it runs only under Triton's interpreter
+(TRITON_INTERPRET=1), at a tiny shape: a check that the table runs, not a timing.
 
 The dense table (CPU only) times one pass over a whole model's float32 projections, each layer its own
 copy of the weights as in a real step (so they stream from memory, not from cache): the panel matmul
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -35,8 +43,8 @@ from pathlib import Path
 
 import torch
 
-from pagoda.kernels import _TORCH, implementation
 from pagoda.kernels.fp8 import quantize_per_channel
+from pagoda.kernels.ops import _TORCH, implementation
 from pagoda.kernels.quantized import PackedWeight, pack
 
 
@@ -74,6 +82,10 @@ DENSE_LAYERS = 30
 DENSE_ROWS = (1, 4, 16, 64, 128, 512, 2048)
 QUANTIZED_ROWS = (1, 16, 256)  # decode, batched decode, prefill-sized
 QUANTIZED_FORMATS = [(4, 128, True), (8, -1, False)]  # (bits, group size, with mins): GPTQ/AWQ-like, per-channel
+# The MoE table: (hidden, experts, expert width, top-k) of Qwen3-30B-A3B on CUDA, and the token counts; tiny
+# ones under the interpreter.
+GPU_MOE, GPU_MOE_TOKENS = (2048, 128, 768, 8), (1, 16, 256)
+CPU_MOE, CPU_MOE_TOKENS = (64, 8, 32, 2), (1, 4)
 
 
 def timed(fn: Callable[[], object], device: torch.device, min_seconds: float = 0.3) -> float:
@@ -372,11 +384,70 @@ def fp8_table(linears: list[tuple[str, int, int]], dtype, device, bandwidth: flo
     return rows
 
 
+def moe_table(
+    moe_shape: tuple[int, int, int, int], token_counts: tuple[int, ...], dtype, device, bandwidth: float
+) -> list[dict]:
+    """The Triton fused_moe against the torch reference on `moe_shape`; print and return rows."""
+    from pagoda.kernels.torch_ref import moe as reference
+    from pagoda.kernels.triton import moe as triton_moe
+
+    hidden_size, experts, inter, top_k = moe_shape
+    print(
+        f"\nfused_moe: Triton against the torch reference, hidden {hidden_size}, {experts} experts of {inter}, "
+        f"top-{top_k}, {dtype}; errors against the reference in float32"
+    )
+    header = (
+        f"{'tokens':>6} {'triton err':>10} {'ref err':>10} {'max diff':>10} {'triton ms':>9} {'ref ms':>9} "
+        f"{'graph ms':>9} {'graph ==':>8} {'bound ms':>8} {'x bound':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13 = (torch.randn(experts, 2 * inter, hidden_size, generator=gen, device=device) * hidden_size**-0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden_size, inter, generator=gen, device=device) * inter**-0.5).to(dtype)
+    routing = reference.Routing(top_k, renormalize=True)
+    rows = []
+    for tokens in token_counts:
+        x = torch.randn(tokens, hidden_size, generator=gen, device=device).to(dtype)
+        logits = torch.randn(tokens, experts, generator=gen, device=device)
+        exact = reference.fused_moe(x.float(), logits, w13.float(), w2.float(), routing)
+        ours, ref = triton_moe.fused_moe(x, logits, w13, w2, routing), reference.fused_moe(x, logits, w13, w2, routing)
+        row = {"tokens": tokens, "hidden": hidden_size, "experts": experts, "inter": inter, "top_k": top_k}
+        row |= {
+            "triton_err": (ours.float() - exact).abs().max().item(),
+            "ref_err": (ref.float() - exact).abs().max().item(),
+            "max_diff": (ours.float() - ref.float()).abs().max().item(),
+            "max_abs": exact.abs().max().item(),
+            "triton_ms": timed(lambda x=x, g=logits: triton_moe.fused_moe(x, g, w13, w2, routing), device) * 1e3,
+            "ref_ms": timed(lambda x=x, g=logits: reference.fused_moe(x, g, w13, w2, routing), device) * 1e3,
+        }
+        chosen = torch.topk(logits, top_k, dim=-1).indices.unique().numel()  # (the experts whose weights are read)
+        row["bound_ms"] = chosen * (w13[0].numel() + w2[0].numel()) * w13.element_size() / bandwidth * 1e3
+        if device.type == "cuda":  # the op must be capturable: no host reads, no data-dependent shapes
+            graph = torch.cuda.CUDAGraph()
+            triton_moe.fused_moe(x, logits, w13, w2, routing)  # (compiled before capture)
+            with torch.cuda.graph(graph):
+                captured = triton_moe.fused_moe(x, logits, w13, w2, routing)
+            graph.replay()
+            row["graph_equal"] = bool(torch.equal(captured, ours))
+            row["graph_ms"] = timed(graph.replay, device) * 1e3
+        else:
+            row["graph_equal"], row["graph_ms"] = None, float("nan")
+        row["x_bound"] = row["triton_ms"] / row["bound_ms"]
+        rows.append(row)
+        print(
+            f"{tokens:>6} {row['triton_err']:>10.2e} {row['ref_err']:>10.2e} {row['max_diff']:>10.2e} "
+            f"{row['triton_ms']:>9.3f} {row['ref_ms']:>9.3f} {row['graph_ms']:>9.3f} {row['graph_equal']!s:>8} "
+            f"{row['bound_ms']:>8.3f} {row['x_bound']:>6.2f}x"
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", type=Path, default=None, help="save the rows here")
     parser.add_argument(
-        "--only", choices=["ops", "quantized", "dense"], default=None, help="run one table (default: all)"
+        "--only", choices=["ops", "quantized", "dense", "moe"], default=None, help="run one table (default: all)"
     )
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -394,6 +465,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "quantized") and device.type == "cuda":
         quantized += fp8_table(linears, dtype, device, bandwidth)
     dense = dense_table(bandwidth) if args.only in (None, "dense") and device.type == "cpu" else []
+    moe = []
+    if args.only in (None, "moe"):
+        if device.type == "cuda":
+            moe = moe_table(GPU_MOE, GPU_MOE_TOKENS, dtype, device, bandwidth)
+        elif os.environ.get("TRITON_INTERPRET") == "1":
+            moe = moe_table(CPU_MOE, CPU_MOE_TOKENS, dtype, device, bandwidth)
+        else:
+            print("\nfused_moe: no GPU; the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
     if args.json:
         args.json.write_text(
             json.dumps(
@@ -404,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rows": rows,
                     "quantized": quantized,
                     "dense": dense,
+                    "moe": moe,
                 },
                 indent=2,
             )

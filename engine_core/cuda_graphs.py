@@ -8,7 +8,8 @@ whose outputs are dropped. Prefill and mixed steps run eager.
 
 Rules the captured forward must keep: no host syncs and no shape that depends on data. That is why
 attention gets `max_decode_seq_len` as a constant (the buffers' full width) and the block tables are
-always `max_blocks_per_seq` wide.
+always `max_blocks_per_seq` wide, and why a mixture-of-experts model is captured only where its fused op
+runs the Triton kernel (`model_capturable`).
 
 On the CPU there is nothing to capture; `DecodeGraphs(..., capture=False)` routes decode steps through
 the same buffers and padding and runs them eager, which is how tests exercise this path without a GPU.
@@ -24,6 +25,8 @@ import numpy as np
 import torch
 
 from pagoda.engine_core.layers.attention import AttentionMetadata
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.kernels import ops
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +35,20 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8, up to and including max_num_seqs."""
     base = [1, 2, 4] + list(range(8, max_num_seqs + 8, 8))
     return sorted({size for size in base if size < max_num_seqs} | {max_num_seqs})
+
+
+# Mixture-of-experts families whose fused op takes keyword options (gpt-oss: expert biases and its clamped
+# SwiGLU), which the Triton kernel hands to the torch reference.
+_REFERENCE_EXPERTS = {"GptOssForCausalLM"}
+
+
+def model_capturable(model_cfg: ModelConfig, device: torch.device) -> bool:
+    """Whether a CUDA graph can capture the model's forward on `device`: any model but a mixture of
+    experts whose fused op runs the torch reference (Triton turned off, or gpt-oss's experts), which reads
+    the routing on the host."""
+    if model_cfg.architecture in _REFERENCE_EXPERTS:
+        return False
+    return not model_cfg.is_moe or ops.graph_safe("fused_moe", device)
 
 
 class DecodeGraphs:

@@ -19,6 +19,7 @@ import torch
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.cpu_binding import apply as apply_cores
 from pagoda.engine_core.cpu_binding import assign as assign_cores
+from pagoda.engine_core.cuda_graphs import model_capturable
 from pagoda.engine_core.host_memory import keep_freed_memory
 from pagoda.engine_core.kv_cache import KVCacheManager
 from pagoda.engine_core.loader import resolve_model
@@ -142,8 +143,11 @@ class EngineCore:
             config.max_joint_prefill_tokens,
         )
         if self.runner.device.type == "cuda" and not config.enforce_eager:
-            if self.model_cfg.is_moe:  # (the fused MoE's expert loop reads the routing on the host)
-                logger.info("CUDA graphs are not used for mixture-of-experts models yet: decode steps run eager")
+            if not model_capturable(self.model_cfg, self.runner.device):
+                logger.info(
+                    "CUDA graphs are not used: the mixture-of-experts op runs its torch reference (Triton off, or"
+                    " gpt-oss's experts), which reads the routing on the host; decode steps run eager"
+                )
             elif self.executor is None:
                 self.runner.enable_decode_graphs(self.max_model_len)
             else:  # (the workers would have to capture the same graphs, collectives included, in step)

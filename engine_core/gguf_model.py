@@ -33,24 +33,34 @@ FLOAT_TYPES = ("F32", "F16", "BF16")
 # how each is stored). Others (IQ*, Q2_K, Q3_K, ...) are refused when the file is opened.
 QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
-# general.architecture -> (Hugging Face architecture, model_type). Mistral and TinyLlama GGUFs say llama.
+# general.architecture -> (Hugging Face architecture, model_type). Mistral and TinyLlama GGUFs say llama;
+# so do Mixtral's, with an expert_count (`_MIXTRAL`).
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),  # q/k/v biases (attn_q.bias, ...)
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),  # q/k norms per head (attn_q_norm, attn_k_norm)
+    # Mixtures of experts (engine_core/models/moe.py): the router is ffn_gate_inp, the experts' weights
+    # ffn_{gate,up,down}_exps stacked per layer [experts, rows, columns] (older Mixtral files: one
+    # ffn_{gate,up,down}.E tensor per expert); Qwen2-MoE's shared expert is ffn_*_shexp with its gate
+    # ffn_gate_inp_shexp.
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
-# Mixture-of-experts GGUFs (llama.cpp's names; Mixtral's say llama, with an expert_count): refused until their
-# expert tensors (ffn_*_exps, stacked per layer) load into engine_core/models/moe.py's stacked weights.
-_MOE_ARCHITECTURES = {"qwen2moe", "qwen3moe", "mixtral", "gpt-oss"}
-_MOE_REFUSAL = (
-    "mixture-of-experts GGUF files are not supported yet; serve the model's Hugging Face safetensors "
-    "checkpoint instead (Qwen2-MoE, Qwen3-MoE and Mixtral run from those, unquantized; gpt-oss from its "
-    "MXFP4 or float checkpoint)"
+_MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# Whether the top-k routing weights are renormalised (Hugging Face's norm_topk_prob) where the file does
+# not say (`expert_weights_norm`): what llama.cpp's graphs for these architectures do.
+_RENORMALIZED = {"qwen2moe": False, "qwen3moe": True, "llama": True}
+# gpt-oss files (llama.cpp's "gpt-oss", with MXFP4 expert tensors in a layout of its own): refused, its
+# Hugging Face checkpoints run (engine_core/models/gpt_oss.py).
+_GPT_OSS_REFUSAL = (
+    "gpt-oss GGUF files are not supported; serve the model's Hugging Face safetensors checkpoint instead "
+    "(its MXFP4 experts load as they are)"
 )
 # llama.cpp's converter permutes the rows of q/k for the architectures whose rotary embedding it runs
 # in the interleaved (GPT-J) order; the file must be un-permuted for Hugging Face's rotate-half order.
-# Qwen2/3 use the rotate-half (NeoX) order in llama.cpp too, so their rows are stored as in HF.
-_PERMUTED_ROPE = {"llama"}
+# Qwen2/3 use the rotate-half (NeoX) order in llama.cpp too, so their rows are stored as in HF. (Model
+# types: Mixtral's files say llama.)
+_PERMUTED_ROPE = {"llama", "mixtral"}
 
 # GGUF tensor name inside block N -> Hugging Face Llama module name.
 _BLOCK_NAMES = {
@@ -65,8 +75,32 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+# Stacked expert tensors -> each expert's checkpoint name ({expert} filled in per expert).
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "mlp.experts.{expert}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{expert}.up_proj",
+    "ffn_down_exps": "mlp.experts.{expert}.down_proj",
+}
+_LINEARS = {
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+    "ffn_gate_inp",
+    "ffn_gate_shexp",
+    "ffn_up_shexp",
+    "ffn_down_shexp",
+    *_EXPERT_NAMES,
+}
 
 
 @dataclass(frozen=True)
@@ -81,6 +115,9 @@ class GGUFTensor:
     nbytes: int
     linear: bool  # the weight of a linear layer (a tied embedding is the LM head's)
     rope_heads: int  # > 0: rows to un-permute from llama.cpp's rotary order, in this many heads
+    # > 0: the stacked weights of this many experts, [experts, rows, columns]; hf_name then holds
+    # `{expert}` where each expert's index goes (engine_core/gguf_weights.py yields one tensor per expert)
+    experts: int = 0
 
 
 @dataclass
@@ -113,12 +150,12 @@ def read_gguf(path: Path) -> GGUFModel:
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
     meta = {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
     arch = meta.get("general.architecture")
-    if arch in _MOE_ARCHITECTURES or meta.get(f"{arch}.expert_count"):
-        raise ValueError(f"{path}: {_MOE_REFUSAL} (GGUF architecture {arch!r})")
+    if arch == "gpt-oss":
+        raise ValueError(f"{path}: {_GPT_OSS_REFUSAL}")
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))} "
-            "(Llama 2/3, Mistral, SmolLM2, TinyLlama, Qwen2 / Qwen2.5, Qwen3)"
+            "(Llama 2/3, Mistral, Mixtral, SmolLM2, TinyLlama, Qwen2 / Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE)"
         )
     names = {t.name for t in reader.tensors}
     config = _model_config(path, meta, reader, names)
@@ -221,9 +258,10 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
     try:
         num_heads = int(meta[p + "attention.head_count"])
         hidden = int(meta[p + "embedding_length"])
+        architecture, model_type = _MIXTRAL if arch == "llama" and meta.get(p + "expert_count") else ARCHITECTURES[arch]
         config = {
-            "architectures": [ARCHITECTURES[arch][0]],
-            "model_type": ARCHITECTURES[arch][1],
+            "architectures": [architecture],
+            "model_type": model_type,
             "hidden_size": hidden,
             "intermediate_size": int(meta[p + "feed_forward_length"]),
             "num_hidden_layers": int(meta[p + "block_count"]),
@@ -239,6 +277,8 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
         }
     except KeyError as exc:
         raise ValueError(f"{path}: GGUF metadata lacks {exc.args[0]!r}") from None
+    if meta.get(p + "expert_count"):
+        config.update(_moe_config(path, meta, p, arch, names, config))
     scaling = meta.get(p + "rope.scaling.type")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
@@ -261,6 +301,33 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
     return config
 
 
+def _moe_config(path: Path, meta: dict, p: str, arch: str, names: set[str], config: dict) -> dict:
+    """The mixture-of-experts fields of config.json, in each family's Hugging Face spelling. Layers
+    without a router (ffn_gate_inp) are dense: Qwen3-MoE's mlp_only_layers."""
+    try:
+        experts, used = int(meta[p + "expert_count"]), int(meta[p + "expert_used_count"])
+    except KeyError as exc:
+        raise ValueError(f"{path}: GGUF metadata lacks {exc.args[0]!r}") from None
+    renormalize = meta.get(p + "expert_weights_norm")
+    fields: dict = {
+        "num_experts_per_tok": used,
+        "norm_topk_prob": _RENORMALIZED[arch] if renormalize is None else bool(renormalize),
+    }
+    if config["model_type"] == "mixtral":  # (Mixtral's experts are as wide as feed_forward_length)
+        return {**fields, "num_local_experts": experts}
+    layers = range(config["num_hidden_layers"])
+    fields |= {
+        "num_experts": experts,
+        "moe_intermediate_size": int(meta.get(p + "expert_feed_forward_length") or config["intermediate_size"]),
+        "mlp_only_layers": [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in names],
+        "decoder_sparse_step": 1,
+    }
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = int(meta.get(p + "expert_shared_feed_forward_length") or 0)
+        fields["qkv_bias"] = "blk.0.attn_q.bias" in names
+    return fields
+
+
 def _hf_name(gguf_name: str) -> str | None:
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens.weight"
@@ -271,6 +338,11 @@ def _hf_name(gguf_name: str) -> str | None:
     parts = gguf_name.split(".")
     if len(parts) == 4 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
         return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_NAMES:
+        return f"model.layers.{parts[1]}.{_EXPERT_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 5 and parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down") and parts[3].isdigit():
+        # (older Mixtral files: one tensor per expert, blk.N.ffn_gate.E.weight)
+        return f"model.layers.{parts[1]}.mlp.experts.{parts[3]}.{parts[2].removeprefix('ffn_')}_proj.{parts[4]}"
     return None
 
 
@@ -283,6 +355,7 @@ def _tensor(path: Path, t, config: dict) -> GGUFTensor:
     kind = parts[-1]
     linear = kind == "weight" and (
         (parts[0] == "blk" and parts[2] in _LINEARS)
+        or ".experts." in hf_name
         or t.name == "output.weight"
         or (t.name == "token_embd.weight" and config["tie_word_embeddings"])
     )
@@ -297,7 +370,12 @@ def _tensor(path: Path, t, config: dict) -> GGUFTensor:
     elif config["model_type"] in _PERMUTED_ROPE and parts[0] == "blk" and parts[2] == "attn_k":
         rope_heads = config["num_key_value_heads"]
     shape = tuple(int(d) for d in reversed(t.shape))
-    return GGUFTensor(t.name, hf_name, type_name, shape, int(t.data_offset), int(t.n_bytes), linear, rope_heads)
+    experts = shape[0] if parts[0] == "blk" and parts[2] in _EXPERT_NAMES else 0
+    if t.name.endswith("ffn_gate_inp_shexp.weight"):  # (a vector in the file; [1, hidden] in the model)
+        shape = (1, *shape)
+    return GGUFTensor(
+        t.name, hf_name, type_name, shape, int(t.data_offset), int(t.n_bytes), linear, rope_heads, experts
+    )
 
 
 def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:

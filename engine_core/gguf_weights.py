@@ -15,6 +15,7 @@ same permutation serves raw blocks and float rows.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -35,26 +36,40 @@ def iterate_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) for every tensor of the file, in its order. `dequantize`: every tensor
     as float32 (the float32 model directory of the default model)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize as gguf_dequantize
-
     # Copy-on-write: torch wants writable arrays, and nothing is ever written back to the file.
     data = np.memmap(path, dtype=np.uint8, mode="c")
     for t in tensors:
         raw = data[t.offset : t.offset + t.nbytes]
-        module = t.hf_name.rpartition(".")[0]
-        ggml_type = GGMLQuantizationType[t.type]
-        if t.type in FLOAT_TYPES or not t.linear or dequantize:
-            array = _float_array(raw, t, ggml_type, gguf_dequantize)
-            if t.rope_heads:
-                array = unpermute_rope(array, t.rope_heads)
-            yield t.hf_name, _to_torch(array, t.type)
+        if t.experts:  # (stacked experts: each expert's rows are a contiguous run of the tensor's bytes)
+            rows = raw.reshape(t.experts, -1)
+            shape = t.shape[1:]
+            for expert in range(t.experts):
+                name = t.hf_name.format(expert=expert)
+                yield from _tensor_weights(rows[expert], GGUFTensor(**{**asdict(t), "shape": shape}), name, dequantize)
         else:
-            blocks = raw.reshape(t.shape[0], -1)
-            if t.rope_heads:
-                blocks = unpermute_rope(blocks, t.rope_heads)
-            yield f"{module}.gguf_type", torch.tensor(int(ggml_type))
-            yield f"{module}.gguf_blocks", torch.from_numpy(np.ascontiguousarray(blocks))
+            yield from _tensor_weights(raw, t, t.hf_name, dequantize)
+
+
+def _tensor_weights(
+    raw: np.ndarray, t: GGUFTensor, hf_name: str, dequantize: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors of one GGUF tensor `t` (or one expert's part of it) whose bytes are `raw`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    module = hf_name.rpartition(".")[0]
+    ggml_type = GGMLQuantizationType[t.type]
+    if t.type in FLOAT_TYPES or not t.linear or dequantize:
+        array = _float_array(raw, t, ggml_type, gguf_dequantize)
+        if t.rope_heads:
+            array = unpermute_rope(array, t.rope_heads)
+        yield hf_name, _to_torch(array, t.type)
+    else:
+        blocks = raw.reshape(t.shape[0], -1)
+        if t.rope_heads:
+            blocks = unpermute_rope(blocks, t.rope_heads)
+        yield f"{module}.gguf_type", torch.tensor(int(ggml_type))
+        yield f"{module}.gguf_blocks", torch.from_numpy(np.ascontiguousarray(blocks))
 
 
 def _float_array(raw: np.ndarray, t: GGUFTensor, ggml_type, gguf_dequantize) -> np.ndarray:

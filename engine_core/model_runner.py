@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from pagoda.engine_core.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
-from pagoda.engine_core.cuda_graphs import DecodeGraphs
+from pagoda.engine_core.cuda_graphs import DecodeGraphs, model_capturable
 from pagoda.engine_core.environment import configure_kernels
 from pagoda.engine_core.gpu_memory import profile_gpu_memory
 from pagoda.engine_core.kv_prefault import KVPoolPrefault, prefault
@@ -205,7 +205,7 @@ class ModelRunner:
             capture_graphs=not self.config.enforce_eager
             and not self.tp.parallel
             and self.pipe is None
-            and not self.model_cfg.is_moe,  # (no graphs: engine.py)
+            and model_capturable(self.model_cfg, self.device),
         )
         budget = profile.kv_cache_bytes(self.config.gpu_memory_utilization)
         if budget < 2 * per_block:

@@ -4,9 +4,9 @@ by device.
 Every op has a plain torch implementation (`pagoda.kernels.torch_ref`), the reference in tests and the
 fallback everywhere. On the CPU, ops with a compiled C kernel (`pagoda.kernels.cpu`) use it when it builds.
 On CUDA every op but the CPU-only ones (`_CPU_ONLY`: the float32 panel linear, whose weights only
-the CPU path packs) and those without one yet (`_REFERENCE_ON_CUDA`: the fused MoE, which runs its reference)
-has a Triton kernel with the same signature (`pagoda.kernels.triton`), imported the first time a CUDA
-tensor asks for one, so CPU processes never load Triton; FP8 linears use torch's own CUDA kernel instead
+the CPU path packs, and the greedy argmax, which torch's CUDA reduction does well) has a Triton kernel
+with the same signature (`pagoda.kernels.triton`), imported the first time a CUDA tensor asks for one, so
+CPU processes never load Triton; FP8 linears use torch's own CUDA kernel instead
 (`torch._scaled_mm`, kernels/fp8.py). `configure` turns the compiled
 C kernels or Triton off (the torch path is then used: the reference the GPU check compares against)
 and says where C kernels are built; the engine calls it from its environment (engine_core/
@@ -68,10 +68,9 @@ _CPU_COMPILED = {
 # keeps its plain weight for cuBLAS and never holds panels), the greedy argmax (torch's own CUDA
 # reduction does it well), and MXFP4's dequantization (torch's lookup and ldexp on the GPU).
 _CPU_ONLY = {"panel_linear", "argmax_rows", "mxfp4_dequantize"}
-# Ops with no Triton kernel yet, which run their torch reference on CUDA too: the fused mixture-of-experts
-# (routing, grouped expert GEMMs, weighted sum; a Triton and a C kernel are still to come). Without this set
-# `_resolve` would ask `_triton` for a kernel that does not exist.
-_REFERENCE_ON_CUDA = {"fused_moe"}
+# Ops whose torch reference reads values on the host (the fused MoE loops over the experts the tokens
+# chose), which a CUDA graph cannot capture; their kernels read nothing there.
+_HOST_READS = {"fused_moe"}
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
 
 
@@ -98,9 +97,9 @@ def configure(
 
 
 def _triton(name: str) -> Callable:
-    from pagoda.kernels.triton import attention, layers, quantized, varlen_attention
+    from pagoda.kernels.triton import attention, layers, moe, quantized, varlen_attention
 
-    for module in (attention, varlen_attention, layers, quantized):
+    for module in (attention, varlen_attention, layers, quantized, moe):
         if hasattr(module, name):
             return getattr(module, name)
     raise AttributeError(f"no Triton kernel named {name}")
@@ -108,7 +107,7 @@ def _triton(name: str) -> Callable:
 
 @functools.cache
 def _resolve(name: str, device_type: str) -> Callable:
-    if device_type == "cuda" and _enabled["cuda"] and name not in _CPU_ONLY | _REFERENCE_ON_CUDA:
+    if device_type == "cuda" and _enabled["cuda"] and name not in _CPU_ONLY:
         return _CUDA_NATIVE[name] if name in _CUDA_NATIVE else _triton(name)
     if device_type == "cpu" and name in _CPU_COMPILED and _enabled["cpu"]:
         from pagoda.kernels import cpu
@@ -131,6 +130,12 @@ def implementation(name: str, device: torch.device) -> Callable:
 def compiled(name: str, device: torch.device) -> bool:
     """Whether `name` runs a compiled or Triton kernel on `device` rather than the torch reference."""
     return _resolve(name, device.type) is not _TORCH[name]
+
+
+def graph_safe(name: str, device: torch.device) -> bool:
+    """Whether `name` on `device` reads nothing on the host, so that a CUDA graph can capture it: every
+    kernel, and every torch reference but those of `_HOST_READS`."""
+    return name not in _HOST_READS or compiled(name, device)
 
 
 def bulk_rows_differ(device: torch.device) -> bool:
@@ -165,8 +170,8 @@ fp8_linear = _dispatching("fp8_linear")  # (x, Fp8Weight, bias=None): see kernel
 # (x, PanelWeight, bias=None, bulk_rows_from=None): float32 on the CPU, kernels/panels.py
 panel_linear = _dispatching("panel_linear")
 argmax_rows = _dispatching("argmax_rows")  # (logits [B, V]) -> [B] int64: greedy sampling's pick
-# (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], top_k, renormalize, ...) -> [T, H]:
-# kernels/torch_ref/moe.py
+# (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], Routing) -> [T, H]:
+# kernels/torch_ref/moe.py, on CUDA kernels/triton/moe.py
 fused_moe = _dispatching("fused_moe")
 # (blocks uint8 [..., G, 16], scales uint8 [..., G], dtype) -> [..., G * 32]: MXFP4 experts, kernels/mxfp4.py
 mxfp4_dequantize = _dispatching("mxfp4_dequantize")

@@ -17,7 +17,8 @@ those two as `*_blocks` / `*_scales`, which stay 4-bit (kernels/mxfp4.py); only 
 
 Refused with an error naming the limit: tensor and pipeline parallel (here and in parallel/sharding.py),
 quantizing at load and other quantized formats (loader.py), GGUF files (gguf_model.py). The fused CPU
-decode step declines the sinks layers (fused_decode.py); CUDA graphs are not captured (an MoE model).
+decode step declines the sinks layers (fused_decode.py); CUDA graphs are not captured (its experts run the
+torch reference, which reads the routing on the host: cuda_graphs.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each is the Llama family's model (engine_core/models/llama.py) with some or all layers' MLP a mixture of
 experts (`MoEMLP`), declared through the model's `mlp_for` seat: the attention, norms, rotary embedding,
 embedding and LM head are the shared layers. The experts' routing, grouped GEMMs and weighted sum are
-one op, `ops.fused_moe` (kernels/torch_ref/moe.py).
+one op, `ops.fused_moe` (kernels/torch_ref/moe.py; on CUDA kernels/triton/moe.py).
 
 Checkpoints store each expert's projections apart (`mlp.experts.E.gate_proj` / `up_proj` / `down_proj`;
 Mixtral's `block_sparse_moe.experts.E.w1` / `w3` / `w2`); they load straight into the stacked
@@ -12,8 +12,8 @@ parameters `w13` [E, 2I, H] (gate rows, then up rows) and `w2` [E, H, I], one vi
 Not yet (refused with an error naming the limit, never run wrong): tensor and pipeline parallel (here,
 and before any worker starts in parallel/sharding.py `check_model_splits`), quantized weights, at load or
 in the checkpoint (loader.py), GGUF MoE files (gguf_model.py); the fused CPU decode step declines MoE
-layers (fused_decode.py) and CUDA graphs are not captured for them (engine.py: the op's expert loop reads
-the routing on the host).
+layers (fused_decode.py), and with Triton turned off CUDA graphs are not captured for them (the reference
+op's expert loop reads the routing on the host: cuda_graphs.py `model_capturable`).
 """
 
 from __future__ import annotations

@@ -4,15 +4,18 @@ the profiling step runs and leaves no trace. (Capture itself needs a GPU: benchm
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from pagoda.engine_core.config import EngineConfig
-from pagoda.engine_core.cuda_graphs import DecodeGraphs, capture_sizes
+from pagoda.engine_core.cuda_graphs import DecodeGraphs, capture_sizes, model_capturable
 from pagoda.engine_core.engine import EngineCore
 from pagoda.engine_core.gpu_memory import GiB, MemoryProfile, profile_step
 from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.kernels import ops
 
 PROMPTS = [
     "The capital of France is",
@@ -31,6 +34,29 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
     assert capture_sizes(5) == [1, 2, 4, 5]
     assert capture_sizes(1) == [1]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+
+
+@pytest.mark.parametrize(
+    "is_moe,triton,capturable,architecture",
+    [
+        (False, True, True, "LlamaForCausalLM"),
+        (False, False, True, "LlamaForCausalLM"),
+        (True, True, True, "Qwen3MoeForCausalLM"),
+        (True, False, False, "Qwen3MoeForCausalLM"),
+        (True, True, False, "GptOssForCausalLM"),  # (its experts' keyword options run the reference)
+    ],
+)
+def test_moe_models_are_captured_where_the_fused_op_runs_triton(monkeypatch, is_moe, triton, capturable, architecture):
+    """The Triton fused MoE reads nothing on the host; the torch reference (Triton off, or gpt-oss's
+    experts) reads the routing."""
+    pytest.importorskip("triton")
+    monkeypatch.setitem(ops._enabled, "cuda", triton)
+    ops._resolve.cache_clear()
+    try:
+        model_cfg = SimpleNamespace(is_moe=is_moe, architecture=architecture)
+        assert model_capturable(model_cfg, torch.device("cuda")) is capturable
+    finally:
+        ops._resolve.cache_clear()
 
 
 def _run_staggered(engine: EngineCore, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
