@@ -37,9 +37,17 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted({size for size in base if size < max_num_seqs} | {max_num_seqs})
 
 
+# Mixture-of-experts families whose fused op takes keyword options (gpt-oss: expert biases and its clamped
+# SwiGLU), which the Triton kernel hands to the torch reference.
+_REFERENCE_EXPERTS = {"GptOssForCausalLM"}
+
+
 def model_capturable(model_cfg: ModelConfig, device: torch.device) -> bool:
     """Whether a CUDA graph can capture the model's forward on `device`: any model but a mixture of
-    experts whose fused op runs the torch reference (Triton turned off), which reads the routing on the host."""
+    experts whose fused op runs the torch reference (Triton turned off, or gpt-oss's experts), which reads
+    the routing on the host."""
+    if model_cfg.architecture in _REFERENCE_EXPERTS:
+        return False
     return not model_cfg.is_moe or ops.graph_safe("fused_moe", device)
 
 

@@ -150,8 +150,8 @@ class EngineCore:
         if self.runner.device.type == "cuda" and not config.enforce_eager:
             if not model_capturable(self.model_cfg, self.runner.device):
                 logger.info(
-                    "CUDA graphs are not used: with Triton off the mixture-of-experts op runs its torch reference,"
-                    " which reads the routing on the host; decode steps run eager"
+                    "CUDA graphs are not used: the mixture-of-experts op runs its torch reference (Triton off, or"
+                    " gpt-oss's experts), which reads the routing on the host; decode steps run eager"
                 )
             elif self.executor is None:
                 self.runner.enable_decode_graphs(self.max_model_len)

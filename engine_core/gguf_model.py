@@ -50,6 +50,12 @@ _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # Whether the top-k routing weights are renormalised (Hugging Face's norm_topk_prob) where the file does
 # not say (`expert_weights_norm`): what llama.cpp's graphs for these architectures do.
 _RENORMALIZED = {"qwen2moe": False, "qwen3moe": True, "llama": True}
+# gpt-oss files (llama.cpp's "gpt-oss", with MXFP4 expert tensors in a layout of its own): refused, its
+# Hugging Face checkpoints run (engine_core/models/gpt_oss.py).
+_GPT_OSS_REFUSAL = (
+    "gpt-oss GGUF files are not supported; serve the model's Hugging Face safetensors checkpoint instead "
+    "(its MXFP4 experts load as they are)"
+)
 # llama.cpp's converter permutes the rows of q/k for the architectures whose rotary embedding it runs
 # in the interleaved (GPT-J) order; the file must be un-permuted for Hugging Face's rotate-half order.
 # Qwen2/3 use the rotate-half (NeoX) order in llama.cpp too, so their rows are stored as in HF. (Model
@@ -144,6 +150,8 @@ def read_gguf(path: Path) -> GGUFModel:
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
     meta = {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
     arch = meta.get("general.architecture")
+    if arch == "gpt-oss":
+        raise ValueError(f"{path}: {_GPT_OSS_REFUSAL}")
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))} "

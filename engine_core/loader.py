@@ -277,8 +277,15 @@ def fill_dummy_weights(model, seed: int = 0) -> None:
     import torch
 
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    packed: set[int] = set()  # (parameters of modules that draw their own: stored formats such as MXFP4 experts)
+    for module in model.modules():
+        if hasattr(module, "fill_dummy"):
+            module.fill_dummy(generator)
+            packed.update(id(p) for p in module.parameters())
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if id(param) in packed:
+                continue
             if name.lower().endswith("norm.weight"):  # (RMSNorm's and BERT's LayerNorm's scales)
                 param.fill_(1.0)
             elif param.dim() >= 2:  # (a matrix, or an MoE layer's stacked expert matrices)

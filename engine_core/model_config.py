@@ -36,6 +36,9 @@ class ModelConfig:
     decoder_sparse_step: int = 1  # (with mlp_only_layers: which layers are MoE, see `is_moe_layer`)
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    # Each layer's attention kind, as HF names it ("sliding_attention" | "full_attention"; gpt-oss's
+    # alternate); empty: every layer's the same (the sliding window, if any, in all of them).
+    layer_types: tuple[str, ...] = ()
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -66,6 +69,7 @@ class ModelConfig:
             sliding_window=_sliding_window(cfg),
             eos_token_ids=_eos_ids(model_dir, cfg),
             **_moe_fields(cfg),
+            layer_types=tuple(cfg.get("layer_types") or ()),
             raw=cfg,
         )
 
@@ -85,8 +89,14 @@ def _moe_fields(cfg: dict) -> dict:
     # (transformers 5 saves Qwen2/3-MoE's `num_experts` as `num_local_experts` too: its attribute map)
     # Other MoE families (OLMoE, PhiMoE, ...) read as dense here and are refused by the model registry.
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    if not experts or cfg.get("model_type") not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if not experts or cfg.get("model_type") not in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"):
         return {}
+    if cfg.get("model_type") == "gpt_oss":  # (every layer MoE; a softmax over the top-k logits)
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 4),
+            moe_intermediate_size=int(cfg["intermediate_size"]),
+        )
     if cfg.get("model_type") == "mixtral":
         return dict(
             num_experts=experts,

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from pagoda.kernels import fp8 as _fp8
+from pagoda.kernels import mxfp4 as _mxfp4
 from pagoda.kernels import panels as _panels
 from pagoda.kernels import quantized as _quantized
 from pagoda.kernels.fp8 import Fp8Weight as Fp8Weight  # (re-exported, like PackedWeight)
@@ -46,6 +47,7 @@ _TORCH: dict[str, Callable] = {
     "panel_linear": _panels.reference_linear,
     "argmax_rows": _sampling.argmax_rows,
     "fused_moe": _moe.fused_moe,
+    "mxfp4_dequantize": _mxfp4.dequantize,
 }
 _CUDA_NATIVE: dict[str, Callable] = {"fp8_linear": _fp8.scaled_mm_linear}  # torch's cuBLASLt FP8 GEMM
 _CPU_COMPILED = {
@@ -61,11 +63,12 @@ _CPU_COMPILED = {
     "panel_linear",
     "argmax_rows",
     "fused_moe",  # (experts packed at load: ExpertPanels or PackedExperts; plain ones run the reference)
+    "mxfp4_dequantize",
 }
 # Ops with no Triton kernel, for which a CUDA tensor gets the reference: the panel linear (a CUDA linear
-# keeps its plain weight for cuBLAS and never holds panels), and the greedy argmax (torch's own CUDA
-# reduction does it well).
-_CPU_ONLY = {"panel_linear", "argmax_rows"}
+# keeps its plain weight for cuBLAS and never holds panels), the greedy argmax (torch's own CUDA
+# reduction does it well), and MXFP4's dequantization (torch's lookup and ldexp on the GPU).
+_CPU_ONLY = {"panel_linear", "argmax_rows", "mxfp4_dequantize"}
 # Ops whose torch reference reads values on the host (the fused MoE loops over the experts the tokens
 # chose), which a CUDA graph cannot capture; their kernels read nothing there.
 _HOST_READS = {"fused_moe"}
@@ -172,6 +175,8 @@ argmax_rows = _dispatching("argmax_rows")  # (logits [B, V]) -> [B] int64: greed
 # experts plain or packed (ExpertPanels, PackedExperts): kernels/torch_ref/moe.py, on the CPU
 # kernels/cpu/moe.c, on CUDA kernels/triton/moe.py
 fused_moe = _dispatching("fused_moe")
+# (blocks uint8 [..., G, 16], scales uint8 [..., G], dtype) -> [..., G * 32]: MXFP4 experts, kernels/mxfp4.py
+mxfp4_dequantize = _dispatching("mxfp4_dequantize")
 
 
 def embedding_rows(

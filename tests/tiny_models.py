@@ -6,6 +6,9 @@ Every input dimension is a multiple of 128 and the weights are drawn large (init
 greedy tokens differ between models that differ. Qwen2's QKV biases are drawn large too, so that they matter;
 Mistral's and Mixtral's sliding window (24) is shorter than the longer test prompts. The MoE models
 (qwen3_moe with one dense layer, qwen2_moe with a shared expert, mixtral) route each token to 2 of 8 experts.
+gpt_oss is smaller (hidden 64, 4 layers, 2 of 4 experts, head_dim 32 so its MXFP4 blocks of 32 fit) with
+its layers alternating between an 8-token sliding window and full attention, YaRN over an original
+context of 64 (factor 16), and its attention sinks, router and expert biases drawn large so they matter.
 """
 
 from __future__ import annotations
@@ -71,8 +74,32 @@ ARCHITECTURES = {
         transformers.MixtralConfig,
         dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, sliding_window=24),
     ),
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(
+            hidden_size=64,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 16.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
 }
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral")  # (the rest are dense)
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # (the rest are dense)
 
 
 def build(name: str, **overrides) -> transformers.PreTrainedModel:
@@ -86,6 +113,11 @@ def build(name: str, **overrides) -> transformers.PreTrainedModel:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if name == "gpt_oss":  # (HF draws the expert biases zero: make them, and the sinks, matter)
+        for layer in model.model.layers:
+            torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+            torch.nn.init.normal_(layer.mlp.experts.gate_up_proj_bias, std=0.5)
+            torch.nn.init.normal_(layer.mlp.experts.down_proj_bias, std=0.5)
     return model
 
 

@@ -65,6 +65,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.sliding_window = sliding_window
+        # A learned logit per head that joins the softmax denominator (gpt-oss's attention sinks; a family
+        # that has them sets a parameter [num_heads] here). None: plain softmax.
+        self.sinks: nn.Parameter | None
+        self.register_parameter("sinks", None)
         self.key_cache: torch.Tensor | None = None  # bound by the model runner
         self.value_cache: torch.Tensor | None = None
 
@@ -74,7 +78,14 @@ class Attention(nn.Module):
         """q `[T, H, D]`, k/v `[T, Hkv, D]` -> `[T, H, D]`."""
         if isinstance(meta, VarlenMetadata):
             return ops.varlen_attention(
-                q, k, v, meta.query_start_loc, self.scale, self.causal, self.sliding_window if self.causal else None
+                q,
+                k,
+                v,
+                meta.query_start_loc,
+                self.scale,
+                self.causal,
+                self.sliding_window if self.causal else None,
+                sinks=self.sinks,
             )
         ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
         nd = meta.num_decodes  # one token each, so also the number of decode tokens
@@ -88,6 +99,7 @@ class Attention(nn.Module):
                 self.scale,
                 self.sliding_window,
                 meta.max_decode_seq_len,
+                sinks=self.sinks,
             )
         out = torch.empty_like(q) if nd else None  # (a step of prompts alone returns the kernel's own output)
         if out is not None:
@@ -100,12 +112,13 @@ class Attention(nn.Module):
                 self.scale,
                 self.sliding_window,
                 meta.max_decode_seq_len,
+                sinks=self.sinks,
             )
         if meta.prefills_from_start and q.device.type == "cpu":
             # The compiled C kernel reads this step's k/v rows in place: 3.6x faster than gathering the
             # cache for torch's attention (512-token prompt, SmolLM2's heads, one thread; docs/decode-speed.md).
             prefill = ops.varlen_attention(
-                q[nd:], k[nd:], v[nd:], meta.query_start_loc, self.scale, True, self.sliding_window
+                q[nd:], k[nd:], v[nd:], meta.query_start_loc, self.scale, True, self.sliding_window, sinks=self.sinks
             )
         else:
             prefill = ops.paged_prefill_attention(
@@ -117,6 +130,7 @@ class Attention(nn.Module):
                 meta.seq_lens[nd:],
                 self.scale,
                 self.sliding_window,
+                sinks=self.sinks,
             )
         if out is None:
             return prefill

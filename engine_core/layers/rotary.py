@@ -1,4 +1,4 @@
-"""Rotary position embedding tables (default, linear and llama3 scaling), computed as HF computes them."""
+"""Rotary position embedding tables (default, linear, llama3 and YaRN scaling), computed as HF computes them."""
 
 from __future__ import annotations
 
@@ -30,6 +30,42 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (gpt-oss; HF's `_compute_yarn_parameters`): each frequency blends its interpolated (divided by
+    `factor`) and original value by a linear ramp between the dimensions that turn `beta_fast` and
+    `beta_slow` times over the original context (`truncate`, HF's default True: the ramp's ends rounded to
+    whole dimensions). Also returns the attention factor the cos/sin tables are scaled by."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # (HF's guard against a zero-width ramp)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation = 1 - ramp  # (the share of each frequency kept as it was)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     cos_sin_cache: torch.Tensor  # [max_position, rot]: cos, then sin (a buffer: nn.Module types it loosely)
 
@@ -41,14 +77,18 @@ class RotaryEmbedding(nn.Module):
         scaling = scaling or {}
         rope_type = scaling.get("rope_type", "default")
         positions = torch.arange(max_position, dtype=torch.int64).float()
+        attention_factor = 1.0  # (YaRN's: cos and sin scaled by it)
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(head_dim, theta, scaling, max_position)
         elif rope_type != "default":
             raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
         freqs = positions[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        table = torch.cat((freqs.cos() * attention_factor, freqs.sin() * attention_factor), dim=-1)
+        self.register_buffer("cos_sin_cache", table, persistent=False)
         self.is_neox_style = is_neox_style
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):

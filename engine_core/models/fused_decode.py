@@ -4,9 +4,10 @@ A step whose tokens are all single-token decodes (and none a long prompt's bulk 
 the layer-by-layer forward's) runs `cpu.decoder.FusedDecoder` over this
 stage's layers instead of the layer-by-layer forward, when every projection is a float32 panel matmul
 (no quantized weights), every layer's MLP is dense (a mixture of experts, engine_core/models/moe.py, is
-not), there is no tensor parallel (its all-reduces sit between the layers' ops), and
-`PAGODA_DISABLE_FUSED_DECODE` is not set. Prefill and mixed steps keep the layer-by-layer forward, whose
-small ops are a small share of those steps. docs/decode-speed.md has the measurements.
+not), no layer has attention sinks and all share one sliding window (gpt-oss's do not), there is no
+tensor parallel (its all-reduces sit between the layers' ops), and `PAGODA_DISABLE_FUSED_DECODE` is not
+set. Prefill and mixed steps keep the layer-by-layer forward, whose small ops are a small share of those
+steps. docs/decode-speed.md has the measurements.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def _build(model: DecoderModel) -> FusedDecoder | None:
     tensors = [t for t in map(_layer_tensors, layers) if t is not None]
     if len(tensors) != len(layers):
         return None
+    if len({layer.self_attn.attn.sliding_window for layer in layers}) > 1:
+        return None  # (layers of different windows, gpt-oss: the C decoder takes one for all)
     attention = layers[0].self_attn
     cfg = model.cfg
     shape = Shape(
@@ -97,6 +100,8 @@ def _layer_tensors(layer: LlamaDecoderLayer) -> LayerTensors | None:
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(mlp, LlamaMLP):
         return None  # (a mixture of experts, engine_core/models/moe.py: the C decoder runs dense MLPs only)
+    if attn.attn.sinks is not None:
+        return None  # (attention sinks, gpt-oss: the C decoder's attention has no sink term)
     qkv, o, gate_up, down = (p.panels for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
     if qkv is None or o is None or gate_up is None or down is None:
         return None  # (quantized, or the plain/oneDNN path: the fused path reads panels only)

@@ -30,6 +30,9 @@ AT_LOAD: dict[str, str] = {
     "int4": "pagoda.engine_core.quantization.at_load:Int4AtLoad",
     "fp8": "pagoda.engine_core.quantization.fp8:Fp8AtLoad",
 }
+# Formats only a model family's experts use, which that family's model stores itself (no linear is
+# quantized): the architectures that read each.
+EXPERT_FORMATS: dict[str, tuple[str, ...]] = {"mxfp4": ("GptOssForCausalLM",)}  # engine_core/models/gpt_oss.py
 CHOICES = ("auto", "none", *sorted(set(CHECKPOINT_FORMATS) | set(AT_LOAD)))
 
 
@@ -48,6 +51,9 @@ def resolve_method(flag: str, config: dict) -> QuantizationMethod | None:
     declared = checkpoint_method_name(config)
     if flag not in CHOICES:
         raise ValueError(f"unknown --quantization {flag!r}; choose one of {', '.join(CHOICES)}")
+    if declared in EXPERT_FORMATS:
+        _check_expert_format(declared, flag, config)
+        return None  # (the linears load at full precision; the model stores its experts itself)
     if declared is not None and flag in AT_LOAD and flag != declared:
         raise ValueError(
             f"the checkpoint is already quantized with {declared!r}; --quantization {flag} cannot quantize it "
@@ -81,3 +87,19 @@ def resolve_method(flag: str, config: dict) -> QuantizationMethod | None:
         if (declared is not None)
         else cls()
     )
+
+
+def _check_expert_format(declared: str, flag: str, config: dict) -> None:
+    """A checkpoint whose experts alone are quantized (`EXPERT_FORMATS`): anything but `--quantization auto`
+    is refused, as is an architecture that does not read the format."""
+    architecture = (config.get("architectures") or ["?"])[0]
+    if architecture not in EXPERT_FORMATS[declared]:
+        raise ValueError(
+            f"the checkpoint is quantized with {declared!r}, which Pagoda loads for "
+            f"{', '.join(EXPERT_FORMATS[declared])} only, not {architecture}"
+        )
+    if flag != "auto":
+        raise ValueError(
+            f"the checkpoint's experts are quantized with {declared!r}; --quantization {flag} cannot load or "
+            "requantize it (use auto)"
+        )

@@ -8,6 +8,7 @@ each op's Python side in the module of its kind:
 - panel_matmul.py: float32 linears with weights in panels, on AMX where there is one;
 - moe.py: the fused mixture-of-experts (float32 experts in panels, or quantized);
 - argmax.py: the greedy pick;
+- mxfp4.py: MXFP4 expert weights to float32 (gpt-oss);
 - decoder.py: a decode step's decoder layers as one C call.
 
 `pagoda.kernels.ops` dispatches to the ops by name from here and sets `settings`.
@@ -27,6 +28,7 @@ from pagoda.kernels.cpu.loader import failure as failure
 from pagoda.kernels.cpu.loader import load as load
 from pagoda.kernels.cpu.loader import settings as settings
 from pagoda.kernels.cpu.moe import fused_moe as fused_moe
+from pagoda.kernels.cpu.mxfp4 import mxfp4_dequantize as mxfp4_dequantize
 from pagoda.kernels.cpu.panel_matmul import amx_used as amx_used
 from pagoda.kernels.cpu.panel_matmul import panel_linear as panel_linear
 from pagoda.kernels.cpu.quantized_matmul import path as path

@@ -1,5 +1,9 @@
 """Attention on the CPU (kernels/cpu/paged_attention.c, varlen_attention.c), float32 queries: decode over the
-paged KV cache, whole sequences without a cache, and prefill chunks over the paged cache."""
+paged KV cache, whole sequences without a cache, and prefill chunks over the paged cache.
+
+Attention sinks (gpt-oss: `sinks` [H], a logit per query head that joins each softmax's denominator) go to
+the C kernels as one more pointer (NULL without); a decode over a float16 cache with sinks runs the torch
+reference."""
 
 from __future__ import annotations
 
@@ -25,11 +29,14 @@ def _decode_attention_function(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    sinks: bool = False,
 ) -> Callable[..., None] | None:
-    """The C paged decode attention for this query and cache (K and V alike), or None (the torch
-    reference's case)."""
+    """The C paged decode attention for this query and cache (K and V alike), with attention sinks if
+    `sinks`, or None (the torch reference's case)."""
     if lib is None or query.dtype != torch.float32 or value_cache.dtype != key_cache.dtype:
         return None
+    if sinks:
+        return lib["paged_decode_attention_sinks_f32"] if key_cache.dtype == torch.float32 else None
     if key_cache.dtype == torch.float32:
         return lib["paged_decode_attention_f32"]
     if key_cache.dtype == torch.float16 and query.shape[-1] % 8 == 0:  # (the C code's condition)
@@ -46,15 +53,20 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     max_seq_len: int | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `pagoda.kernels.torch_ref.attention.paged_decode_attention` (float32 queries, CPU; a
     float32 or float16 cache)."""
     lib = load()
-    function = _decode_attention_function(lib, query, key_cache, value_cache)
-    if function is None or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+    function = _decode_attention_function(lib, query, key_cache, value_cache, sinks is not None)
+    contiguous = key_cache.is_contiguous() and value_cache.is_contiguous()
+    if function is None or not contiguous or not _sinks_usable(sinks):
         from pagoda.kernels.torch_ref.attention import paged_decode_attention as reference
 
-        return reference(query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len)
+        return reference(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len, sinks=sinks
+        )
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     if not query.is_contiguous():
@@ -68,6 +80,7 @@ def paged_decode_attention(
     assert lib is not None
     workspace_size = cast(Callable[..., int], lib["paged_decode_attention_workspace"])  # (restype int64)
     workspace = scratch_buffer(workspace_size(num_heads, max_len, threads))
+    extra = () if sinks is None else (_sinks_pointer(sinks),)
     function(
         query.data_ptr(),
         key_cache.data_ptr(),
@@ -86,8 +99,17 @@ def paged_decode_attention(
         sliding_window or 0,
         scale,
         threads,
+        *extra,
     )
     return out
+
+
+def _sinks_pointer(sinks: torch.Tensor | None) -> int | None:
+    """The C kernels' `sinks` argument: float32 [H] contiguous (the model's parameter already is), or NULL."""
+    if sinks is None:
+        return None
+    assert sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.device.type == "cpu"
+    return sinks.data_ptr()
 
 
 def varlen_attention(
@@ -98,13 +120,15 @@ def varlen_attention(
     scale: float,
     causal: bool = True,
     sliding_window: int | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `pagoda.kernels.torch_ref.attention.varlen_attention` (float32, CPU)."""
     lib = load()
-    if lib is None or not all(rows_contiguous(x) for x in (query, key, value)):
+    if lib is None or not all(rows_contiguous(x) for x in (query, key, value)) or not _sinks_usable(sinks):
         from pagoda.kernels.torch_ref.attention import varlen_attention as reference
 
-        return reference(query, key, value, query_start_loc, scale, causal, sliding_window)
+        return reference(query, key, value, query_start_loc, scale, causal, sliding_window, sinks=sinks)
     if sliding_window is not None and not causal:
         raise ValueError("a sliding window applies to causal attention only")
     tokens, num_heads, head_dim = query.shape
@@ -136,10 +160,16 @@ def varlen_attention(
         sliding_window or 0,
         scale,
         threads,
+        _sinks_pointer(sinks),
     )
     if failed:
         raise MemoryError("varlen attention: no memory for its job table")
     return out
+
+
+def _sinks_usable(sinks: torch.Tensor | None) -> bool:
+    """Whether the C kernels take these sinks as they are (else the torch reference runs)."""
+    return sinks is None or (sinks.dtype == torch.float32 and sinks.is_contiguous())
 
 
 def _prefill_threads_and_workspace(
@@ -169,15 +199,27 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as `pagoda.kernels.torch_ref.attention.paged_prefill_attention` (float32 queries and caches,
     CPU; other caches go to the reference)."""
     lib = load()
     caches_ok = all(c.dtype == torch.float32 and c.is_contiguous() for c in (key_cache, value_cache))
-    if lib is None or not caches_ok or not rows_contiguous(query):
+    if lib is None or not caches_ok or not rows_contiguous(query) or not _sinks_usable(sinks):
         from pagoda.kernels.torch_ref.attention import paged_prefill_attention as reference
 
-        return reference(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, sliding_window)
+        return reference(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            sliding_window,
+            sinks=sinks,
+        )
     tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     cu_seqlens, seq_lens, block_tables = as_int64(query_start_loc), as_int64(seq_lens), as_int64(block_tables)
@@ -210,6 +252,7 @@ def paged_prefill_attention(
         sliding_window or 0,
         scale,
         threads,
+        _sinks_pointer(sinks),
     )
     if failed:
         raise MemoryError("paged prefill attention: no memory for its job table")

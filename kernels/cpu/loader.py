@@ -53,16 +53,18 @@ _LIBRARIES = {
     "layer_ops": ["-fopenmp"],
     "argmax": ["-fopenmp"],
     "moe": ["-fopenmp"],
+    "mxfp4": ["-fopenmp"],
     "decoder": ["-fopenmp"],  # (calls the others' kernels through pointers: its own flags are its own ops')
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],
+    "paged_decode_attention_sinks_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64, _POINTER],
     "paged_decode_attention_f16kv": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],  # only where the CPU has F16C
     "paged_decode_attention_workspace": [_I64] * 3,
-    "varlen_attention_f32": [_POINTER] * 6 + [_I64] * 10 + [_F32, _I64],
+    "varlen_attention_f32": [_POINTER] * 6 + [_I64] * 10 + [_F32, _I64, _POINTER],  # (last: sinks or NULL)
     "varlen_attention_workspace": [_I64] * 3,
-    "paged_prefill_attention_f32": [_POINTER] * 8 + [_I64] * 9 + [_F32, _I64],
+    "paged_prefill_attention_f32": [_POINTER] * 8 + [_I64] * 9 + [_F32, _I64, _POINTER],
     "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
     "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
     "reshape_and_cache_f16kv": [_POINTER] * 5 + [_I64] * 4,
@@ -81,6 +83,7 @@ _SIGNATURES = {
     "moe_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 4 + [_I64] * 3,
     "moe_quantized_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 10 + [_I64] * 3,
     "moe_workspace": [_I64] * 9,
+    "mxfp4_dequantize_f32": [_POINTER] * 3 + [_I64] * 2,
     "decode_layers_f32": [_POINTER, _POINTER, _I64, _POINTER],
     "decoder_scratch_floats": [_POINTER, _I64, _I64, _I64],
 }

@@ -17,6 +17,10 @@
  *
  * The cache may be float16 (--kv-cache-dtype float16; vector path, F16C): the same passes convert each
  * 8 values as they load them, and read half the bytes.
+ *
+ * Attention sinks (gpt-oss; paged_decode_attention_sinks_f32): a logit per query head that joins each
+ * softmax's maximum and denominator and attends to nothing. The passes are unchanged; the sink enters
+ * where a head's output is normalised (`normaliser`).
  */
 #include <float.h>
 #include <math.h>
@@ -34,7 +38,19 @@ typedef struct {
     float scale;
     int64_t first_seq, last_seq; /* the range of sequences to run */
     int64_t kv_half, element;    /* a float16 cache (vector path only); the cache's bytes per element */
+    const float *sinks;          /* [num_heads] attention sinks, or NULL */
 } Job;
+
+/* What head h's unnormalised output (the sum over its keys of e^(s_t - max) v_t, where the e^(s_t - max)
+ * add up to `sum`) is multiplied by: 1 / sum, or with a sink the softmax's denominator grown by e^sink,
+ * both taken relative to the larger of `max` and the sink so that nothing overflows. */
+static inline float normaliser(const Job *j, int64_t h, float max, float sum) {
+    if (j->sinks == NULL) return 1.f / sum;
+    const float sink = j->sinks[h];
+    if (sink <= max) return 1.f / (sum + expf(sink - max));
+    const float shrink = expf(max - sink); /* e^(max - sink): the keys' terms relative to the sink */
+    return shrink / (sum * shrink + 1.f);
+}
 
 /* Where a thread's workspace (thread_workspace floats of the caller's buffer) puts its parts. */
 typedef struct {
@@ -318,8 +334,10 @@ static void run_sequence_vector(const Job *j, int64_t b, const Scratch *ws) {
     const int64_t n = attended(j, b, &start);
     float *out = j->out + b * heads * d, *sums = ws->sums;
     attend_part_vector(j, b, start, n, ws, out, ws->maxes, sums);
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t i = 0; i < d; i++) out[h * d + i] /= sums[h];
+    for (int64_t h = 0; h < heads; h++) {
+        const float factor = normaliser(j, h, ws->maxes[h], sums[h]);
+        for (int64_t i = 0; i < d; i++) out[h * d + i] *= factor;
+    }
 }
 
 /* Tokens [*first, *first + count) of part p of `parts` of an n-token range: equal parts, multiples of 8
@@ -366,7 +384,8 @@ static void run_split_vector(const Job *j, float *workspace, int64_t parts, int6
                 total += weight * sum;
                 for (int64_t i = 0; i < d; i++) o[i] += weight * part[h * d + i];
             }
-            for (int64_t i = 0; i < d; i++) o[i] /= total;
+            const float factor = normaliser(j, h, top, total);
+            for (int64_t i = 0; i < d; i++) o[i] *= factor;
         }
 }
 #endif
@@ -391,7 +410,7 @@ static void run_sequences(const Job *j, float *scores) {
             float *s = scores + h * j->max_len, m = -FLT_MAX, sum = 0.f;
             for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
             for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
-            const float inv = 1.f / sum;
+            const float inv = normaliser(j, h, m, sum);
             for (int64_t t = 0; t < n; t++) s[t] *= inv;
         }
         memset(out, 0, sizeof(float) * heads * d);
@@ -420,11 +439,11 @@ int64_t paged_decode_attention_workspace(int64_t num_heads, int64_t max_len, int
 static int attention(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
                      const int64_t *seq_lens, float *out, float *workspace, int64_t batch, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_len,
-                     int64_t window, float scale, int64_t num_threads, int64_t kv_half) {
+                     int64_t window, float scale, int64_t num_threads, int64_t kv_half, const float *sinks) {
     if (num_threads < 1) num_threads = 1;
     const Job job = {q, k_cache, v_cache, block_tables, seq_lens, out,
                      batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len, window, scale,
-                     0, batch, kv_half, kv_half ? 2 : 4};
+                     0, batch, kv_half, kv_half ? 2 : 4, sinks};
 #ifdef HAVE_VECTOR_PATH
     if (head_dim % 8 == 0 && batch < num_threads) {
         const int64_t parts = (num_threads + batch - 1) / batch;
@@ -461,7 +480,18 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
                                int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_len,
                                int64_t window, float scale, int64_t num_threads) {
     return attention(q, k_cache, v_cache, block_tables, seq_lens, out, workspace, batch, num_heads, num_kv_heads,
-                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 0);
+                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 0, NULL);
+}
+
+/* paged_decode_attention_f32 with attention sinks: `sinks` [num_heads] (the fused decoder calls the one
+ * above, whose signature it holds). Returns 0. */
+int paged_decode_attention_sinks_f32(const float *q, const float *k_cache, const float *v_cache,
+                                     const int64_t *block_tables, const int64_t *seq_lens, float *out,
+                                     float *workspace, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                                     int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_len,
+                                     int64_t window, float scale, int64_t num_threads, const float *sinks) {
+    return attention(q, k_cache, v_cache, block_tables, seq_lens, out, workspace, batch, num_heads, num_kv_heads,
+                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 0, sinks);
 }
 
 #if defined(HAVE_VECTOR_PATH) && defined(__F16C__)
@@ -474,6 +504,6 @@ int paged_decode_attention_f16kv(const float *q, const uint16_t *k_cache, const 
                                  int64_t num_threads) {
     if (head_dim % 8) return 1;
     return attention(q, k_cache, v_cache, block_tables, seq_lens, out, workspace, batch, num_heads, num_kv_heads,
-                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 1);
+                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 1, NULL);
 }
 #endif

@@ -22,6 +22,8 @@
  * of 8 rows instead of 4 (30 layers of SmolLM2's heads, two threads): 2,048 tokens 1,058 -> 891 ms, 512
  * tokens 62 -> 60 ms. Paged, against the torch reference (a gather of the cache, then torch's attention
  * with a mask): see docs/decode-speed.md.
+ * Attention sinks (gpt-oss; `sinks` [H], or NULL): a logit per query head that starts each row's maximum
+ * and adds its e^(sink - max) to the row's denominator, attending to nothing.
  * Built and loaded at run time by kernels/cpu/__init__.py.
  */
 #include <float.h>
@@ -44,6 +46,7 @@ typedef struct {
     float scale;
     const int64_t *block_tables, *seq_lens; /* NULL unless paged */
     int64_t block_size, max_blocks;
+    const float *sinks; /* [num_heads], or NULL */
 } Args;
 
 /* Key j of sequence `seq` (its row in k/v, or its slot in the cache); an offset in k/v rows. */
@@ -178,14 +181,14 @@ static void run_job(const Args *a, int64_t seq, int64_t kv_head, int64_t r0, int
                 const int64_t i = off + i0 + r; /* the row's position */
                 first[r] = (a->window > 0 && i - a->window + 1 > 0) ? i - a->window + 1 : 0;
                 last[r] = a->causal ? i + 1 : len;
-                float *s = scores + r * ld, m = -FLT_MAX, sum = 0.f;
+                float *s = scores + r * ld, m = a->sinks != NULL ? a->sinks[h] : -FLT_MAX, sum = 0.f;
                 for (int64_t j = first[r]; j < last[r]; j++) m = s[j] > m ? s[j] : m;
 #pragma omp simd reduction(+ : sum)
                 for (int64_t j = first[r]; j < last[r]; j++) {
                     s[j] = exp_nonpositive(s[j] - m);
                     sum += s[j];
                 }
-                sums[r] = sum;
+                sums[r] = a->sinks != NULL ? sum + exp_nonpositive(a->sinks[h] - m) : sum;
             }
             /* probabilities of the tile's key range, zero outside each row's own range */
             const int64_t lo_all = first[0], hi_all = last[rows - 1];
@@ -255,31 +258,31 @@ static int run_jobs(const Args *a, float *workspace, int64_t num_seqs, int64_t m
 }
 
 /* workspace: varlen_attention_workspace(head_dim, max_len, num_threads) floats, max_len the longest
- * sequence. Returns 0 (1: out of memory). */
+ * sequence; sinks: [num_heads] or NULL. Returns 0 (1: out of memory). */
 int varlen_attention_f32(const float *q, const float *k, const float *v, const int64_t *cu_seqlens, float *out,
                          float *workspace, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t stride_q, int64_t stride_k, int64_t stride_v, int64_t max_len,
-                         int64_t causal, int64_t window, float scale, int64_t num_threads) {
+                         int64_t causal, int64_t window, float scale, int64_t num_threads, const float *sinks) {
     const Args a = {.q = q, .k = k, .v = v, .cu = cu_seqlens, .out = out, .num_heads = num_heads,
                     .num_kv_heads = num_kv_heads, .head_dim = head_dim, .stride_q = stride_q, .stride_k = stride_k,
-                    .stride_v = stride_v, .causal = causal, .window = window, .scale = scale};
+                    .stride_v = stride_v, .causal = causal, .window = window, .scale = scale, .sinks = sinks};
     return run_jobs(&a, workspace, num_seqs, max_len, num_threads);
 }
 
 /* Causal attention of each sequence's last cu_seqlens[b+1] - cu_seqlens[b] tokens (q) to its seq_lens[b]
  * keys, all of which the caches hold already (this step's too). workspace: varlen_attention_workspace(
- * head_dim, max_len, num_threads) floats, max_len the most keys of a sequence. Returns 0 (1: out of
- * memory). */
+ * head_dim, max_len, num_threads) floats, max_len the most keys of a sequence; sinks: [num_heads] or NULL.
+ * Returns 0 (1: out of memory). */
 int paged_prefill_attention_f32(const float *q, const float *key_cache, const float *value_cache,
                                 const int64_t *block_tables, const int64_t *cu_seqlens, const int64_t *seq_lens,
                                 float *out, float *workspace, int64_t num_seqs, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t stride_q, int64_t block_size,
                                 int64_t max_blocks, int64_t max_len, int64_t window, float scale,
-                                int64_t num_threads) {
+                                int64_t num_threads, const float *sinks) {
     const int64_t slot = num_kv_heads * head_dim; /* (the caches' row stride) */
     const Args a = {.q = q, .k = key_cache, .v = value_cache, .cu = cu_seqlens, .out = out, .num_heads = num_heads,
                     .num_kv_heads = num_kv_heads, .head_dim = head_dim, .stride_q = stride_q, .stride_k = slot,
                     .stride_v = slot, .causal = 1, .window = window, .scale = scale, .block_tables = block_tables,
-                    .seq_lens = seq_lens, .block_size = block_size, .max_blocks = max_blocks};
+                    .seq_lens = seq_lens, .block_size = block_size, .max_blocks = max_blocks, .sinks = sinks};
     return run_jobs(&a, workspace, num_seqs, max_len, num_threads);
 }

@@ -1,6 +1,6 @@
 """Mixture-of-experts in plain torch: routing, the experts' grouped GEMMs and the weighted sum as one op,
-written to match Hugging Face's float math (Qwen2-MoE, Qwen3-MoE, Mixtral: `*TopKRouter` and `*Experts`
-in transformers 5)."""
+written to match Hugging Face's float math (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss: `*TopKRouter` and
+`*Experts` in transformers 5)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagoda.kernels.mxfp4 import Mxfp4Experts
 from pagoda.kernels.panels import ExpertPanels
 from pagoda.kernels.quantized import PackedExperts
 from pagoda.kernels.torch_ref.layers import silu_and_mul
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, softmax_after_topk: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k] int64) of each token's `top_k` experts: softmax over all
     experts in float32, then `torch.topk` of those probabilities (ties pick what HF picks: the same call on
     the same float32 values), then the k weights divided by their sum iff `renormalize` (Qwen's
-    norm_topk_prob; Mixtral always, which equals a softmax over the top-k logits)."""
+    norm_topk_prob; Mixtral always, which equals a softmax over the top-k logits). `softmax_after_topk`
+    (gpt-oss): `torch.topk` of the logits themselves, then a softmax over those k."""
+    if softmax_after_topk:
+        logits, ids = torch.topk(router_logits, top_k, dim=-1)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32), ids
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -35,13 +42,33 @@ class Routing:
     experts' outputs are scaled (Qwen's routers do; Mixtral's keep them float32 and round the product).
     `expert_offset` / `local_experts`: expert parallel, where this rank's stacked weights hold the experts
     `expert_offset .. expert_offset + local_experts - 1` (None: all of them) and only the tokens' pairs with
-    those experts are computed here; the ranks' partial sums are added by the caller."""
+    those experts are computed here; the ranks' partial sums are added by the caller.
+    `softmax_after_topk` (gpt-oss): the top-k logits are picked first and the softmax runs over those k
+    (`route`)."""
 
     top_k: int
     renormalize: bool = False
     weights_in_hidden_dtype: bool = True
     expert_offset: int = 0
     local_experts: int | None = None
+    softmax_after_topk: bool = False
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (HF's `GptOssExperts._apply_gate`): gate clamped above at `limit`, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate). Applied to [..., 2I] rows holding the
+    gate half, then the up half (our w13 layout; HF's checkpoints interleave them, the model de-interleaves
+    at load)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 @dataclass
@@ -59,7 +86,7 @@ class Assignment:
 def assign(router_logits: torch.Tensor, routing: Routing, hidden_dtype: torch.dtype) -> Assignment:
     """Route every token, then group the pairs by expert (one host read: the chosen experts' ids and
     counts). Experts no token chose, and under expert parallel other ranks' experts, are absent."""
-    weights, ids = route(router_logits, routing.top_k, routing.renormalize)
+    weights, ids = route(router_logits, routing.top_k, routing.renormalize, routing.softmax_after_topk)
     if routing.weights_in_hidden_dtype:
         weights = weights.to(hidden_dtype)
     flat, pair_weights = ids.reshape(-1), weights.reshape(-1)
@@ -76,9 +103,9 @@ def assign(router_logits: torch.Tensor, routing: Routing, hidden_dtype: torch.dt
 
 
 # Stacked expert matrices [E, N, K]: a plain tensor, or packed (kernels/panels.py `ExpertPanels`: float32 in
-# the CPU matmul's panels; kernels/quantized.py `PackedExperts`: quantized), each able to give one expert's
-# matrix (`matrix`).
-ExpertWeights = torch.Tensor | ExpertPanels | PackedExperts
+# the CPU matmul's panels; kernels/quantized.py `PackedExperts`: quantized; kernels/mxfp4.py `Mxfp4Experts`:
+# gpt-oss's MXFP4), each able to give one expert's matrix (`matrix`).
+ExpertWeights = torch.Tensor | ExpertPanels | PackedExperts | Mxfp4Experts
 
 
 def expert_matrix(weights: ExpertWeights, expert: int, dtype: torch.dtype) -> torch.Tensor:
@@ -90,7 +117,15 @@ def expert_matrix(weights: ExpertWeights, expert: int, dtype: torch.dtype) -> to
 
 
 def fused_moe(
-    hidden: torch.Tensor, router_logits: torch.Tensor, w13: ExpertWeights, w2: ExpertWeights, routing: Routing
+    hidden: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
+    routing: Routing,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] for tokens `hidden` [T, H].
 
@@ -99,14 +134,23 @@ def fused_moe(
     packed (`ExpertWeights`: only the chosen experts are unpacked or dequantized). Tokens are
     grouped by expert (`assign`) and only the experts some token chose run, each once for all its tokens:
     silu(gate) * up, then down, times the token's routing weight, added into the output in the hidden
-    dtype in ascending expert order (as HF's loop does)."""
+    dtype in ascending expert order (as HF's loop does).
+
+    gpt-oss's options: `w13_bias` [E, 2I] and `w2_bias` [E, H] added to each expert's projections, and its
+    `activation` in place of silu(gate) * up."""
     out = torch.zeros_like(hidden)
     pairs = assign(router_logits, routing, hidden.dtype)
     start = 0
     for expert, count in zip(pairs.experts, pairs.counts, strict=True):
         rows = pairs.tokens[start : start + count]
-        up = F.linear(hidden[rows], expert_matrix(w13, expert, hidden.dtype))
-        y = F.linear(silu_and_mul(up), expert_matrix(w2, expert, hidden.dtype))
+        gate_up = F.linear(hidden[rows], expert_matrix(w13, expert, hidden.dtype), _of(w13_bias, expert))
+        act = silu_and_mul(gate_up) if activation is None else activation(gate_up)
+        y = F.linear(act, expert_matrix(w2, expert, hidden.dtype), _of(w2_bias, expert))
         out.index_add_(0, rows, (y * pairs.weights[start : start + count, None]).to(out.dtype))
         start += count
     return out
+
+
+def _of(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+    """Expert `expert`'s bias row, if the experts have biases."""
+    return None if bias is None else bias[expert]

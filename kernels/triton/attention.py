@@ -317,12 +317,28 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: `query` `[B, H, D]` attends to the sequence's first `seq_lens[b]`
     cached tokens (its own K/V already written). Returns `[B, H, D]` (into `out` if given).
 
     No host syncs (CUDA-graph safe). `max_seq_len` only sizes the split count; results are correct for any
     `seq_lens[b] <= block_tables.shape[1] * block_size` whatever it says. seq_len-0 rows give zeros."""
+    if sinks is not None:  # (attention sinks, gpt-oss: this kernel has no sink term, the torch reference runs)
+        from pagoda.kernels.torch_ref import attention as reference
+
+        return reference.paged_decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            sliding_window,
+            max_seq_len,
+            out=out,
+            sinks=sinks,
+        )
     query, out, shape = _attention_inputs(query, key_cache, value_cache, out)
     batch, num_heads, head_dim, block_size, num_kv_heads, group = shape
     if batch == 0:
@@ -484,6 +500,7 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a variable-length batch of query chunks over a paged prefix.
 
@@ -491,6 +508,21 @@ def paged_prefill_attention(
     positions `seq_lens[b] - q_len .. seq_lens[b] - 1`. All of its K/V (prefix + the new tokens) are
     already in the cache. `query` `[T, H, D]` -> `[T, H, D]` (into `out` if given). Reads
     `query_start_loc` and `seq_lens` on the host to size the grid (a sync: prefill runs eagerly)."""
+    if sinks is not None:  # (attention sinks, gpt-oss: this kernel has no sink term, the torch reference runs)
+        from pagoda.kernels.torch_ref import attention as reference
+
+        return reference.paged_prefill_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            query_start_loc,
+            seq_lens,
+            scale,
+            sliding_window,
+            out=out,
+            sinks=sinks,
+        )
     query, out, shape = _attention_inputs(query, key_cache, value_cache, out)
     _num_tokens, _num_heads, head_dim, block_size, num_kv_heads, group = shape
     block_m = max(64, triton.next_power_of_2(group))

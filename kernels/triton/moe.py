@@ -267,9 +267,10 @@ def fused_moe(
     **options,
 ) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] for tokens `hidden` [T, H] (fp32, fp16 or bf16); arguments
-    as the reference's. Keyword `options` (expert biases, other activations or routings) and quantized
-    experts (PackedExperts) run the reference, which holds their math."""
-    if options or not isinstance(w13, torch.Tensor):
+    as the reference's. Keyword `options` (expert biases, other activations), gpt-oss's routing and packed
+    or quantized experts (ExpertPanels, PackedExperts, Mxfp4Experts) run the reference, which holds their
+    math."""
+    if options or routing.softmax_after_topk or not isinstance(w13, torch.Tensor):
         return _reference.fused_moe(hidden, router_logits, w13, w2, routing, **options)
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape

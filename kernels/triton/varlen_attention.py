@@ -108,9 +108,16 @@ def varlen_attention(
     sliding_window: int | None = None,
     *,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention within each whole sequence of a varlen batch (see the torch reference). Reads
     `query_start_loc` on the host to size the grid (a sync: pooling steps run eagerly)."""
+    if sinks is not None:  # (attention sinks, gpt-oss: this kernel has no sink term, the torch reference runs)
+        from pagoda.kernels.torch_ref import attention as reference
+
+        return reference.varlen_attention(
+            query, key, value, query_start_loc, scale, causal, sliding_window, out=out, sinks=sinks
+        )
     if sliding_window is not None and not causal:
         raise ValueError("a sliding window applies to causal attention only")
     if any(x.stride(-1) != 1 for x in (query, key, value)):

@@ -37,16 +37,23 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
 
 
 @pytest.mark.parametrize(
-    "is_moe,triton,capturable",
-    [(False, True, True), (False, False, True), (True, True, True), (True, False, False)],
+    "is_moe,triton,capturable,architecture",
+    [
+        (False, True, True, "LlamaForCausalLM"),
+        (False, False, True, "LlamaForCausalLM"),
+        (True, True, True, "Qwen3MoeForCausalLM"),
+        (True, False, False, "Qwen3MoeForCausalLM"),
+        (True, True, False, "GptOssForCausalLM"),  # (its experts' keyword options run the reference)
+    ],
 )
-def test_moe_models_are_captured_where_the_fused_op_runs_triton(monkeypatch, is_moe, triton, capturable):
-    """The Triton fused MoE reads nothing on the host; the torch reference (Triton off) reads the routing."""
+def test_moe_models_are_captured_where_the_fused_op_runs_triton(monkeypatch, is_moe, triton, capturable, architecture):
+    """The Triton fused MoE reads nothing on the host; the torch reference (Triton off, or gpt-oss's
+    experts) reads the routing."""
     pytest.importorskip("triton")
     monkeypatch.setitem(ops._enabled, "cuda", triton)
     ops._resolve.cache_clear()
     try:
-        model_cfg = SimpleNamespace(is_moe=is_moe)
+        model_cfg = SimpleNamespace(is_moe=is_moe, architecture=architecture)
         assert model_capturable(model_cfg, torch.device("cuda")) is capturable
     finally:
         ops._resolve.cache_clear()

@@ -93,6 +93,23 @@ def test_mixture_of_experts_models_decode_layer_by_layer(tmp_path, name):
     assert tokens == [hf_greedy(hf_model, p, 8, stop_at_eos=False) for p in prompts]
 
 
+@pytest.mark.parametrize("change", ["sinks", "windows"])
+def test_sinks_or_mixed_windows_decode_layer_by_layer(tmp_path, change):
+    """The C decoder's attention has no sink term and one sliding window for every layer: a dense model
+    given attention sinks, or layers of different windows (as gpt-oss has both), never takes the fused
+    path."""
+    tiny_models.build("llama").save_pretrained(tmp_path / "llama")
+    engine = _engine(tmp_path / "llama")
+    attention = engine.runner.model.attention_layers()[1]
+    if change == "sinks":
+        attention.sinks = torch.nn.Parameter(torch.zeros(attention.num_heads), requires_grad=False)
+    else:
+        attention.sliding_window = 4
+    with LayeredCheck(engine.runner.model) as check:
+        tokens = run_engine(engine, [[5, 17, 300, 41, 9]], SamplingParams(temperature=0.0, max_tokens=6))
+    assert check.calls == 0 and len(tokens[0]) == 6
+
+
 def test_large_activations_saturate_silu_like_torch(tmp_path):
     """Gates of +-hundreds: silu(g) -> g and -> -0 (the vector exp is clamped, and its 2^n split so that
     e^88 does not overflow the exponent)."""

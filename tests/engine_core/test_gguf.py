@@ -115,6 +115,13 @@ def test_an_unsupported_architecture_is_refused(tmp_path, q4_1_reader):
         resolve_model(str(path))
 
 
+def test_a_gpt_oss_file_is_refused(tmp_path, q4_1_reader):
+    overrides = {"general.architecture": ("gpt-oss", GGUFValueType.STRING)}
+    path = _small_file(tmp_path / "gpt-oss.gguf", q4_1_reader, [("output_norm.weight", np.ones(576), T.F32)], overrides)
+    with pytest.raises(ValueError, match="gpt-oss GGUF files are not supported; serve the model's Hugging Face"):
+        resolve_model(str(path))
+
+
 @pytest.mark.parametrize(
     ("flag", "message"),
     [

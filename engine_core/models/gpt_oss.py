@@ -1,0 +1,141 @@
+"""OpenAI's gpt-oss (`GptOssForCausalLM`): the Llama family's layers with
+
+- attention sinks: a learned logit per head that joins each softmax's denominator (`Attention.sinks`,
+  passed to the attention ops);
+- attention alternating per layer between a sliding window (128 tokens in the released models) and
+  full attention, as the config's `layer_types` say;
+- YaRN rotary scaling (engine_core/layers/rotary.py), biases on q/k/v/o;
+- every layer's MLP a mixture of experts (`GptOssMLP`): a router with a bias whose top-k logits are
+  softmaxed over those k, experts with biases and a clamped SwiGLU (`ClampedSwiGLU`), all through
+  `ops.fused_moe`'s keyword options.
+
+Checkpoints store a layer's experts as stacked tensors: `mlp.experts.gate_up_proj` [E, H, 2I] with gate
+and up interleaved along the last axis (gate the even columns), `down_proj` [E, I, H], and their biases;
+they are transposed and de-interleaved at load into our `w13` [E, 2I, H] (gate rows, then up rows) and
+`w2` [E, H, I]. MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`, the released models) store
+those two as `*_blocks` / `*_scales`, which stay 4-bit (kernels/mxfp4.py); only their rows are reordered.
+
+Refused with an error naming the limit: tensor and pipeline parallel (here and in parallel/sharding.py),
+quantizing at load and other quantized formats (loader.py), GGUF files (gguf_model.py). The fused CPU
+decode step declines the sinks layers (fused_decode.py); CUDA graphs are not captured (its experts run the
+torch reference, which reads the routing on the host: cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pagoda.engine_core.layers.linear import Linear
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.models.llama import LlamaForCausalLM
+from pagoda.engine_core.parallel.distributed import building_group, building_stage
+from pagoda.engine_core.quantization.assembly import LinearAssembler
+from pagoda.kernels import ops
+from pagoda.kernels.mxfp4 import Mxfp4Experts
+from pagoda.kernels.torch_ref.moe import ClampedSwiGLU, Routing
+
+# A checkpoint's expert tensor: layer, projection, suffix ("" for the weight, _bias, _blocks, _scales).
+_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+_OURS = {"gate_up_proj": "w13", "down_proj": "w2"}
+
+
+def uses_mxfp4(cfg: ModelConfig) -> bool:
+    """Whether the checkpoint stores its experts MXFP4 (its config's quantization_config says so)."""
+    qcfg = cfg.raw.get("quantization_config") or {}
+    return str(qcfg.get("quant_method", "")).lower() == "mxfp4"
+
+
+class GptOssMLP(nn.Module):
+    """A layer's mixture of experts: `router` (a Linear with bias, [E, H]), each expert's gate/up
+    projection `w13` [E, 2I, H] and down projection `w2` [E, H, I] (tensors, or `Mxfp4Experts`), and
+    their biases `w13_bias` [E, 2I], `w2_bias` [E, H]."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, mxfp4: bool):
+        super().__init__()
+        experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        # (HF's router: top-k of the logits, softmax over those k; the weights rounded to the hidden dtype)
+        self.routing = Routing(cfg.num_experts_per_tok, weights_in_hidden_dtype=True, softmax_after_topk=True)
+        self.activation = ClampedSwiGLU(
+            alpha=float(cfg.raw.get("swiglu_alpha", 1.702)), limit=float(cfg.raw.get("swiglu_limit", 7.0))
+        )
+        self.router = Linear(hidden, experts, True, dtype)
+        self.w13: nn.Parameter | Mxfp4Experts
+        self.w2: nn.Parameter | Mxfp4Experts
+        if mxfp4:
+            self.w13 = Mxfp4Experts(experts, 2 * inter, hidden, dtype)
+            self.w2 = Mxfp4Experts(experts, hidden, inter, dtype)
+        else:
+            self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), requires_grad=False)
+        self.w13_bias = nn.Parameter(torch.empty(experts, 2 * inter, dtype=dtype), requires_grad=False)
+        self.w2_bias = nn.Parameter(torch.empty(experts, hidden, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
+        logits = self.router(x).float()
+        return ops.fused_moe(
+            x,
+            logits,
+            self.w13,  # (a tensor, or MXFP4 storage: fused_moe reads its experts with `matrix`)
+            self.w2,
+            self.routing,
+            w13_bias=self.w13_bias,
+            w2_bias=self.w2_bias,
+            activation=self.activation,
+        )
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pooling: bool = False):
+        name = cfg.architecture
+        if building_group().parallel:
+            raise ValueError(f"{name}: gpt-oss does not run under tensor parallel; serve it on one device (--tp 1)")
+        if building_stage().count > 1:
+            raise ValueError(f"{name}: gpt-oss does not run under pipeline parallel; serve it as one stage (--pp 1)")
+        if cfg.layer_types and len(cfg.layer_types) != cfg.num_layers:
+            raise ValueError(f"{name}: layer_types names {len(cfg.layer_types)} layers, the model has {cfg.num_layers}")
+        self.mxfp4 = uses_mxfp4(cfg)
+        super().__init__(cfg, dtype, pooling)
+        # (no layer_types: HF's default, sliding in the even layers, full in the odd ones)
+        kinds = cfg.layer_types or tuple("sliding_attention" if i % 2 == 0 else "full" for i in range(cfg.num_layers))
+        for i, layer in enumerate(self.decoder_layers()):
+            attn = layer.self_attn.attn
+            attn.sliding_window = cfg.sliding_window if kinds[i] == "sliding_attention" else None
+            attn.sinks = nn.Parameter(torch.empty(attn.num_heads, dtype=dtype), requires_grad=False)
+
+    def mlp_for(self, layer_index: int, dtype: torch.dtype) -> nn.Module:
+        return GptOssMLP(self.cfg, dtype, self.mxfp4)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], assembler: LinearAssembler | None = None
+    ) -> None:
+        super().load_weights(self._in_our_layout(weights), assembler)
+
+    def _in_our_layout(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The experts' tensors as our parameters hold them: transposed to [E, out, in] (the float weights),
+        gate/up de-interleaved into gate rows, then up rows (MXFP4 blocks and scales: only the rows)."""
+        for name, tensor in weights:
+            match = _EXPERTS.match(name.removeprefix("model."))
+            if match is not None:
+                proj, suffix = match[2], match[3] or ""
+                if suffix == "":
+                    tensor = tensor.transpose(1, 2)  # [E, in, out] -> [E, out, in]
+                if proj == "gate_up_proj":
+                    tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+            yield name, tensor
+
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        short = name.removeprefix("model.")
+        match = _EXPERTS.match(short)
+        if match is not None:
+            layer, proj, suffix = match[1], match[2], match[3] or ""
+            if not self._on_this_stage(f"layers.{layer}"):
+                return None
+            kind = {"": "", "_bias": "_bias", "_blocks": ".blocks", "_scales": ".scales"}[suffix]
+            return f"layers.{layer}.mlp.{_OURS[proj]}{kind}", None
+        if short.endswith(".self_attn.sinks"):
+            return short.replace(".self_attn.sinks", ".self_attn.attn.sinks"), None
+        return super()._target(name)
