@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagoda.engine_core.layers.linear import Linear
+from pagoda.engine_core.layers.linear import Linear, weights_deferred
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.llama import LlamaForCausalLM
 from pagoda.engine_core.parallel.distributed import building_group, building_stage
@@ -95,6 +95,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{name}: gpt-oss does not run under tensor parallel; serve it on one device (--tp 1)")
         if building_stage().count > 1:
             raise ValueError(f"{name}: gpt-oss does not run under pipeline parallel; serve it as one stage (--pp 1)")
+        if weights_deferred():  # (built for a quantization method, which fills Linears and MoEMLP's experts only)
+            raise ValueError(
+                f"{name} is a mixture-of-experts model: quantized weights (--quantization at load, or a quantized "
+                "checkpoint other than its MXFP4) are not supported for it; serve its MXFP4 or float checkpoint "
+                "without --quantization"
+            )
         if cfg.layer_types and len(cfg.layer_types) != cfg.num_layers:
             raise ValueError(f"{name}: layer_types names {len(cfg.layer_types)} layers, the model has {cfg.num_layers}")
         self.mxfp4 = uses_mxfp4(cfg)

@@ -78,6 +78,11 @@ class AttentionHeads:
         return Span(head * group + part.start, part.size), Span(head, 1)
 
 
+# Families whose layers have no tensor- or pipeline-parallel split (each model refuses too, as it is built):
+# gpt-oss's attention sinks and MXFP4 experts (engine_core/models/gpt_oss.py).
+UNSPLIT_FAMILIES = {"GptOssForCausalLM": "gpt-oss"}
+
+
 def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1, expert_parallel: bool = False) -> None:
     """A clear error, before any process starts, if the model cannot be split over `world_size`
     tensor-parallel ranks and `pipeline_stages` stages (each at least one layer); `expert_parallel`:
@@ -91,6 +96,12 @@ def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1, exp
         )
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, not {world_size}")
+    if model_cfg.architecture in UNSPLIT_FAMILIES and (world_size > 1 or pipeline_stages > 1):
+        raise ValueError(
+            f"{model_cfg.architecture}: {UNSPLIT_FAMILIES[model_cfg.architecture]} does not run under tensor and "
+            "pipeline parallel; serve it on one device with one stage (--tensor-parallel-size 1 "
+            "--pipeline-parallel-size 1)"
+        )
     if world_size == 1:
         return
     heads = AttentionHeads(model_cfg.num_heads, model_cfg.num_kv_heads)
