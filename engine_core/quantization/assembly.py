@@ -84,6 +84,8 @@ class LinearAssembler:
             return None
         del self._expert_parts[path]
         shard = self.method.from_checkpoint(path, tensors, shape[0], shape[1])
+        if not isinstance(shard, QuantizedShard):  # (the fused MoE takes integer experts only)
+            raise ValueError(f"{path}: {self.method.describe()} experts are not integer weights the fused MoE takes")
         return pack_shards(path, [shard]).to(self.device)
 
     def finish(self, model: torch.nn.Module) -> None:

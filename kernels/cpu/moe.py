@@ -28,12 +28,12 @@ def fused_moe(
     packed for it (both `ExpertPanels`, or both `PackedExperts`); anything else, and any keyword option (those
     the C kernel does not compute), runs the reference."""
     lib = load()
-    packed = (isinstance(w13, ExpertPanels) and isinstance(w2, ExpertPanels)) or (
-        isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts)
-    )
-    if options or lib is None or not packed or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
-        return reference.fused_moe(hidden, router_logits, w13, w2, routing, **options)
-    return _fused_moe(lib, hidden, router_logits, w13, w2, routing)
+    if not options and lib is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+        if isinstance(w13, ExpertPanels) and isinstance(w2, ExpertPanels):
+            return _fused_moe(lib, hidden, router_logits, w13, w2, routing)
+        if isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts):
+            return _fused_moe(lib, hidden, router_logits, w13, w2, routing)
+    return reference.fused_moe(hidden, router_logits, w13, w2, routing, **options)
 
 
 def _fused_moe(
