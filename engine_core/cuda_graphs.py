@@ -25,8 +25,6 @@ import numpy as np
 import torch
 
 from pagoda.engine_core.layers.attention import AttentionMetadata
-from pagoda.engine_core.model_config import ModelConfig
-from pagoda.kernels import ops
 
 logger = logging.getLogger(__name__)
 
@@ -37,18 +35,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted({size for size in base if size < max_num_seqs} | {max_num_seqs})
 
 
-# Mixture-of-experts families whose fused op takes keyword options (gpt-oss: expert biases and its clamped
-# SwiGLU), which the Triton kernel hands to the torch reference.
-_REFERENCE_EXPERTS = {"GptOssForCausalLM"}
-
-
-def model_capturable(model_cfg: ModelConfig, device: torch.device) -> bool:
-    """Whether a CUDA graph can capture the model's forward on `device`: any model but a mixture of
-    experts whose fused op runs the torch reference (Triton turned off, or gpt-oss's experts), which reads
-    the routing on the host."""
-    if model_cfg.architecture in _REFERENCE_EXPERTS:
-        return False
-    return not model_cfg.is_moe or ops.graph_safe("fused_moe", device)
+def model_capturable(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether a CUDA graph can capture the model's forward on `device`: none of its layers reads values on
+    the host. A layer that may says so with `reads_host(device)`: a mixture of experts whose fused op runs
+    the torch reference, which loops over the experts the tokens chose (Triton turned off, quantized
+    experts, gpt-oss's expert options; engine_core/models/moe.py, gpt_oss.py)."""
+    return not any(module.reads_host(device) for module in model.modules() if hasattr(module, "reads_host"))
 
 
 class DecodeGraphs:

@@ -148,10 +148,10 @@ class EngineCore:
             config.max_joint_prefill_tokens,
         )
         if self.runner.device.type == "cuda" and not config.enforce_eager:
-            if not model_capturable(self.model_cfg, self.runner.device):
+            if not model_capturable(self.runner.model, self.runner.device):
                 logger.info(
-                    "CUDA graphs are not used: the mixture-of-experts op runs its torch reference (Triton off, or"
-                    " gpt-oss's experts), which reads the routing on the host; decode steps run eager"
+                    "CUDA graphs are not used: the mixture-of-experts op runs its torch reference (Triton off,"
+                    " quantized experts, or gpt-oss's), which reads the routing on the host; decode steps run eager"
                 )
             elif self.executor is None:
                 self.runner.enable_decode_graphs(self.max_model_len)

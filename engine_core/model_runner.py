@@ -206,7 +206,7 @@ class ModelRunner:
             capture_graphs=not self.config.enforce_eager
             and not self.tp.parallel
             and self.pipe is None
-            and model_capturable(self.model_cfg, self.device),
+            and model_capturable(self.model, self.device),
         )
         budget = profile.kv_cache_bytes(self.config.gpu_memory_utilization)
         if budget < 2 * per_block:

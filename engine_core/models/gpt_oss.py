@@ -74,6 +74,11 @@ class GptOssMLP(nn.Module):
         self.w13_bias = nn.Parameter(torch.empty(experts, 2 * inter, dtype=dtype), requires_grad=False)
         self.w2_bias = nn.Parameter(torch.empty(experts, hidden, dtype=dtype), requires_grad=False)
 
+    def reads_host(self, device: torch.device) -> bool:
+        """Always: its experts' options (biases, the clamped SwiGLU) run the fused op's torch reference, which
+        loops over the chosen experts on the host (engine_core/cuda_graphs.py `model_capturable`)."""
+        return True
+
     def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
         logits = self.router(x).float()
         return ops.fused_moe(

@@ -178,6 +178,12 @@ class MoEMLP(nn.Module):
             return self.packed13, self.packed2
         return self.w13, self.w2
 
+    def reads_host(self, device: torch.device) -> bool:
+        """Whether the fused op reads values on the host on `device` (so no CUDA graph can capture it): the
+        torch reference does (Triton turned off, or quantized experts, which the Triton kernel does not take)."""
+        w13, _ = self.experts()
+        return not isinstance(w13, torch.Tensor) or not ops.graph_safe("fused_moe", device)
+
     def packed_bytes(self) -> int:
         """Bytes the packed or quantized experts hold (the parameters count the plain ones)."""
         return sum(p.nbytes() for p in (self.packed13, self.packed2) if p is not None)

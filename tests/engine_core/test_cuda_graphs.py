@@ -4,8 +4,6 @@ the profiling step runs and leaves no trace. (Capture itself needs a GPU: benchm
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -14,6 +12,11 @@ from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.cuda_graphs import DecodeGraphs, capture_sizes, model_capturable
 from pagoda.engine_core.engine import EngineCore
 from pagoda.engine_core.gpu_memory import GiB, MemoryProfile, profile_step
+from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.models.gpt_oss import GptOssMLP
+from pagoda.engine_core.models.moe import MoEMLP
+from pagoda.engine_core.quantization.at_load import quantize_int8_per_channel
+from pagoda.engine_core.quantization.base import pack_shards
 from pagoda.engine_core.sampling_params import SamplingParams
 from pagoda.kernels import ops
 
@@ -36,25 +39,57 @@ def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
 
 
+def _moe_layer(quantized: bool) -> MoEMLP:
+    """One Qwen3-MoE layer of a small config, its experts plain or quantized (PackedExperts)."""
+    cfg = ModelConfig(
+        architecture="Qwen3MoeForCausalLM", hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+        num_kv_heads=2, head_dim=16, vocab_size=100, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False, attention_bias=False,
+        o_proj_bias=False, sliding_window=None, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    )  # fmt: skip
+    layer = MoEMLP(cfg, torch.float32, weights_in_hidden_dtype=True)
+    if quantized:
+        for index in range(layer.shard_count(layer.w13)):
+            layer.set_quantized_shard(
+                index, layer.w13, pack_shards("w13", [quantize_int8_per_channel(torch.randn(32, 64))])
+            )
+        for index in range(layer.shard_count(layer.w2)):
+            layer.set_quantized_shard(
+                index, layer.w2, pack_shards("w2", [quantize_int8_per_channel(torch.randn(64, 32))])
+            )
+    return layer
+
+
 @pytest.mark.parametrize(
-    "is_moe,triton,capturable,architecture",
+    "layer,triton,capturable",
     [
-        (False, True, True, "LlamaForCausalLM"),
-        (False, False, True, "LlamaForCausalLM"),
-        (True, True, True, "Qwen3MoeForCausalLM"),
-        (True, False, False, "Qwen3MoeForCausalLM"),
-        (True, True, False, "GptOssForCausalLM"),  # (its experts' keyword options run the reference)
+        ("dense", True, True),
+        ("dense", False, True),
+        ("moe", True, True),
+        ("moe", False, False),  # (Triton off: the torch reference)
+        ("quantized moe", True, False),  # (the Triton kernel takes plain experts only)
+        ("gpt-oss", True, False),  # (its experts' keyword options run the reference)
     ],
 )
-def test_moe_models_are_captured_where_the_fused_op_runs_triton(monkeypatch, is_moe, triton, capturable, architecture):
-    """The Triton fused MoE reads nothing on the host; the torch reference (Triton off, or gpt-oss's
-    experts) reads the routing."""
+def test_moe_models_are_captured_where_the_fused_op_runs_triton(monkeypatch, layer, triton, capturable):
+    """The Triton fused MoE reads nothing on the host; the torch reference (Triton off, quantized experts,
+    gpt-oss's experts) reads the routing. Each layer says which it runs (`reads_host`)."""
     pytest.importorskip("triton")
     monkeypatch.setitem(ops._enabled, "cuda", triton)
     ops._resolve.cache_clear()
+    modules = {
+        "dense": lambda: torch.nn.Linear(4, 4),
+        "moe": lambda: _moe_layer(quantized=False),
+        "quantized moe": lambda: _moe_layer(quantized=True),
+        "gpt-oss": lambda: object.__new__(GptOssMLP),
+    }
     try:
-        model_cfg = SimpleNamespace(is_moe=is_moe, architecture=architecture)
-        assert model_capturable(model_cfg, torch.device("cuda")) is capturable
+        model = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+        module = modules[layer]()
+        if isinstance(module, GptOssMLP):
+            torch.nn.Module.__init__(module)
+        model.append(module)
+        assert model_capturable(model, torch.device("cuda")) is capturable
     finally:
         ops._resolve.cache_clear()
 
