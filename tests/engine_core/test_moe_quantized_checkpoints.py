@@ -41,6 +41,7 @@ PROMPTS = [[5, 17, 300, 41], list(range(3, 40)), [7] * 20]
 # embeddings and the LM head stay in full precision.
 _QUANTIZED_LINEAR = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(shared_expert\.)?(gate|up|down)_proj)\.weight$")
 _GPTQ_V1_ZERO_OFFSET = {4: 0x11111111, 8: 0x01010101}  # one in each field (engine_core/quantization/gptq.py)
+_MIXTRAL = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # Mixtral's expert projections' names
 
 
 @dataclass(frozen=True)
@@ -183,21 +184,23 @@ def quantization_config(scheme: Scheme) -> dict:
 
 
 def write_checkpoint(out, name: str, scheme: Scheme, quantize_experts: bool = True, **overrides):
-    """Tiny model `name` (a Qwen-MoE: its experts named `mlp.experts.E.{gate,up,down}_proj`) saved as a
-    `scheme` checkpoint in `out`; returns HF's model holding the weights the checkpoint stands for."""
+    """Tiny model `name` saved as a `scheme` checkpoint in `out`, its experts named as the Hub's checkpoints
+    name them (Qwen-MoE: `mlp.experts.E.{gate,up,down}_proj`; Mixtral: `block_sparse_moe.experts.E.{w1,w3,w2}`
+    and its router `block_sparse_moe.gate`); returns HF's model holding the weights the checkpoint stands for."""
     model = tiny_models.build(name, **overrides)
     model.save_pretrained(out)
+    mixtral = name == "mixtral"
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for key, value in model.state_dict().items():
-            prefix = key.rpartition(".")[0]
+            prefix = key.rpartition(".")[0].replace(".mlp.", ".block_sparse_moe." if mixtral else ".mlp.")
             if key.endswith(".mlp.experts.gate_up_proj") or key.endswith(".mlp.experts.down_proj"):
                 projections = ("gate_proj", "up_proj") if key.endswith("gate_up_proj") else ("down_proj",)
                 size = value.shape[1] // len(projections)  # (gate_up_proj: gate rows, then up rows)
                 for expert in range(value.shape[0]):
                     for i, projection in enumerate(projections):
                         rows = slice(i * size, (i + 1) * size)
-                        linear = f"{prefix}.{expert}.{projection}"
+                        linear = f"{prefix}.{expert}.{_MIXTRAL[projection] if mixtral else projection}"
                         if not quantize_experts:
                             tensors[f"{linear}.weight"] = value[expert, rows].clone()
                             continue
@@ -209,7 +212,7 @@ def write_checkpoint(out, name: str, scheme: Scheme, quantize_experts: bool = Tr
                 tensors.update(stored)
                 value.copy_(exact)
             else:
-                tensors[key] = value.clone()
+                tensors[key.replace(".mlp.gate.", ".block_sparse_moe.gate.") if mixtral else key] = value.clone()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = quantization_config(scheme)
@@ -230,6 +233,8 @@ CASES = [
     ("qwen2_moe", Scheme("gptq", 4, 32, False)),
     ("qwen2_moe", Scheme("awq", 4, 32, False)),
     ("qwen2_moe", Scheme("pack-quantized", 4, 64, False)),
+    ("mixtral", Scheme("gptq", 4, 32, False)),
+    ("mixtral", Scheme("pack-quantized", 8, 32, True)),
 ]
 
 
