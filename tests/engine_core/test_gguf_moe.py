@@ -203,6 +203,7 @@ def test_float16_experts_load_as_stored(tmp_path, q4_1_reader):
         assert torch.equal(got, gate_up[expert, 64:].half())
 
 
+@pytest.mark.slow  # (three loads of the file's model, its 49,152-token vocabulary: 6 to 10 s each)
 @pytest.mark.parametrize("expert_type", [T.Q8_0, T.Q4_0], ids=["Q8_0", "Q4_0"])
 def test_quantized_experts_split_over_the_ranks(tmp_path, q4_1_reader, expert_type):
     """Two tensor-parallel ranks of a layer of Q8_0 / Q4_0 experts (built as workers build them, without the
