@@ -316,6 +316,20 @@ def test_groups_straddling_the_ranks_columns_are_refused(tmp_path):
     assert _moe_layer(tmp_path / "model", TPGroup(1, 2), expert_parallel=True).experts()[0].num_experts == 4
 
 
+@pytest.mark.slow  # (two worker processes over gloo per split)
+@pytest.mark.parametrize("split", [{}, {"enable_expert_parallel": True}], ids=["tp2", "ep2"])
+def test_split_engines_serve_like_hf_on_the_checkpoints_weights(tmp_path, split):
+    """A GPTQ Qwen2-MoE served by two worker processes (tensor parallel, or expert parallel): the greedy tokens
+    of HF's model holding the checkpoint's dequantized weights."""
+    from tests.helpers import greedy_with_first_logprobs
+
+    hf_model = write_checkpoint(tmp_path / "model", "qwen2_moe", Scheme("gptq", 4, 32, False))
+    args = dict(tensor_parallel_size=2, max_num_batched_tokens=48, num_kv_blocks=64, cpu_threads_bind="none")
+    tokens, _ = greedy_with_first_logprobs(tmp_path / "model", PROMPTS, GREEDY.max_tokens, **args, **split)
+    with torch.no_grad():
+        assert tokens == [hf_greedy(hf_model, p, GREEDY.max_tokens, stop_at_eos=False) for p in PROMPTS]
+
+
 # --- What stays refused ---
 
 
