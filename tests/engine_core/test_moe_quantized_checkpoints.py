@@ -8,7 +8,8 @@ describe), the routers and the shared expert's gate left in full precision as th
 reference is HF's model holding exactly the weights the checkpoint stands for (its dequantization), so that
 only summation order differs; dense checkpoints of these formats are checked against the tools themselves in
 test_gptq_awq.py and test_compressed_tensors.py. Then tensor and expert parallel (each rank's partial sums add
-up to the whole layer), and what stays refused, each with an error naming it.
+up to the whole layer; two worker processes give HF's tokens), and what stays refused, each with an error
+naming it.
 """
 
 from __future__ import annotations
@@ -341,17 +342,20 @@ def _edit_config(model_dir, **changes) -> None:
 
 def test_act_order_experts_are_refused(tmp_path):
     """GPTQ `desc_act`: a g_idx that scatters each expert's groups over its columns would need a permutation
-    of each expert's input, which the fused MoE does not take."""
+    of each expert's input, which the fused MoE does not take. A `desc_act` checkpoint whose g_idx keeps the
+    groups in order loads."""
     from safetensors.torch import load_file
 
     model_dir = tmp_path / "model"
     write_checkpoint(model_dir, "qwen3_moe", Scheme("gptq", 4, 32, True))
+    _edit_config(model_dir, desc_act=True)
+    experts = EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16)).runner.model.decoder_layers()[0].mlp
+    assert isinstance(experts.experts()[0], PackedExperts)
     tensors = load_file(str(model_dir / "model.safetensors"))
     for key, g_idx in tensors.items():
         if ".experts." in key and key.endswith(".g_idx"):
             tensors[key] = (torch.arange(len(g_idx)) % (len(g_idx) // 32)).to(torch.int32)  # groups interleaved
     save_file(tensors, str(model_dir / "model.safetensors"))
-    _edit_config(model_dir, desc_act=True)
     with pytest.raises(ValueError, match=r"experts\.\d+\.\w+_proj: act-order experts \(desc_act"):
         EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16))
 
