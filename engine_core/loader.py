@@ -147,13 +147,6 @@ def load_pooling_model(
     return _load(build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, None, None, False)
 
 
-# Quantization methods a mixture-of-experts model's experts take (engine_core/models/moe.py): integer weights
-# quantized at load, and GGUF files' blocks repacked into the same layouts, which the fused MoE computes with
-# (kernels/cpu/moe.c). Other quantized checkpoints (GPTQ, AWQ, compressed-tensors, FP8) and FP8 at load are
-# refused: their experts' tensors have no loader.
-MOE_QUANTIZATION = ("int8", "int4", "gguf")
-
-
 def _load(
     build, model_dir, model_cfg, dtype, device, load_format, quantization, fp8_matmul, group, stage, expert_parallel
 ):
@@ -168,11 +161,14 @@ def _load(
     from pagoda.engine_core.quantization.assembly import LinearAssembler
 
     group, stage = group or SINGLE, stage or WHOLE
-    if quantization is not None and model_cfg.is_moe and quantization.name not in MOE_QUANTIZATION:
+    if quantization is not None and model_cfg.is_moe and not quantization.loads_experts:
+        # (a mixture of experts' experts take the integer layouts the fused MoE computes with: quantized at
+        # load, or converted from GPTQ, AWQ, compressed-tensors INT and GGUF checkpoints; FP8 has none)
         raise ValueError(
             f"{model_cfg.architecture} is a mixture-of-experts model: quantized weights ({quantization.describe()}) "
-            "are not supported for it; its experts load quantized from GGUF files, or are quantized at load "
-            "(--quantization int8 or int4 on a float checkpoint); or serve the float checkpoint without --quantization"
+            "are not supported for it; its experts load quantized from GPTQ, AWQ, compressed-tensors integer "
+            "(pack-quantized, int-quantized) and GGUF checkpoints, or are quantized at load (--quantization int8 "
+            "or int4 on a float checkpoint); or serve the float checkpoint without --quantization"
         )
     deferred = deferred_weights() if quantization is not None else contextlib.nullcontext()
     with torch.device(device), deferred, building_for(group, stage, expert_parallel):

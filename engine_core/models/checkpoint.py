@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pagoda.engine_core.layers.linear import Linear, MergedLinear
-from pagoda.engine_core.quantization.assembly import LinearAssembler
+from pagoda.engine_core.quantization.assembly import ExpertProjection, LinearAssembler
 from pagoda.kernels.quantized import PackedWeight
 
 
@@ -25,7 +25,10 @@ class ShardedParameters(Protocol):
 
 
 class QuantizedShards(Protocol):
-    """Stacked parameters that, built deferred, take each checkpoint shard quantized and packed."""
+    """Stacked parameters that, built deferred, take each checkpoint shard quantized and packed; the
+    assembler reads each shard whole and cuts it to this rank's piece (`checkpoint_projection`)."""
+
+    def checkpoint_projection(self, param: torch.Tensor) -> ExpertProjection: ...
 
     def set_quantized_shard(self, index: int, param: torch.Tensor, packed: PackedWeight) -> None: ...
 
@@ -81,17 +84,16 @@ class CheckpointLoading:
                 owner = cast(ShardedParameters, model.get_submodule(param_name.rpartition(".")[0]))
                 param = owner.shard(shard, param)
             if assembler is not None and shard is not None and param.is_meta and hasattr(owner, "set_quantized_shard"):
-                # (stacked experts built deferred: each expert's projection quantized at load as it arrives, or
-                # converted from a quantized checkpoint's tensors once they all have)
-                kind = name.rpartition(".")[2]
-                if kind == "weight" and param.shape != tensor.shape:
-                    raise ValueError(
-                        f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
-                    )
-                packed = assembler.expert_shard(f"{param_name}[{shard}]", kind, tensor, param.shape)
+                # (stacked experts built deferred: each expert's projection, read whole, quantized at load as it
+                # arrives, or converted from a quantized checkpoint's tensors once they all have; then cut to
+                # this rank's piece)
+                experts = cast(QuantizedShards, owner)
+                projection_name, _, kind = name.rpartition(".")  # (the checkpoint's name names it in errors)
+                projection = experts.checkpoint_projection(stacked)
+                packed = assembler.expert_shard(projection_name, kind, tensor, projection)
                 if packed is None:
                     continue
-                cast(QuantizedShards, owner).set_quantized_shard(shard, stacked, packed)
+                experts.set_quantized_shard(shard, stacked, packed)
             elif param.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
             else:

@@ -26,12 +26,21 @@ stacked weights, as a dense `Linear` does; where the C kernels are off they stay
 Quantization at load (`--quantization int8|int4`) quantizes each expert's gate, up and down projections as
 it would a dense linear's weight, each checkpoint tensor as it arrives (the stacked parameters are never
 allocated in full precision), and stacks them (kernels/quantized.py `PackedExperts`); the router and the
-shared expert's gate stay in full precision.
+shared expert's gate stay in full precision. Quantized checkpoints (GPTQ, AWQ, compressed-tensors'
+integer formats, GGUF) store each expert's projections as a dense linear's (`qweight` / `qzeros` /
+`scales`, `weight_packed` / `weight_scale`, ...): each expert's tensors are converted as a dense linear's
+once they have all arrived and stacked the same way, keeping the checkpoint's integers, scales and zero
+points; a router or shared-expert gate the checkpoint leaves in full precision loads as float. Under tensor
+parallel each expert's tensors are read whole, converted, and cut to this rank's rows (gate, up) or columns
+(down, with their groups' scales: groups must not straddle the ranks); under expert parallel a rank reads
+its experts only.
 
-Refused with an error naming the limit, never run wrong: quantized checkpoints and `--quantization fp8`
-(loader.py); the fused CPU decode step declines MoE layers (fused_decode.py), and CUDA graphs are not
-captured where the torch reference op runs (its expert loop reads the routing on the host:
-cuda_graphs.py `model_capturable`).
+Refused with an error naming the limit, never run wrong: FP8 experts (an FP8 checkpoint, compressed-tensors'
+float-quantized, `--quantization fp8`: loader.py), act-order GPTQ experts (a g_idx that reorders each
+expert's columns: the fused MoE reads them in order), experts a quantized checkpoint leaves in full
+precision, and experts of one layer quantized differently (kernels/quantized.py); the fused CPU decode step
+declines MoE layers (fused_decode.py), and CUDA graphs are not captured where the torch reference op runs
+(its expert loop reads the routing on the host: cuda_graphs.py `model_capturable`).
 """
 
 from __future__ import annotations
@@ -48,15 +57,32 @@ from pagoda.engine_core.models.llama import LlamaForCausalLM
 from pagoda.engine_core.models.llama_layers import LlamaMLP
 from pagoda.engine_core.parallel.distributed import building_expert_parallel, building_group
 from pagoda.engine_core.parallel.sharding import Span, split_experts, split_rows
+from pagoda.engine_core.quantization.assembly import ExpertProjection
 from pagoda.kernels import ops
 from pagoda.kernels.panels import ExpertPanels
 from pagoda.kernels.quantized import PackedExperts, PackedWeight, concat_rows
 from pagoda.kernels.torch_ref.moe import ExpertWeights, Routing
 
-# A checkpoint's per-expert tensor: layer, block name, expert, projection.
-# (weight; a GGUF file's quantized experts: gguf_blocks and gguf_type, engine_core/gguf_weights.py)
+# The tensor kinds of a checkpoint's expert projection: a float weight, or a quantized format's tensors
+# (engine_core/quantization: GPTQ's and AWQ's, compressed-tensors', a GGUF file's blocks and type).
+_EXPERT_KINDS = (
+    "weight",
+    "qweight",
+    "qzeros",
+    "scales",
+    "g_idx",
+    "weight_packed",
+    "weight_shape",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_g_idx",
+    "input_scale",
+    "gguf_blocks",
+    "gguf_type",
+)
+# A checkpoint's per-expert tensor: layer, expert, projection.
 _EXPERT = re.compile(
-    r"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(?:weight|gguf_blocks|gguf_type)$"
+    rf"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(?:{'|'.join(_EXPERT_KINDS)})$"
 )
 # projection -> (our stacked parameter, which half of w13: gate 0, up 1; None for w2)
 _EXPERT_PROJ = {
@@ -88,6 +114,7 @@ class MoEMLP(nn.Module):
         elif self.tp.parallel:
             self.inter_span = split_rows(inter, self.tp.rank, self.tp.world_size)
         local_experts, local_inter = self.expert_span.size, self.inter_span.size
+        self.inter = inter  # (each expert's intermediate size in the checkpoint)
         # (norm_topk_prob is always True for Mixtral: engine_core/model_config.py)
         self.routing = Routing(
             cfg.num_experts_per_tok,
@@ -129,6 +156,17 @@ class MoEMLP(nn.Module):
             return None
         rows = self.inter_span.slice()
         return (rows,) if param == "w13" else (slice(None), rows)
+
+    def checkpoint_projection(self, param: torch.Tensor) -> ExpertProjection:
+        """What a checkpoint stores of one expert's projection into `param` (w13: gate or up [I, H]; w2: down
+        [H, I]) and which piece of it this rank holds, for the quantization assembler, which reads experts
+        whole and cuts them after converting (engine_core/quantization/assembly.py)."""
+        hidden, inter = self.w2.shape[1], self.inter
+        if param is self.w13:
+            rows = None if self.inter_span.size == inter else self.inter_span.slice()
+            return ExpertProjection((inter, hidden), rows=rows, world_size=self.tp.world_size)
+        columns = None if self.inter_span.size == inter else self.inter_span.slice()
+        return ExpertProjection((hidden, inter), columns=columns, world_size=self.tp.world_size)
 
     def shard_count(self, param: torch.Tensor) -> int:
         """Checkpoint tensors per stacked parameter: gate and up of each expert in w13, down in w2."""
@@ -220,6 +258,8 @@ class MoEForCausalLM(LlamaForCausalLM):
     def checkpoint_slices(self, name: str, assembled: bool) -> tuple[slice, ...] | None:
         target = self._target(name)
         if target is not None and target[0].endswith((".mlp.w13", ".mlp.w2")):
+            if assembled:  # (read whole: the assembler cuts each expert once converted, `checkpoint_projection`)
+                return None
             module_path, _, param = target[0].rpartition(".")
             return cast(MoEMLP, self.get_submodule(module_path)).checkpoint_slices(param)
         return super().checkpoint_slices(name, assembled)

@@ -11,12 +11,15 @@ elsewhere they are dequantized here to the compute dtype, and the log says which
 
 Under tensor parallel a linear's checkpoint tensors are still read whole (packed formats cannot be read
 by slices), converted, and then cut to this rank's shard (`shard_for_rank`): output rows for a
-column-parallel linear, input columns with their groups' scales for a row-parallel one.
+column-parallel linear, input columns with their groups' scales for a row-parallel one. A mixture of
+experts' experts are read whole and cut the same way (`ExpertProjection`): each expert's gate and up rows,
+its down projection's columns.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +30,31 @@ from pagoda.kernels.fp8 import Fp8Weight
 from pagoda.kernels.quantized import PackedWeight
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExpertProjection:
+    """One expert's projection of a mixture-of-experts layer as the checkpoint stores it ([n, K]), and the
+    piece of it this rank holds: all of it, its output rows (tensor parallel: gate and up) or its input
+    columns (the down projection). Quantized tensors cannot be read by slices, so a rank reads each whole
+    and cuts what it converted (engine_core/models/moe.py `MoEMLP.checkpoint_projection`)."""
+
+    shape: tuple[int, int]
+    rows: slice | None = None
+    columns: slice | None = None
+    world_size: int = 1  # (named by the error when groups straddle the ranks' columns)
+
+    def cut_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.rows is not None:
+            return weight[self.rows].contiguous()
+        return weight if self.columns is None else weight[:, self.columns].contiguous()
+
+    def cut_shard(self, path: str, shard: QuantizedShard) -> QuantizedShard:
+        if self.rows is not None:
+            return shard.rows(self.rows)
+        if self.columns is None:
+            return shard
+        return shard_columns(path, shard, self.columns.start, self.columns.stop, self.world_size)
 
 
 class LinearAssembler:
@@ -44,6 +72,7 @@ class LinearAssembler:
         self._last: tuple[str, int | None] | None = None
         self._linears: dict[str, Linear] = {}
         self._expert_parts: dict[str, dict[str, torch.Tensor]] = {}  # an expert's tensors until all arrived
+        self._experts_done: set[str] = set()  # experts converted from a quantized checkpoint's tensors
 
     @staticmethod
     def accepts(kind: str) -> bool:
@@ -66,16 +95,30 @@ class LinearAssembler:
         layer stacks its experts' (engine_core/models/moe.py `MoEMLP.set_quantized_shard`)."""
         shard = self.method.quantize(path, tensor) if self.method.quantizes_full_precision else None
         if not isinstance(shard, QuantizedShard):
-            raise ValueError(f"{path}: {self.method.describe()} does not quantize mixture-of-experts weights")
+            raise ValueError(
+                f"{path}: the checkpoint stores this expert in full precision, and {self.method.describe()} does "
+                "not quantize it at load; the fused MoE takes every expert of a layer in one quantized layout"
+            )
         return pack_shards(path, [shard]).to(self.device)
 
-    def expert_shard(self, path: str, kind: str, tensor: torch.Tensor, shape: torch.Size) -> PackedWeight | None:
-        """One expert's projection (`path` names it, `shape` is its [n, K]) from one of its checkpoint tensors
-        of `kind`: a full-precision weight is quantized at load (`quantize_expert`); a quantized checkpoint's
-        tensors (a GGUF file's blocks and type) are kept until all the method needs have arrived, then
-        converted as a dense linear's are. The packed weight, on the device, once complete; else None."""
-        if kind == "weight":
-            return self.quantize_expert(path, tensor)
+    def expert_shard(
+        self, path: str, kind: str, tensor: torch.Tensor, projection: ExpertProjection
+    ) -> PackedWeight | None:
+        """One expert's projection (`path` names it, `projection` says its checkpoint shape and this rank's
+        piece) from one of its checkpoint tensors of `kind`, read whole: a full-precision weight is cut to
+        this rank's piece and quantized at load (`quantize_expert`); a quantized checkpoint's tensors (GPTQ's
+        qweight / qzeros / scales / g_idx, AWQ's, compressed-tensors', a GGUF file's blocks and type) are
+        kept until all the method needs have arrived, then converted as a dense linear's are and cut (as
+        `shard_for_rank` cuts a linear: output rows, or input columns with their groups' scales). The packed
+        weight, on the device, once complete; else None."""
+        if path in self._experts_done:
+            raise ValueError(f"checkpoint tensor {path}.{kind} arrived after its expert was loaded")
+        if kind == "weight" and _is_full_precision({"weight": tensor}):
+            if tuple(tensor.shape) != projection.shape:
+                raise ValueError(
+                    f"{path}.weight: checkpoint shape {tuple(tensor.shape)}, model expects {projection.shape}"
+                )
+            return self.quantize_expert(path, projection.cut_weight(tensor))
         if kind not in self.method.kinds:
             raise ValueError(f"{path}: checkpoint tensor kind {kind!r} is not one of {self.method.describe()}'s")
         tensors = self._expert_parts.setdefault(path, {})
@@ -83,10 +126,20 @@ class LinearAssembler:
         if not self.method.required <= tensors.keys():
             return None
         del self._expert_parts[path]
-        shard = self.method.from_checkpoint(path, tensors, shape[0], shape[1])
-        if not isinstance(shard, QuantizedShard):  # (the fused MoE takes integer experts only)
-            raise ValueError(f"{path}: {self.method.describe()} experts are not integer weights the fused MoE takes")
-        return pack_shards(path, [shard]).to(self.device)
+        self._experts_done.add(path)
+        shard = self.method.from_checkpoint(path, tensors, *projection.shape)
+        if not isinstance(shard, QuantizedShard):
+            raise ValueError(
+                f"{path}: {self.method.describe()} experts are not supported; the fused MoE takes integer weights"
+            )
+        if shard.g_idx is not None:
+            # (each expert's input columns would need their own permutation: the fused MoE reads every
+            # expert's columns in order, kernels/quantized.py PackedExperts)
+            raise ValueError(
+                f"{path}: act-order experts (desc_act, a g_idx that reorders the groups) are not supported; "
+                "the fused MoE takes each expert's columns in order: quantize the experts without desc_act"
+            )
+        return pack_shards(path, [projection.cut_shard(path, shard)]).to(self.device)
 
     def finish(self, model: torch.nn.Module) -> None:
         """Convert what is still collected; every linear of `model` must now have its weight."""

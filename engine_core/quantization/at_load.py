@@ -58,6 +58,7 @@ def quantize_int4_grouped(weight: torch.Tensor, group_size: int) -> QuantizedSha
 class Int8AtLoad(QuantizationMethod):
     name = "int8"
     quantizes_full_precision = True
+    loads_experts = True
 
     def quantize(self, name: str, weight: torch.Tensor) -> QuantizedShard:
         return quantize_int8_per_channel(weight)
@@ -69,6 +70,7 @@ class Int8AtLoad(QuantizationMethod):
 class Int4AtLoad(QuantizationMethod):
     name = "int4"
     quantizes_full_precision = True
+    loads_experts = True
 
     def quantize(self, name: str, weight: torch.Tensor) -> QuantizedShard:
         if name in INT8_MODULES:

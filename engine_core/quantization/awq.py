@@ -34,6 +34,7 @@ def unpack_awq(words: torch.Tensor, columns: int) -> torch.Tensor:
 
 class AWQ(QuantizationMethod):
     name = "awq"
+    loads_experts = True
     kinds = frozenset({"qweight", "qzeros", "scales"})
     required = kinds
 

@@ -67,6 +67,10 @@ class QuantizationMethod:
     # Quantize a full-precision weight at load (`--quantization int8|int4|fp8`); otherwise a linear the
     # checkpoint keeps in full precision (an `ignore`d lm_head) stays so.
     quantizes_full_precision: bool = False
+    # A mixture of experts' experts load with this method: each expert's projections become integers with
+    # group scales, which the fused MoE computes with (kernels/quantized.py `PackedExperts`). FP8 weights
+    # have no such layout, so FP8 methods leave it False and the loader refuses MoE models for them.
+    loads_experts: bool = False
 
     def from_checkpoint(
         self, name: str, tensors: dict[str, torch.Tensor], out_features: int, in_features: int

@@ -21,7 +21,9 @@ block, group_size, block_structure, actorder}`. Three formats are read:
 
 Only one weight scheme per model is read (all config groups quantizing weights alike, which is what
 llmcompressor recipes write); a checkpoint mixing schemes per layer is refused, as are activation
-ordering with `weight_g_idx`, sparsity, transforms and KV-cache quantization.
+ordering with `weight_g_idx`, sparsity, transforms and KV-cache quantization. A mixture of experts' experts
+load in the integer formats (each expert's tensors converted as a dense linear's: engine_core/models/moe.py);
+FP8 experts are refused (loader.py).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class CompressedTensors(QuantizationMethod):
         structure = weights.get("block_structure")
         self.block: tuple[int, int] | None = (int(structure[0]), int(structure[1])) if structure else None
         self.input_activations = input_activations
+        self.loads_experts = self.type == "int"  # (FP8 experts: no layout of the fused MoE's)
         stored = {"weight_packed", "weight_shape"} if fmt == "pack-quantized" else {"weight"}
         zero_point = set() if self.symmetric else {"weight_zero_point"}
         self.required = frozenset(stored | {"weight_scale"} | zero_point)

@@ -193,6 +193,7 @@ def decode(blocks: torch.Tensor, type_number: int, in_features: int) -> tuple[st
 
 class GGUFMethod(QuantizationMethod):
     name = "gguf"
+    loads_experts = True
     kinds = frozenset({"gguf_blocks", "gguf_type"})
     required = kinds
 

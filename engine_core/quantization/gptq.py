@@ -59,6 +59,7 @@ def checked_tensor(name: str, tensors: dict[str, torch.Tensor], kind: str, shape
 
 class GPTQ(QuantizationMethod):
     name = "gptq"
+    loads_experts = True
     kinds = frozenset({"qweight", "qzeros", "scales", "g_idx"})
     required = frozenset({"qweight", "qzeros", "scales"})  # without g_idx, groups are consecutive
 

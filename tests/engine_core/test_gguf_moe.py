@@ -201,3 +201,31 @@ def test_float16_experts_load_as_stored(tmp_path, q4_1_reader):
         got = weights[f"model.layers.0.mlp.experts.{expert}.up_proj.weight"]
         assert got.dtype == torch.float16 and got.shape == (64, 128)
         assert torch.equal(got, gate_up[expert, 64:].half())
+
+
+@pytest.mark.slow  # (three loads of the file's model, its 49,152-token vocabulary: 6 to 10 s each)
+@pytest.mark.parametrize("expert_type", [T.Q8_0, T.Q4_0], ids=["Q8_0", "Q4_0"])
+def test_quantized_experts_split_over_the_ranks(tmp_path, q4_1_reader, expert_type):
+    """Two tensor-parallel ranks of a layer of Q8_0 / Q4_0 experts (built as workers build them, without the
+    all-reduce): each expert's blocks are read whole and repacked, then cut to the rank's rows (gate, up) or
+    columns (down, whole 32-column blocks); the ranks' partial sums add up to the whole layer's. (Expert
+    parallel reads whole experts: test_moe_quantized_checkpoints.py.)"""
+    from pagoda.engine_core.loader import load_model, resolve_model
+    from pagoda.engine_core.model_config import ModelConfig
+    from pagoda.engine_core.parallel.distributed import SINGLE, TPGroup
+    from pagoda.engine_core.quantization import resolve_method
+
+    _, path = _write(tmp_path, "qwen3_moe", q4_1_reader, expert_type)
+    model_dir = resolve_model(str(path))
+    cfg = ModelConfig.from_dir(model_dir)
+
+    def layer(group=SINGLE):
+        method = resolve_method("auto", cfg.raw)
+        model = load_model(model_dir, cfg, torch.float32, torch.device("cpu"), quantization=method, group=group)
+        return model.decoder_layers()[0].mlp
+
+    whole, ranks = layer(), [layer(TPGroup(rank, 2)) for rank in range(2)]
+    x = torch.randn(19, 128, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, parts = whole(x), [mlp(x) for mlp in ranks]
+    torch.testing.assert_close(parts[0] + parts[1], expected, atol=1e-5, rtol=1e-4)

@@ -1,9 +1,9 @@
 """Mixture-of-experts models (engine_core/models/moe.py) beyond greedy-equals-HF (test_tiny_models.py): which
 layers are MoE, how checkpoints load (float32 experts packed for the fused MoE's C kernel, or kept plain where
 the C kernels are off; int8 / int4 experts quantized at load, equal to HF on the same dequantized weights),
-and what this release refuses with an error naming the limit (quantized checkpoints and FP8 at load; the fused
-CPU decode step: test_fused_decode.py). GGUF files: test_gguf_moe.py. Tensor, expert and pipeline parallel:
-test_moe_parallel.py."""
+and what this release refuses with an error naming the limit (FP8 checkpoints and FP8 at load; the fused CPU
+decode step: test_fused_decode.py). GGUF files: test_gguf_moe.py; GPTQ, AWQ and compressed-tensors
+checkpoints: test_moe_quantized_checkpoints.py. Tensor, expert and pipeline parallel: test_moe_parallel.py."""
 
 from __future__ import annotations
 
@@ -146,7 +146,9 @@ def test_experts_quantized_at_load_give_hfs_tokens_on_the_same_weights(tmp_path,
 
 def test_fp8_at_load_is_refused(tmp_path):
     _, model_dir = _saved(tmp_path, "qwen3_moe")
-    refusal = r"mixture-of-experts model: .* experts load quantized from GGUF files, or are quantized at load"
+    refusal = (
+        r"mixture-of-experts model: .* experts load quantized from GPTQ, AWQ, .* GGUF checkpoints, or are quantized"
+    )
     with pytest.raises(ValueError, match=refusal):
         EngineCore(EngineConfig(model=str(model_dir), num_kv_blocks=16, quantization="fp8"))
 
