@@ -37,6 +37,11 @@ static inline float e8m0_scale(uint8_t s) {
     return f;
 }
 
+/* `count` scale bytes as their floats (a loop the compiler vectorizes). */
+static inline void mx_scales(const uint8_t *restrict s, int64_t count, float *restrict out) {
+    for (int64_t i = 0; i < count; i++) out[i] = e8m0_scale(s[i]);
+}
+
 /* A row's `blocks` blocks of 32 values from src (column order) into dst (`mxfp4_order`); dst may be src. */
 static inline void mxfp4_order(const float *src, float *dst, int64_t blocks) {
     for (int64_t b = 0; b < blocks; b++) {
@@ -106,18 +111,20 @@ static inline int mx_nr(int mr) {
 #if QL_VL
 INLINE void mx_tile(const Mxfp4Problem *p, int64_t m0, int64_t n0, const int MR, const int NR) {
     const int64_t blocks = p->K / BLOCK, ldx = p->ldx;
-    const uint8_t *bytes[MX_NR_MAX], *scales[MX_NR_MAX];
-    for (int n = 0; n < NR; n++) {
-        bytes[n] = p->blocks + (n0 + n) * blocks * MX_BYTES;
-        scales[n] = p->scales + (n0 + n) * blocks;
-    }
+    const uint8_t *bytes[MX_NR_MAX];
+    for (int n = 0; n < NR; n++) bytes[n] = p->blocks + (n0 + n) * blocks * MX_BYTES;
+    /* The NR rows' scales as floats first, in one vectorizable pass (NR rows are adjacent): converted one
+     * at a time in the block loop, their integer work and moves into vector registers cost more than the
+     * block's lookups (measured: 7.5 -> 6.9 ms for gpt-oss-20b's four experts at one token, one thread). */
+    float scale[MX_NR_MAX * blocks];
+    mx_scales(p->scales + n0 * blocks, NR * blocks, scale);
     const float *restrict x = p->x + m0 * ldx;
     vf acc[MX_MR][MX_NR_MAX];
     for (int m = 0; m < MR; m++)
         for (int n = 0; n < NR; n++) acc[m][n] = vzero();
     for (int64_t b = 0; b < blocks; b++) {
         vf w[MX_NR_MAX][BLOCK / QL_VL];
-        for (int n = 0; n < NR; n++) mx_expand(bytes[n] + b * MX_BYTES, mx_table(e8m0_scale(scales[n][b])), w[n]);
+        for (int n = 0; n < NR; n++) mx_expand(bytes[n] + b * MX_BYTES, mx_table(scale[n * blocks + b]), w[n]);
         for (int m = 0; m < MR; m++)
             for (int i = 0; i < BLOCK / QL_VL; i++) {
                 vf xv = vload(x + m * ldx + b * BLOCK + QL_VL * i);
