@@ -1,7 +1,9 @@
 """The fused mixture-of-experts on the CPU (kernels/cpu/moe.c): routing and grouping in torch (`assign`), then
 one C call per layer for the gathered GEMMs, activation and weighted sum, with the experts in panels
 (`ExpertPanels`), quantized (`PackedExperts`) or MXFP4 (`Mxfp4Experts`, read as the checkpoint stores them),
-and gpt-oss's options (expert biases, clamped SwiGLU) computed in C too."""
+and gpt-oss's options (expert biases, clamped SwiGLU) computed in C too. MXFP4 is not repacked into
+PackedExperts' layouts: its E2M1 levels are not an affine grid, which INT4's scale * q + min cannot hold, and
+INT8 would hold them at twice the bytes."""
 
 from __future__ import annotations
 
