@@ -11,7 +11,7 @@
  * each block's nibbles up in its scaled table in registers: no expert is ever dequantized to memory. MXFP4
  * is read as stored rather than repacked into PackedExperts' layouts: its E2M1 levels are not an affine grid
  * (steps of .5, 1 and 2), which INT4's scale * q + min cannot hold, and INT8 would hold them at twice the
- * bytes, and decode reads every chosen expert's bytes once per token.
+ * bytes, which decode reads for every chosen expert at every token.
  *
  * gpt-oss's experts also take optional per-expert biases, added to each projection's output (gate/up's
  * before the activation, down's before the routing weight, as the reference adds them), and the clamped
