@@ -197,6 +197,7 @@ def _checkpoint_slices(model, assembled: bool, name: str, shape: tuple[int, ...]
 def weight_bytes(model) -> int:
     """Bytes the model's weights hold in memory (quantized and packed layouts as stored)."""
     from pagoda.engine_core.layers.linear import Linear
+    from pagoda.engine_core.models.gpt_oss import GptOssMLP
     from pagoda.engine_core.models.moe import MoEMLP
 
     total = 0
@@ -205,7 +206,7 @@ def weight_bytes(model) -> int:
         if isinstance(module, Linear):
             total += module.weight_bytes()
             linear_params.update(id(p) for p in module.parameters(recurse=False))
-        elif isinstance(module, MoEMLP):
+        elif isinstance(module, MoEMLP | GptOssMLP):
             total += module.packed_bytes()  # (and its plain stacked weights, if any: parameters, below)
     for param in model.parameters():
         if id(param) not in linear_params and not param.is_meta:
@@ -292,14 +293,15 @@ def fill_dummy_weights(model, seed: int = 0) -> None:
 
 def _pack_linears(model) -> None:
     """Repack CPU float32 linear weights for the CPU's matmul (see layers/linear.py), and mixtures of
-    experts' stacked experts for the fused MoE's (models/moe.py); a tied LM head's weight is also the
-    embedding table."""
+    experts' stacked experts for the fused MoE's (models/moe.py, models/gpt_oss.py); a tied LM head's
+    weight is also the embedding table."""
     from pagoda.engine_core.layers.linear import Linear
+    from pagoda.engine_core.models.gpt_oss import GptOssMLP
     from pagoda.engine_core.models.moe import MoEMLP
 
     tied = getattr(model, "embed_tokens", 0) is None
     for name, module in model.named_modules():
         if isinstance(module, Linear):
             module.pack_for_cpu(tied_embedding=tied and name.endswith("lm_head"))
-        elif isinstance(module, MoEMLP):
+        elif isinstance(module, MoEMLP | GptOssMLP):
             module.pack_for_cpu()

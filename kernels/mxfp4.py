@@ -3,10 +3,12 @@
 A checkpoint stores each expert projection [E, rows, cols] as `*_blocks` (uint8 [E, rows, cols/32, 16]: two
 E2M1 values a byte, the element at the even column in the low nibble) and `*_scales` (uint8 [E, rows,
 cols/32]: a power-of-two exponent per 32 values, biased by 127). An E2M1 nibble is a sign bit and one of
-the levels 0, .5, 1, 1.5, 2, 3, 4, 6. `Mxfp4Experts` holds those bytes as they are (4.25 bits a weight) and
-the torch reference (`fused_moe`, kernels/torch_ref/moe.py) dequantizes only the experts a step chose,
-one at a time, through `experts[e]` (`ops.mxfp4_dequantize`: `dequantize` below, or on the CPU a C kernel
-reading the blocks with a 16-entry table lookup, kernels/cpu/mxfp4.c).
+the levels 0, .5, 1, 1.5, 2, 3, 4, 6. `Mxfp4Experts` holds those bytes as they are (4.25 bits a weight). On
+the CPU the fused MoE's C kernel reads them itself (kernels/cpu/moe.c: each block's nibbles looked up in a
+16-entry table scaled by its power of two, in registers inside the GEMM tiles, kernels/cpu/mxfp4_tiles.h);
+elsewhere the torch reference (`fused_moe`, kernels/torch_ref/moe.py) dequantizes only the experts a step
+chose, one at a time, through `matrix(e)` (`ops.mxfp4_dequantize`: `dequantize` below, or on the CPU a C
+kernel with the same lookup, kernels/cpu/mxfp4.c).
 
 Why not repack into the INT4 layout of kernels/quantized.py: its groups are an affine grid (scale * q +
 min, q = 0..15), and E2M1's levels are not evenly spaced (steps of .5, then 1, then 2), so no scale and

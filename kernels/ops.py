@@ -62,7 +62,7 @@ _CPU_COMPILED = {
     "quantized_linear",
     "panel_linear",
     "argmax_rows",
-    "fused_moe",  # (experts packed at load: ExpertPanels or PackedExperts; plain ones run the reference)
+    "fused_moe",  # (experts packed at load, ExpertPanels or PackedExperts, or Mxfp4Experts; plain ones: the reference)
     "mxfp4_dequantize",
 }
 # Ops with no Triton kernel, for which a CUDA tensor gets the reference: the panel linear (a CUDA linear
@@ -172,7 +172,7 @@ fp8_linear = _dispatching("fp8_linear")  # (x, Fp8Weight, bias=None): see kernel
 panel_linear = _dispatching("panel_linear")
 argmax_rows = _dispatching("argmax_rows")  # (logits [B, V]) -> [B] int64: greedy sampling's pick
 # (hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I], Routing) -> [T, H], the
-# experts plain or packed (ExpertPanels, PackedExperts): kernels/torch_ref/moe.py, on the CPU
+# experts plain, packed (ExpertPanels, PackedExperts) or MXFP4: kernels/torch_ref/moe.py, on the CPU
 # kernels/cpu/moe.c, on CUDA kernels/triton/moe.py
 fused_moe = _dispatching("fused_moe")
 # (blocks uint8 [..., G, 16], scales uint8 [..., G], dtype) -> [..., G * 32]: MXFP4 experts, kernels/mxfp4.py

@@ -7,13 +7,16 @@
 - YaRN rotary scaling (engine_core/layers/rotary.py), biases on q/k/v/o;
 - every layer's MLP a mixture of experts (`GptOssMLP`): a router with a bias whose top-k logits are
   softmaxed over those k, experts with biases and a clamped SwiGLU (`ClampedSwiGLU`), all through
-  `ops.fused_moe`'s keyword options.
+  `ops.fused_moe`'s keyword options (on the CPU computed by its C kernel, kernels/cpu/moe.c).
 
 Checkpoints store a layer's experts as stacked tensors: `mlp.experts.gate_up_proj` [E, H, 2I] with gate
 and up interleaved along the last axis (gate the even columns), `down_proj` [E, I, H], and their biases;
 they are transposed and de-interleaved at load into our `w13` [E, 2I, H] (gate rows, then up rows) and
 `w2` [E, H, I]. MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`, the released models) store
 those two as `*_blocks` / `*_scales`, which stay 4-bit (kernels/mxfp4.py); only their rows are reordered.
+On the CPU the fused MoE's C kernel reads those blocks as they are, expanding each in registers; float32
+experts are packed after load into the panels it reads (`GptOssMLP.pack_for_cpu`, as models/moe.py's
+`MoEMLP` packs its own).
 
 Refused with an error naming the limit: tensor and pipeline parallel (here and in parallel/sharding.py),
 quantizing at load and other quantized formats (loader.py), GGUF files (gguf_model.py). The fused CPU
@@ -32,11 +35,13 @@ from torch import nn
 from pagoda.engine_core.layers.linear import Linear, weights_deferred
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.llama import LlamaForCausalLM
+from pagoda.engine_core.models.moe import cpu_panels
 from pagoda.engine_core.parallel.distributed import building_group, building_stage
 from pagoda.engine_core.quantization.assembly import LinearAssembler
 from pagoda.kernels import ops
 from pagoda.kernels.mxfp4 import Mxfp4Experts
-from pagoda.kernels.torch_ref.moe import ClampedSwiGLU, Routing
+from pagoda.kernels.panels import ExpertPanels
+from pagoda.kernels.torch_ref.moe import ClampedSwiGLU, ExpertWeights, Routing
 
 # A checkpoint's expert tensor: layer, projection, suffix ("" for the weight, _bias, _blocks, _scales).
 _EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
@@ -52,7 +57,8 @@ def uses_mxfp4(cfg: ModelConfig) -> bool:
 class GptOssMLP(nn.Module):
     """A layer's mixture of experts: `router` (a Linear with bias, [E, H]), each expert's gate/up
     projection `w13` [E, 2I, H] and down projection `w2` [E, H, I] (tensors, or `Mxfp4Experts`), and
-    their biases `w13_bias` [E, 2I], `w2_bias` [E, H]."""
+    their biases `w13_bias` [E, 2I], `w2_bias` [E, H]. Float32 CPU experts are packed after load into
+    `packed13` / `packed2` (`pack_for_cpu`), which replace w13 / w2."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, mxfp4: bool):
         super().__init__()
@@ -73,6 +79,32 @@ class GptOssMLP(nn.Module):
             self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), requires_grad=False)
         self.w13_bias = nn.Parameter(torch.empty(experts, 2 * inter, dtype=dtype), requires_grad=False)
         self.w2_bias = nn.Parameter(torch.empty(experts, hidden, dtype=dtype), requires_grad=False)
+        self.packed13: ExpertPanels | None = None
+        self.packed2: ExpertPanels | None = None
+
+    def pack_for_cpu(self) -> bool:
+        """Pack float32 CPU experts into panels for the fused MoE's C kernel and release the plain stacked
+        weights (as `MoEMLP.pack_for_cpu` does); True if packed. MXFP4 experts need nothing: the kernel
+        reads their blocks as stored. Where the C kernel is off the experts stay as they are."""
+        if self.packed13 is not None or isinstance(self.w13, Mxfp4Experts) or isinstance(self.w2, Mxfp4Experts):
+            return False
+        panels = cpu_panels(self.w13, self.w2)
+        if panels is None:
+            return False
+        self.packed13, self.packed2 = panels
+        self.w13 = nn.Parameter(torch.empty(0, dtype=self.w13.dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, dtype=self.w2.dtype), requires_grad=False)
+        return True
+
+    def experts(self) -> tuple[ExpertWeights, ExpertWeights]:
+        """(w13, w2) as the op takes them: the panels where packed, else the tensors or MXFP4 storage."""
+        if self.packed13 is not None and self.packed2 is not None:
+            return self.packed13, self.packed2
+        return self.w13, self.w2
+
+    def packed_bytes(self) -> int:
+        """Bytes the packed experts hold (the parameters count the plain and MXFP4 ones)."""
+        return sum(p.nbytes() for p in (self.packed13, self.packed2) if p is not None)
 
     def reads_host(self, device: torch.device) -> bool:
         """Always: its experts' options (biases, the clamped SwiGLU) run the fused op's torch reference, which
@@ -81,11 +113,12 @@ class GptOssMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
         logits = self.router(x).float()
+        w13, w2 = self.experts()
         return ops.fused_moe(
             x,
             logits,
-            self.w13,  # (a tensor, or MXFP4 storage: fused_moe reads its experts with `matrix`)
-            self.w2,
+            w13,  # (panels, MXFP4 storage the C kernel reads as it is, or a tensor)
+            w2,
             self.routing,
             w13_bias=self.w13_bias,
             w2_bias=self.w2_bias,

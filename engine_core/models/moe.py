@@ -200,14 +200,14 @@ class MoEMLP(nn.Module):
     def pack_for_cpu(self) -> bool:
         """Pack float32 CPU experts into panels for the fused MoE's C kernel and release the plain stacked
         weights (like `Linear.pack_for_cpu`); True if packed. Where the C kernel is off they stay plain."""
-        w13, w2 = self.w13, self.w2
-        if self.packed13 is not None or w13.device.type != "cpu" or w13.dtype != torch.float32:
+        if self.packed13 is not None:
             return False
-        if not ops.compiled("fused_moe", w13.device):
+        panels = cpu_panels(self.w13, self.w2)
+        if panels is None:
             return False
-        self.packed13, self.packed2 = ExpertPanels.pack(w13), ExpertPanels.pack(w2)
-        self.w13 = nn.Parameter(torch.empty(0, dtype=w13.dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(0, dtype=w2.dtype), requires_grad=False)
+        self.packed13, self.packed2 = panels
+        self.w13 = nn.Parameter(torch.empty(0, dtype=self.w13.dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0, dtype=self.w2.dtype), requires_grad=False)
         return True
 
     def experts(self) -> tuple[ExpertWeights, ExpertWeights]:
@@ -236,6 +236,14 @@ class MoEMLP(nn.Module):
         # Under tensor parallel `out` is this rank's partial sum (its intermediate rows of every expert, or
         # its experts' pairs, plus its share of the shared expert): one all-reduce per layer adds them.
         return self.tp.all_reduce(out)
+
+
+def cpu_panels(w13: torch.Tensor, w2: torch.Tensor) -> tuple[ExpertPanels, ExpertPanels] | None:
+    """Stacked float32 CPU experts packed into panels for the fused MoE's C kernel (kernels/cpu/moe.c); None
+    where they stay plain: on another device or dtype, or where the C kernel is off."""
+    if w13.device.type != "cpu" or w13.dtype != torch.float32 or not ops.compiled("fused_moe", w13.device):
+        return None
+    return ExpertPanels.pack(w13), ExpertPanels.pack(w2)
 
 
 class MoEForCausalLM(LlamaForCausalLM):

@@ -1,6 +1,7 @@
-/* The element-wise math of a decoder layer, float32: RMSNorm (with the residual add before it) and
- * SiLU-and-mul. Shared by the fused decode step (decoder.c) and the standalone kernels every other step
- * calls through kernels/__init__.py (layer_ops.c), so that a token's hidden states are computed by the
+/* The element-wise math of a decoder layer, float32: RMSNorm (with the residual add before it),
+ * SiLU-and-mul, and gpt-oss's clamped SwiGLU. Shared by the fused decode step (decoder.c), the standalone
+ * kernels every other step calls through kernels/__init__.py (layer_ops.c) and the fused mixture of
+ * experts (moe.c), so that a token's hidden states are computed by the
  * same code whichever path its step takes. A row's result depends on that row alone, in a fixed order;
  * rows are shared out over OpenMP threads. The build's cache key covers this header
  * (kernels/cpu/__init__.py). */
@@ -80,6 +81,31 @@ static void silu_and_mul(const float *gu, float *out, int64_t rows, int64_t n, i
         }
 #endif
         for (; i < n; i++) y[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+}
+
+/* gpt-oss's expert activation (kernels/torch_ref/moe.py `ClampedSwiGLU`) of one row: with gate and up the
+ * halves of gu ([2 n]), gate clamped above at `limit` and up to [-limit, limit], out = (up + 1) * gate *
+ * sigmoid(alpha * gate), the sigmoid's product as silu_and_mul computes it, gate / (1 + e^(-alpha gate)).
+ * A NaN stays NaN, as torch's clamp keeps it (the clamps compare with the bound first: min and max return
+ * their second operand when either is NaN). */
+static inline void clamped_swiglu_row(const float *gu, float *y, int64_t n, float alpha, float limit) {
+    const float *gate = gu, *up = gu + n;
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 high = _mm256_set1_ps(limit), low = _mm256_set1_ps(-limit), one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_min_ps(high, _mm256_loadu_ps(gate + i));
+        const __m256 u = _mm256_max_ps(low, _mm256_min_ps(high, _mm256_loadu_ps(up + i)));
+        const __m256 e = exp_clamped(_mm256_mul_ps(_mm256_set1_ps(-alpha), g));
+        const __m256 glu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_add_ps(u, one), glu));
+    }
+#endif
+    for (; i < n; i++) {
+        const float g = limit < gate[i] ? limit : gate[i];
+        const float u = -limit > up[i] ? -limit : limit < up[i] ? limit : up[i];
+        y[i] = (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
     }
 }
 #endif

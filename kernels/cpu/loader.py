@@ -80,8 +80,9 @@ _SIGNATURES = {
     "add_rms_norm_f32": [_POINTER] * 5 + [_I64] * 2 + [_F32, _I64],
     "silu_and_mul_f32": [_POINTER] * 2 + [_I64] * 3,
     "argmax_rows_f32": [_POINTER] * 2 + [_I64] * 4,
-    "moe_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 4 + [_I64] * 3,
-    "moe_quantized_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 10 + [_I64] * 3,
+    "moe_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 7 + [_I64] * 3,
+    "moe_quantized_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 13 + [_I64] * 3,
+    "moe_mxfp4_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 9 + [_I64] * 3,
     "moe_workspace": [_I64] * 9,
     "mxfp4_dequantize_f32": [_POINTER] * 3 + [_I64] * 2,
     "decode_layers_f32": [_POINTER, _POINTER, _I64, _POINTER],
@@ -101,6 +102,7 @@ _RESULTS = {
     "moe_workspace": _I64,
     "moe_f32": ctypes.c_int,
     "moe_quantized_f32": ctypes.c_int,
+    "moe_mxfp4_f32": ctypes.c_int,
 }
 
 

@@ -1,12 +1,21 @@
 /* The routed experts of a mixture-of-experts layer for the CPU, float32 activations, in one call per layer:
- * gather each expert's tokens, gate/up GEMM, SiLU-and-mul, down GEMM, and the weighted sum into the output.
+ * gather each expert's tokens, gate/up GEMM, activation, down GEMM, and the weighted sum into the output.
  *
  * Routing and grouping stay in Python (kernels/torch_ref/moe.py `assign`): the call gets the (token, expert)
  * pairs grouped by expert (active experts ascending, tokens ascending within one), each pair's routing weight,
  * and the experts' weights, either float32 in panels (kernels/panels.py `ExpertPanels`: each expert's matrix
- * as the dense panel matmul stores one) or quantized (kernels/quantized.py `PackedExperts`: each expert's
- * matrix as a PackedWeight). The GEMMs are the dense kernels' own tiles (panel_tiles.h,
- * quantized_tiles.h), so a token's expert output is summed as the dense linear would sum it.
+ * as the dense panel matmul stores one), quantized (kernels/quantized.py `PackedExperts`: each expert's
+ * matrix as a PackedWeight) or MXFP4 (kernels/mxfp4.py `Mxfp4Experts`: gpt-oss's checkpoint blocks and
+ * scales as they are). The GEMMs are the dense kernels' own tiles (panel_tiles.h, quantized_tiles.h), so a
+ * token's expert output is summed as the dense linear would sum it, and MXFP4's (mxfp4_tiles.h), which look
+ * each block's nibbles up in its scaled table in registers: no expert is ever dequantized to memory. MXFP4
+ * is read as stored rather than repacked into PackedExperts' layouts: its E2M1 levels are not an affine grid
+ * (steps of .5, 1 and 2), which INT4's scale * q + min cannot hold, and INT8 would hold them at twice the
+ * bytes, which decode reads for every chosen expert at every token.
+ *
+ * gpt-oss's experts also take optional per-expert biases, added to each projection's output (gate/up's
+ * before the activation, down's before the routing weight, as the reference adds them), and the clamped
+ * SwiGLU (layer_math.h) in place of SiLU-and-mul.
  *
  * Work: the pairs' rows are gathered into one array (an expert's pairs adjacent), then the threads share out
  * items of (block of one expert's rows x 32 output columns), for gate/up and again for down. A block is all
@@ -19,6 +28,7 @@
  * Built and loaded at run time by kernels/cpu/loader.py; driven by kernels/cpu/moe.py.
  */
 #include "layer_math.h"
+#include "mxfp4_tiles.h"
 #include "panel_tiles.h"
 #include "quantized_tiles.h"
 
@@ -28,12 +38,14 @@
  * (kernels/cpu/quantized_matmul.py's _BATCH_ROWS, the same crossovers). */
 #define QUANTIZED_BATCH_ROWS(bits) ((bits) == 4 ? 3 : 4)
 
-/* One stacked projection of all experts: expert e's [N, K] matrix. */
+/* One stacked projection of all experts: expert e's [N, K] matrix, in one of three layouts. */
 typedef struct {
-    const float *panels; /* float32 panels [E, Np / 16, K, 16] (Np: N rounded up to 32); NULL: quantized */
-    const uint8_t *data; /* quantized: [E, N, Kp / 2] (4 bits) or [E, N, Kp] (8 bits) */
+    const float *panels; /* float32 panels [E, Np / 16, K, 16] (Np: N rounded up to 32), or NULL */
+    const uint8_t *data; /* quantized: [E, N, Kp / 2] (4 bits) or [E, N, Kp] (8 bits), or NULL */
     const uint16_t *scales; /* float16 [E, N, G] */
     const void *mins;       /* [E, N, G] float16 or (mins_f32) float32, or NULL */
+    const uint8_t *mx_blocks, *mx_scales; /* MXFP4: [E, N, K / 32, 16] and [E, N, K / 32] */
+    const float *bias;                    /* [E, N] or NULL */
     int64_t N, K, bits, group, G, Kp, mins_f32;
 } Experts;
 
@@ -45,8 +57,12 @@ typedef struct {
     int64_t blocks;
 } Blocks;
 
-/* x's row stride for a projection: quantized tiles read whole 32-column blocks (zeros past K). */
-static int64_t row_stride(const Experts *w) { return w->panels != NULL ? w->K : w->Kp; }
+/* x's row stride for a projection: quantized tiles read whole 32-column blocks (zeros past K; an MXFP4
+ * matrix's K is a multiple of 32). */
+static int64_t row_stride(const Experts *w) { return w->data != NULL ? w->Kp : w->K; }
+
+/* Expert e's bias row (NULL: none). */
+static const float *bias_of(const Experts *w, int64_t e) { return w->bias != NULL ? w->bias + e * w->N : NULL; }
 
 #define X_CHUNK_BYTES (1 << 20) /* rows of x per block: ~1 MiB, as panel_linear_f32 keeps in L2 */
 
@@ -72,10 +88,10 @@ static int make_blocks(const Experts *w, const int64_t *experts, const int64_t *
 static void panel_item(const Experts *w, int64_t e, const float *x, int64_t count, float *y, int64_t ldy, int64_t n0,
                        int64_t width) {
     const int64_t K = w->K, Np = (w->N + TILE_COLS - 1) / TILE_COLS * TILE_COLS;
-    const float *wp = w->panels + e * Np * K + n0 * K;
+    const float *wp = w->panels + e * Np * K + n0 * K, *bias = bias_of(w, e);
     for (int64_t m = 0; m < count; m += ROWS) {
         const int64_t rows = count - m < ROWS ? count - m : ROWS;
-        run_tile(rows, x + m * K, K, wp, NULL, y + m * ldy + n0, ldy, width, NULL);
+        run_tile(rows, x + m * K, K, wp, bias != NULL ? bias + n0 : NULL, y + m * ldy + n0, ldy, width, NULL);
     }
 }
 
@@ -85,8 +101,8 @@ static void quantized_item(const Experts *w, int64_t e, const float *x, const fl
                            int64_t ldy, int64_t n0, int64_t width, float *buffer) {
     const int64_t per_row = w->bits == 4 ? w->Kp / 2 : w->Kp, groups = w->N * w->G;
     const void *mins = w->mins == NULL ? NULL : (const char *)w->mins + e * groups * (w->mins_f32 ? 4 : 2);
-    const Problem p = {x,     xsums, w->data + e * w->N * per_row, w->scales + e * groups, mins, NULL, y, count,
-                       w->N,  w->Kp, w->G, w->group, w->bits, w->Kp, ldy, w->mins_f32};
+    const Problem p = {x,     xsums, w->data + e * w->N * per_row, w->scales + e * groups, mins, bias_of(w, e), y,
+                       count, w->N,  w->Kp, w->G, w->group, w->bits, w->Kp, ldy, w->mins_f32};
     if (count >= QUANTIZED_BATCH_ROWS(w->bits)) {
         batch_chunk(&p, n0, width, buffer, buffer + count * BATCH_COLS);
         return;
@@ -96,6 +112,15 @@ static void quantized_item(const Experts *w, int64_t e, const float *x, const fl
     for (int64_t n = n0; n < n0 + width; n += nr)
         for (int64_t m0 = 0; m0 < count; m0 += mr)
             fused(&p, m0, n, (int)min64(count - m0, mr), (int)min64(n0 + width - n, nr));
+}
+
+/* The item's rows (each block in `mxfp4_order`) times weight rows [n0, n0 + width) of expert e's MXFP4 matrix. */
+static void mxfp4_item(const Experts *w, int64_t e, const float *x, int64_t count, float *y, int64_t ldy, int64_t n0,
+                       int64_t width) {
+    const int64_t blocks = w->K / BLOCK;
+    const Mxfp4Problem p = {x, w->mx_blocks + e * w->N * blocks * MX_BYTES, w->mx_scales + e * w->N * blocks,
+                            bias_of(w, e), y, count, w->N, w->K, w->K, ldy};
+    mxfp4_chunk(&p, n0, width);
 }
 
 /* y[pairs, N] (row stride ldy) = each pair's row of x (row stride row_stride(w)) times its expert's matrix,
@@ -110,19 +135,25 @@ static void project(const Experts *w, const Blocks *b, const float *x, const flo
         const int64_t width = w->N - n0 < ITEM_COLS ? w->N - n0 : ITEM_COLS;
         if (w->panels != NULL)
             panel_item(w, b->expert[i], x + start * ldx, count, y + start * ldy, ldy, n0, width);
+        else if (w->mx_blocks != NULL)
+            mxfp4_item(w, b->expert[i], x + start * ldx, count, y + start * ldy, ldy, n0, width);
         else
             quantized_item(w, b->expert[i], x + start * ldx, xsums + start * w->G, count, y + start * ldy, ldy, n0,
                            width, buffer);
     }
 }
 
-/* A row of x (n floats) into dst (it may be the row itself), zeros up to w's row stride, and its sums over
- * each group of w (quantized weights with mins). */
+/* A row of x (n floats) into dst (it may be the row itself) as w's tiles read it: zeros up to the row stride,
+ * and its sums over each group of w (quantized weights with mins); for MXFP4 each block in `mxfp4_order`. */
 static void put_row(const Experts *w, const float *row, int64_t n, float *dst, float *xsums) {
     const int64_t stride = row_stride(w);
+    if (w->mx_blocks != NULL) {
+        mxfp4_order(row, dst, n / BLOCK);
+        return;
+    }
     if (dst != row) memcpy(dst, row, sizeof(float) * n);
     for (int64_t k = n; k < stride; k++) dst[k] = 0.f;
-    if (w->panels == NULL && w->mins != NULL)
+    if (w->data != NULL && w->mins != NULL)
         for (int64_t g = 0; g < w->G; g++) {
             float s = 0.f; /* (summed as quantized_linear_f32 sums them) */
             for (int64_t k = g * w->group; k < min64((g + 1) * w->group, w->Kp); k++) s += dst[k];
@@ -130,25 +161,35 @@ static void put_row(const Experts *w, const float *row, int64_t n, float *dst, f
         }
 }
 
-/* Floats of workspace `moe_f32` / `moe_quantized_f32` need for `pairs` pairs, at most `most` of one expert
- * (w13: gate and up rows [2I, H]; w2: [H, I]; G13, G2: their groups, 0 for float32 weights). */
+/* Floats of workspace `moe_f32` / `moe_quantized_f32` / `moe_mxfp4_f32` need for `pairs` pairs, at most `most`
+ * of one expert (w13: gate and up rows [2I, H]; w2: [H, I]; G13, G2: their groups, 0 for float32 and MXFP4
+ * weights). */
 int64_t moe_workspace(int64_t pairs, int64_t most, int64_t H, int64_t I, int64_t Kp13, int64_t Kp2, int64_t G13,
                       int64_t G2, int64_t threads) {
     const int64_t G = G13 > G2 ? G13 : G2;
     return pairs * (Kp13 + 2 * I + Kp2 + H + G13 + G2) + threads * (most * BATCH_COLS + 2 * BATCH_COLS * G);
 }
 
+/* The activation of one row of gate/up outputs: SiLU-and-mul, or where `swiglu` = {alpha, limit} is not NULL
+ * gpt-oss's clamped SwiGLU (one row, this thread: layer_math.h's math). */
+static void activate(const float *gate_up, float *out, int64_t I, const float *swiglu) {
+    if (swiglu == NULL)
+        silu_and_mul(gate_up, out, 1, I, 1);
+    else
+        clamped_swiglu_row(gate_up, out, I, swiglu[0], swiglu[1]);
+}
+
 /* 0 where there is no memory for the blocks (nothing computed). */
 static int run(const float *hidden, const int64_t *tokens, const float *weights, const int64_t *experts,
-               const int64_t *counts, int64_t active, const Experts *w13, const Experts *w2, float *out,
-               float *workspace, int64_t H, int64_t I, int64_t threads) {
+               const int64_t *counts, int64_t active, const Experts *w13, const Experts *w2, const float *swiglu,
+               float *out, float *workspace, int64_t H, int64_t I, int64_t threads) {
     int64_t pairs = 0, most = 0;
     for (int64_t a = 0; a < active; a++) pairs += counts[a], most = counts[a] > most ? counts[a] : most;
     Blocks b13, b2;
     if (!make_blocks(w13, experts, counts, active, &b13)) return 0;
     if (!make_blocks(w2, experts, counts, active, &b2)) return free(b13.expert), 0;
-    const int64_t ld1 = row_stride(w13), ld2 = row_stride(w2), G13 = w13->panels ? 0 : w13->G;
-    const int64_t G2 = w2->panels ? 0 : w2->G, G = G13 > G2 ? G13 : G2;
+    const int64_t ld1 = row_stride(w13), ld2 = row_stride(w2), G13 = w13->data ? w13->G : 0;
+    const int64_t G2 = w2->data ? w2->G : 0, G = G13 > G2 ? G13 : G2;
     float *x = workspace, *gate_up = x + pairs * ld1, *act = gate_up + pairs * 2 * I, *y = act + pairs * ld2;
     float *sums13 = y + pairs * H, *sums2 = sums13 + pairs * G13, *buffers = sums2 + pairs * G2;
     const int64_t per_thread = most * BATCH_COLS + 2 * BATCH_COLS * G;
@@ -160,7 +201,7 @@ static int run(const float *hidden, const int64_t *tokens, const float *weights,
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             float *row = act + p * ld2;
-            silu_and_mul(gate_up + p * 2 * I, row, 1, I, 1); /* (one row, this thread: layer_math.h's math) */
+            activate(gate_up + p * 2 * I, row, I, swiglu);
             put_row(w2, row, I, row, sums2 + p * G2);
         }
         project(w2, &b2, act, sums2, y, H, buffers, per_thread);
@@ -182,26 +223,44 @@ static int run(const float *hidden, const int64_t *tokens, const float *weights,
 /* out [T, H] (zeroed by the caller) += the routed experts' weighted sum for hidden [T, H]. The pairs:
  * tokens [P] and their routing weights [P], grouped by expert: experts [active] (local ids, ascending),
  * counts [active]. w13: panels of every expert's gate then up rows [2I, H] ([E, pad32(2I) / 16, H, 16]);
- * w2: panels of every expert's down projection [H, I] ([E, pad32(H) / 16, I, 16]).
- * workspace: moe_workspace(P, max(counts), H, I, H, I, 0, 0, threads) floats. Returns 0 where there is no
- * memory for its bookkeeping (nothing computed), else 1. */
+ * w2: panels of every expert's down projection [H, I] ([E, pad32(H) / 16, I, 16]). gpt-oss's options:
+ * bias13 [E, 2I] and bias2 [E, H] (each NULL: none), and swiglu = {alpha, limit} for its clamped SwiGLU
+ * (NULL: SiLU-and-mul). workspace: moe_workspace(P, max(counts), H, I, H, I, 0, 0, threads) floats.
+ * Returns 0 where there is no memory for its bookkeeping (nothing computed), else 1. */
 int moe_f32(const float *hidden, const int64_t *tokens, const float *weights, const int64_t *experts,
-             const int64_t *counts, int64_t active, const float *w13, const float *w2, float *out, float *workspace,
-             int64_t H, int64_t I, int64_t threads) {
-    const Experts up = {w13, NULL, NULL, NULL, 2 * I, H, 0, 0, 0, H, 0}, down = {w2, NULL, NULL, NULL, H, I, 0, 0, 0, I, 0};
-    return run(hidden, tokens, weights, experts, counts, active, &up, &down, out, workspace, H, I, threads);
+            const int64_t *counts, int64_t active, const float *w13, const float *w2, const float *bias13,
+            const float *bias2, const float *swiglu, float *out, float *workspace, int64_t H, int64_t I,
+            int64_t threads) {
+    const Experts up = {.panels = w13, .bias = bias13, .N = 2 * I, .K = H, .Kp = H};
+    const Experts down = {.panels = w2, .bias = bias2, .N = H, .K = I, .Kp = I};
+    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, H, I, threads);
 }
 
 /* moe_f32 with quantized experts: each of w13 and w2 as data, float16 scales, mins (NULL, float16, or
  * float32 where layout says so) and layout = {bits, group size, groups G, padded columns Kp, mins_f32}.
  * workspace: moe_workspace(P, max(counts), H, I, Kp13, Kp2, G13, G2, threads) floats. */
 int moe_quantized_f32(const float *hidden, const int64_t *tokens, const float *weights, const int64_t *experts,
-                       const int64_t *counts, int64_t active, const uint8_t *data13, const uint16_t *scales13,
-                       const void *mins13, const int64_t *layout13, const uint8_t *data2, const uint16_t *scales2,
-                       const void *mins2, const int64_t *layout2, float *out, float *workspace, int64_t H, int64_t I,
-                       int64_t threads) {
-    const Experts up = {NULL, data13, scales13, mins13, 2 * I, H, layout13[0], layout13[1], layout13[2], layout13[3],
-                        layout13[4]};
-    const Experts down = {NULL, data2, scales2, mins2, H, I, layout2[0], layout2[1], layout2[2], layout2[3], layout2[4]};
-    return run(hidden, tokens, weights, experts, counts, active, &up, &down, out, workspace, H, I, threads);
+                      const int64_t *counts, int64_t active, const uint8_t *data13, const uint16_t *scales13,
+                      const void *mins13, const int64_t *layout13, const uint8_t *data2, const uint16_t *scales2,
+                      const void *mins2, const int64_t *layout2, const float *bias13, const float *bias2,
+                      const float *swiglu, float *out, float *workspace, int64_t H, int64_t I, int64_t threads) {
+    const Experts up = {.data = data13, .scales = scales13, .mins = mins13, .bias = bias13, .N = 2 * I, .K = H,
+                        .bits = layout13[0], .group = layout13[1], .G = layout13[2], .Kp = layout13[3],
+                        .mins_f32 = layout13[4]};
+    const Experts down = {.data = data2, .scales = scales2, .mins = mins2, .bias = bias2, .N = H, .K = I,
+                          .bits = layout2[0], .group = layout2[1], .G = layout2[2], .Kp = layout2[3],
+                          .mins_f32 = layout2[4]};
+    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, H, I, threads);
+}
+
+/* moe_f32 with MXFP4 experts (gpt-oss's): w13's blocks [E, 2I, H / 32, 16] and scales [E, 2I, H / 32], w2's
+ * [E, H, I / 32, 16] and [E, H, I / 32] (H and I multiples of 32). workspace: moe_workspace(P, max(counts),
+ * H, I, H, I, 0, 0, threads) floats. */
+int moe_mxfp4_f32(const float *hidden, const int64_t *tokens, const float *weights, const int64_t *experts,
+                  const int64_t *counts, int64_t active, const uint8_t *blocks13, const uint8_t *scales13,
+                  const uint8_t *blocks2, const uint8_t *scales2, const float *bias13, const float *bias2,
+                  const float *swiglu, float *out, float *workspace, int64_t H, int64_t I, int64_t threads) {
+    const Experts up = {.mx_blocks = blocks13, .mx_scales = scales13, .bias = bias13, .N = 2 * I, .K = H, .Kp = H};
+    const Experts down = {.mx_blocks = blocks2, .mx_scales = scales2, .bias = bias2, .N = H, .K = I, .Kp = I};
+    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, H, I, threads);
 }

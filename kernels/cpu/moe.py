@@ -1,6 +1,9 @@
 """The fused mixture-of-experts on the CPU (kernels/cpu/moe.c): routing and grouping in torch (`assign`), then
-one C call per layer for the gathered GEMMs, SiLU-and-mul and weighted sum, with the experts in panels
-(`ExpertPanels`) or quantized (`PackedExperts`)."""
+one C call per layer for the gathered GEMMs, activation and weighted sum, with the experts in panels
+(`ExpertPanels`), quantized (`PackedExperts`) or MXFP4 (`Mxfp4Experts`, read as the checkpoint stores them),
+and gpt-oss's options (expert biases, clamped SwiGLU) computed in C too. MXFP4 is not repacked into
+PackedExperts' layouts: its E2M1 levels are not an affine grid, which INT4's scale * q + min cannot hold, and
+INT8 would hold them at twice the bytes."""
 
 from __future__ import annotations
 
@@ -10,10 +13,13 @@ import torch
 
 from pagoda.kernels.cpu.arguments import THREADED_WORK, as_int64, scratch_buffer
 from pagoda.kernels.cpu.loader import load
+from pagoda.kernels.mxfp4 import Mxfp4Experts
 from pagoda.kernels.panels import ExpertPanels
 from pagoda.kernels.quantized import PackedExperts
 from pagoda.kernels.torch_ref import moe as reference
-from pagoda.kernels.torch_ref.moe import ExpertWeights, Routing, assign
+from pagoda.kernels.torch_ref.moe import ClampedSwiGLU, ExpertWeights, Routing, assign
+
+_LAYOUTS = (ExpertPanels, PackedExperts, Mxfp4Experts)  # (what moe.c reads; w13 and w2 alike)
 
 
 def fused_moe(
@@ -22,35 +28,62 @@ def fused_moe(
     w13: ExpertWeights,
     w2: ExpertWeights,
     routing: Routing,
-    **options,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
-    """Same contract as `pagoda.kernels.torch_ref.moe.fused_moe`. The C kernel takes float32 tokens and experts
-    packed for it (both `ExpertPanels`, or both `PackedExperts`); anything else, and any keyword option (those
-    the C kernel does not compute), runs the reference."""
+    """Same contract as `pagoda.kernels.torch_ref.moe.fused_moe`. The C kernel takes float32 tokens on the CPU
+    with experts in a layout it reads (`runs_in_c`); anything else runs the reference."""
     lib = load()
-    if not options and lib is not None and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-        if isinstance(w13, ExpertPanels) and isinstance(w2, ExpertPanels):
-            return _fused_moe(lib, hidden, router_logits, w13, w2, routing)
-        if isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts):
-            return _fused_moe(lib, hidden, router_logits, w13, w2, routing)
-    return reference.fused_moe(hidden, router_logits, w13, w2, routing, **options)
+    options = {"w13_bias": w13_bias, "w2_bias": w2_bias, "activation": activation}
+    if lib is None or not runs_in_c(hidden, w13, w2, w13_bias, w2_bias):
+        return reference.fused_moe(hidden, router_logits, w13, w2, routing, **options)
+    return _fused_moe(lib, hidden, router_logits, w13, w2, routing, **options)
+
+
+def runs_in_c(
+    hidden: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> bool:
+    """Whether the C kernel computes these tokens and experts (where it builds): float32 tokens on the CPU,
+    w13 and w2 both `ExpertPanels`, both `PackedExperts` or both `Mxfp4Experts`, and float32 biases if any
+    (plain stacked tensors, and other dtypes, run the reference)."""
+    layout = next((kind for kind in _LAYOUTS if isinstance(w13, kind)), None)
+    biases = all(b is None or (b.dtype == torch.float32 and b.device.type == "cpu") for b in (w13_bias, w2_bias))
+    return (
+        layout is not None
+        and isinstance(w2, layout)
+        and biases
+        and hidden.dtype == torch.float32
+        and hidden.device.type == "cpu"
+    )
 
 
 def _fused_moe(
     lib,
     hidden: torch.Tensor,
     router_logits: torch.Tensor,
-    w13: ExpertPanels | PackedExperts,
-    w2: ExpertPanels | PackedExperts,
+    w13: ExpertPanels | PackedExperts | Mxfp4Experts,
+    w2: ExpertPanels | PackedExperts | Mxfp4Experts,
     routing: Routing,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: ClampedSwiGLU | None = None,
 ) -> torch.Tensor:
     tokens_count, size = hidden.shape
-    inter = w2.in_features
-    if (w13.in_features, w13.out_features, w2.out_features) != (size, 2 * inter, size):
+    (experts13, rows13, cols13), (experts2, rows2, inter) = _shape(w13), _shape(w2)
+    if (cols13, rows13, rows2, experts13) != (size, 2 * inter, size, experts2):
         raise ValueError(
-            f"fused_moe: hidden size {size}, w13 [{w13.out_features}, {w13.in_features}], w2 "
-            f"[{w2.out_features}, {w2.in_features}] per expert: expected [2I, {size}] and [{size}, I]"
+            f"fused_moe: hidden size {size}, w13 {experts13} x [{rows13}, {cols13}], w2 {experts2} x "
+            f"[{rows2}, {inter}]: expected E x [2I, {size}] and E x [{size}, I]"
         )
+    biases = [_bias(w13_bias, (experts13, rows13), "w13_bias"), _bias(w2_bias, (experts2, rows2), "w2_bias")]
+    swiglu = None if activation is None else torch.tensor([activation.alpha, activation.limit], dtype=torch.float32)
     out = torch.zeros(tokens_count, size, dtype=torch.float32)
     pairs = assign(router_logits, routing, hidden.dtype)
     if not pairs.experts:
@@ -63,41 +96,43 @@ def _fused_moe(
     threads = torch.get_num_threads() if work >= THREADED_WORK else 1
     most = max(pairs.counts)
     common = [hidden.data_ptr(), tokens.data_ptr(), weights.data_ptr(), experts.data_ptr(), counts.data_ptr()]
-    if isinstance(w13, ExpertPanels):
-        workspace = scratch_buffer(lib["moe_workspace"](tokens.numel(), most, size, inter, size, inter, 0, 0, threads))
-        done = lib["moe_f32"](
-            *common,
-            len(pairs.experts),
-            w13.data.data_ptr(),
-            w2.data.data_ptr(),
-            out.data_ptr(),
-            workspace.data_ptr(),
-            size,
-            inter,
-            threads,
-        )
-        return _checked(done, out)
-    assert isinstance(w2, PackedExperts)
-    layout13, layout2 = _layout(w13), _layout(w2)
-    workspace = scratch_buffer(
-        lib["moe_workspace"](
+    if isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts):
+        layout13, layout2 = _layout(w13), _layout(w2)
+        floats = lib["moe_workspace"](
             tokens.numel(), most, size, inter, layout13[3], layout2[3], layout13[2], layout2[2], threads
         )
-    )
-    done = lib["moe_quantized_f32"](
-        *common,
-        len(pairs.experts),
-        *_pointers(w13),
-        layout13,
-        *_pointers(w2),
-        layout2,
-        out.data_ptr(),
-        workspace.data_ptr(),
-        size,
-        inter,
-        threads,
+        name, stacks = "moe_quantized_f32", [*_pointers(w13), layout13, *_pointers(w2), layout2]
+    else:
+        floats = lib["moe_workspace"](tokens.numel(), most, size, inter, size, inter, 0, 0, threads)
+        if isinstance(w13, ExpertPanels) and isinstance(w2, ExpertPanels):
+            name, stacks = "moe_f32", [w13.data.data_ptr(), w2.data.data_ptr()]
+        else:
+            assert isinstance(w13, Mxfp4Experts) and isinstance(w2, Mxfp4Experts)
+            name, stacks = "moe_mxfp4_f32", [*_mxfp4(w13), *_mxfp4(w2)]
+    # (gpt-oss's options: the bias rows, then {alpha, limit} of its clamped SwiGLU; 0 where absent)
+    options = [0 if b is None else b.data_ptr() for b in biases] + [0 if swiglu is None else swiglu.data_ptr()]
+    workspace = scratch_buffer(floats)
+    done = lib[name](
+        *common, len(pairs.experts), *stacks, *options, out.data_ptr(), workspace.data_ptr(), size, inter, threads
     )
     return _checked(done, out)
+
+
+def _shape(weights: ExpertPanels | PackedExperts | Mxfp4Experts) -> tuple[int, int, int]:
+    """(experts, rows N, columns K) of stacked experts."""
+    if isinstance(weights, Mxfp4Experts):
+        experts, rows, blocks, _ = weights.blocks.shape
+        return experts, rows, blocks * 32
+    return weights.num_experts, weights.out_features, weights.in_features
+
+
+def _bias(bias: torch.Tensor | None, shape: tuple[int, int], name: str) -> torch.Tensor | None:
+    """A bias as moe.c reads it: contiguous float32 [E, N]."""
+    if bias is None:
+        return None
+    if tuple(bias.shape) != shape:
+        raise ValueError(f"fused_moe: {name} is {list(bias.shape)}, expected {list(shape)}")
+    return bias.contiguous()
 
 
 def _checked(done: int, out: torch.Tensor) -> torch.Tensor:
@@ -122,3 +157,11 @@ def _pointers(weights: PackedExperts) -> list[int]:
             "(build them with pagoda.kernels.quantized.PackedExperts.stack)"
         )
     return [weights.data.data_ptr(), weights.scales.data_ptr(), 0 if weights.mins is None else weights.mins.data_ptr()]
+
+
+def _mxfp4(weights: Mxfp4Experts) -> list[int]:
+    """The checkpoint's blocks and scales, read as they are, checked to be what moe.c reads."""
+    blocks, scales = weights.blocks, weights.scales
+    if not (blocks.is_contiguous() and scales.is_contiguous()) or blocks.shape[:-1] != scales.shape:
+        raise ValueError("fused_moe: MXFP4 experts take contiguous blocks [E, N, K / 32, 16] and scales [E, N, K / 32]")
+    return [blocks.data_ptr(), scales.data_ptr()]

@@ -2,7 +2,8 @@
 equal HF's (float32, eager attention: the one with sinks) with prompts longer than its 8-token sliding window,
 under chunked prefill and prefix caching; first-step logprobs close to HF's; the sinks and the window both
 change the tokens (so the equality above tests them); MXFP4 experts stay 4-bit and equal HF's
-dequantization; chat through the checkpoint's template; and what is refused, with the limit named."""
+dequantization; the experts, float32 and MXFP4, run in the fused MoE's C kernel; chat through the
+checkpoint's template; and what is refused, with the limit named."""
 
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ from pagoda.engine_core.parallel.distributed import SINGLE, TPGroup, building_fo
 from pagoda.engine_core.parallel.sharding import check_model_splits
 from pagoda.engine_core.parallel.stage import Stage
 from pagoda.engine_core.sampling_params import SamplingParams
-from pagoda.kernels import mxfp4
+from pagoda.kernels import mxfp4, ops
+from pagoda.kernels.cpu import moe as cpu_moe
 from pagoda.kernels.mxfp4 import Mxfp4Experts
+from pagoda.kernels.panels import ExpertPanels
+from pagoda.kernels.torch_ref.moe import expert_matrix
 from tests import tiny_models
 from tests.helpers import greedy_with_first_logprobs, hf_greedy, run_engine
 
@@ -62,6 +66,24 @@ def _engine(model_dir, **args) -> EngineCore:
 def _greedy(engine: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     return run_engine(engine, prompts, params)
+
+
+def _experts_run_in_c(engine: EngineCore, layout: type, monkeypatch) -> None:
+    """Where the C kernels build (and are on): every layer's experts are in `layout`, one the fused MoE's C
+    kernel reads (float32 panels packed at load, or the MXFP4 blocks as stored), and from here on the torch
+    reference raises if it runs (the C op falls back to it for what it does not compute)."""
+    cpu_device = torch.device("cpu")
+    if not ops.compiled("fused_moe", cpu_device):
+        return
+    assert ops.implementation("fused_moe", cpu_device) is cpu_moe.fused_moe
+    for layer in engine.runner.model.decoder_layers():
+        w13, w2 = layer.mlp.experts()
+        assert isinstance(w13, layout) and isinstance(w2, layout)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("gpt-oss's experts ran the torch reference")
+
+    monkeypatch.setattr(cpu_moe.reference, "fused_moe", refuse)
 
 
 def test_the_layers_are_hfs(saved):
@@ -110,10 +132,12 @@ def test_pooling_runs_like_hf(saved):
         torch.testing.assert_close(pooled[str(i)], want, atol=1e-5, rtol=1e-4)
 
 
-def test_greedy_matches_hf_chunked(saved, expected):
-    """Prompts past the window, the longest split into 48-token chunks."""
+def test_greedy_matches_hf_chunked(saved, expected, monkeypatch):
+    """Prompts past the window, the longest split into 48-token chunks; the experts in the C kernel."""
     _, model_dir = saved
-    assert _greedy(_engine(model_dir, max_num_batched_tokens=48), _prompts()) == expected
+    engine = _engine(model_dir, max_num_batched_tokens=48)
+    _experts_run_in_c(engine, ExpertPanels, monkeypatch)
+    assert _greedy(engine, _prompts()) == expected
 
 
 def test_prefix_caching_keeps_hfs_tokens(saved):
@@ -195,7 +219,7 @@ def _mxfp4_checkpoint(hf_model, model_dir, out):
     return dequantized
 
 
-def test_mxfp4_experts_stay_4_bit_and_equal_hfs_dequantization(saved, tmp_path):
+def test_mxfp4_experts_stay_4_bit_and_equal_hfs_dequantization(saved, tmp_path, monkeypatch):
     hf_model, model_dir = saved
     dequantized = _mxfp4_checkpoint(hf_model, model_dir, tmp_path / "mxfp4")
     engine = _engine(tmp_path / "mxfp4")
@@ -224,6 +248,7 @@ def test_mxfp4_experts_stay_4_bit_and_equal_hfs_dequantization(saved, tmp_path):
             for i, layer in enumerate(hf_model.model.layers):
                 layer.mlp.experts.gate_up_proj.copy_(original[f"model.layers.{i}.mlp.experts.gate_up_proj"])
                 layer.mlp.experts.down_proj.copy_(original[f"model.layers.{i}.mlp.experts.down_proj"])
+    _experts_run_in_c(engine, Mxfp4Experts, monkeypatch)  # (the blocks read by the kernel, never dequantized)
     assert _greedy(engine, prompts) == want
 
 
@@ -292,7 +317,8 @@ def test_dummy_weights_run_from_a_config_alone(tmp_path, experts):
     config.save_pretrained(tmp_path)
     engine = _engine(tmp_path, load_format="dummy")
     mlp = engine.runner.model.decoder_layers()[0].mlp
-    w13 = mlp.w13.dequantized() if experts == "mxfp4" else mlp.w13
+    stored = mlp.experts()[0]  # (float32: panels where the C kernel runs)
+    w13 = torch.stack([expert_matrix(stored, e, torch.float32) for e in range(mlp.w13_bias.shape[0])])
     assert isinstance(mlp.w13, Mxfp4Experts) == (experts == "mxfp4")
     assert bool(torch.isfinite(w13).all()) and 0.05 < float(w13.std()) * 64**0.5 < 20
     tokens = run_engine(engine, [[5, 6, 7, 8]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
