@@ -7,8 +7,9 @@ the levels 0, .5, 1, 1.5, 2, 3, 4, 6. `Mxfp4Experts` holds those bytes as they a
 the CPU the fused MoE's C kernel reads them itself (kernels/cpu/moe.c: each block's nibbles looked up in a
 16-entry table scaled by its power of two, in registers inside the GEMM tiles, kernels/cpu/mxfp4_tiles.h);
 elsewhere the torch reference (`fused_moe`, kernels/torch_ref/moe.py) dequantizes only the experts a step
-chose, one at a time, through `matrix(e)` (`ops.mxfp4_dequantize`: `dequantize` below, or on the CPU a C
-kernel with the same lookup, kernels/cpu/mxfp4.c).
+chose, one at a time, through `matrix(e)` (`dequantize` below). `ops.mxfp4_dequantize` is the same
+dequantization as an op, on the CPU a C kernel with the kernel's lookup (kernels/cpu/mxfp4.c); this module
+does not call it, since the op table imports this module for its reference.
 
 Why not repack into the INT4 layout of kernels/quantized.py: its groups are an affine grid (scale * q +
 min, q = 0..15), and E2M1's levels are not evenly spaced (steps of .5, then 1, then 2), so no scale and
@@ -69,9 +70,8 @@ class Mxfp4Experts(nn.Module):
         self.dtype = dtype
 
     def matrix(self, expert: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        from pagoda.kernels import ops  # (ops imports this module for its reference)
-
-        return ops.mxfp4_dequantize(self.blocks[expert], self.scales[expert], dtype or self.dtype)
+        """Expert `expert`'s weight [rows, cols], dequantized alone (the torch reference's path)."""
+        return dequantize(self.blocks[expert], self.scales[expert], dtype or self.dtype)
 
     @torch.no_grad()
     def fill_dummy(self, generator: torch.Generator) -> None:
