@@ -40,7 +40,11 @@ def model_capturable(model: torch.nn.Module, device: torch.device) -> bool:
     the host. A layer that may says so with `reads_host(device)`: a mixture of experts whose fused op runs
     the torch reference, which loops over the experts the tokens chose (Triton turned off, quantized
     experts, gpt-oss's expert options; engine_core/models/moe.py, gpt_oss.py)."""
-    return not any(module.reads_host(device) for module in model.modules() if hasattr(module, "reads_host"))
+    for module in model.modules():
+        reads_host = getattr(module, "reads_host", None)
+        if reads_host is not None and reads_host(device):
+            return False
+    return True
 
 
 class DecodeGraphs:

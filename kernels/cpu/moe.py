@@ -36,10 +36,14 @@ def fused_moe(
     """Same contract as `pagoda.kernels.torch_ref.moe.fused_moe`. The C kernel takes float32 tokens on the CPU
     with experts in a layout it reads (`runs_in_c`); anything else runs the reference."""
     lib = load()
-    options = {"w13_bias": w13_bias, "w2_bias": w2_bias, "activation": activation}
-    if lib is None or not runs_in_c(hidden, w13, w2, w13_bias, w2_bias):
-        return reference.fused_moe(hidden, router_logits, w13, w2, routing, **options)
-    return _fused_moe(lib, hidden, router_logits, w13, w2, routing, **options)
+    if lib is not None and runs_in_c(hidden, w13, w2, w13_bias, w2_bias):
+        assert not isinstance(w13, torch.Tensor) and not isinstance(w2, torch.Tensor)  # (runs_in_c: packed)
+        return _fused_moe(
+            lib, hidden, router_logits, w13, w2, routing, w13_bias=w13_bias, w2_bias=w2_bias, activation=activation
+        )
+    return reference.fused_moe(
+        hidden, router_logits, w13, w2, routing, w13_bias=w13_bias, w2_bias=w2_bias, activation=activation
+    )
 
 
 def runs_in_c(
