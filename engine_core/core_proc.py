@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -223,15 +222,3 @@ def run_engine_core(
         proc.close()
         raise SystemExit(1) from exc
     proc.close()
-    _exit_without_teardown()
-
-
-def _exit_without_teardown() -> None:
-    """Exit 0 now, past the interpreter's teardown. Everything the process owns (sockets, KV pool, workers)
-    is closed by `close`; what teardown would still run is native libraries' static destructors, which
-    under load were seen to abort a clean shutdown ("terminate called without an active exception",
-    SIGABRT) in about one run in ten."""
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(0)
