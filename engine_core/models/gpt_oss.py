@@ -35,7 +35,7 @@ from torch import nn
 from pagoda.engine_core.layers.linear import Linear, weights_deferred
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.llama import LlamaForCausalLM
-from pagoda.engine_core.models.moe import cpu_panels
+from pagoda.engine_core.models.moe import experts_of, pack_experts_for_cpu
 from pagoda.engine_core.parallel.distributed import building_group, building_stage
 from pagoda.engine_core.quantization.assembly import LinearAssembler
 from pagoda.kernels import ops
@@ -86,21 +86,13 @@ class GptOssMLP(nn.Module):
         """Pack float32 CPU experts into panels for the fused MoE's C kernel and release the plain stacked
         weights (as `MoEMLP.pack_for_cpu` does); True if packed. MXFP4 experts need nothing: the kernel
         reads their blocks as stored. Where the C kernel is off the experts stay as they are."""
-        if self.packed13 is not None or isinstance(self.w13, Mxfp4Experts) or isinstance(self.w2, Mxfp4Experts):
+        if isinstance(self.w13, Mxfp4Experts) or isinstance(self.w2, Mxfp4Experts):
             return False
-        panels = cpu_panels(self.w13, self.w2)
-        if panels is None:
-            return False
-        self.packed13, self.packed2 = panels
-        self.w13 = nn.Parameter(torch.empty(0, dtype=self.w13.dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(0, dtype=self.w2.dtype), requires_grad=False)
-        return True
+        return pack_experts_for_cpu(self)
 
     def experts(self) -> tuple[ExpertWeights, ExpertWeights]:
         """(w13, w2) as the op takes them: the panels where packed, else the tensors or MXFP4 storage."""
-        if self.packed13 is not None and self.packed2 is not None:
-            return self.packed13, self.packed2
-        return self.w13, self.w2
+        return experts_of(self)
 
     def packed_bytes(self) -> int:
         """Bytes the packed experts hold (the parameters count the plain and MXFP4 ones)."""

@@ -198,23 +198,10 @@ class MoEMLP(nn.Module):
         parts.clear()
 
     def pack_for_cpu(self) -> bool:
-        """Pack float32 CPU experts into panels for the fused MoE's C kernel and release the plain stacked
-        weights (like `Linear.pack_for_cpu`); True if packed. Where the C kernel is off they stay plain."""
-        if self.packed13 is not None:
-            return False
-        panels = cpu_panels(self.w13, self.w2)
-        if panels is None:
-            return False
-        self.packed13, self.packed2 = panels
-        self.w13 = nn.Parameter(torch.empty(0, dtype=self.w13.dtype), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(0, dtype=self.w2.dtype), requires_grad=False)
-        return True
+        return pack_experts_for_cpu(self)
 
     def experts(self) -> tuple[ExpertWeights, ExpertWeights]:
-        """(w13, w2) as the op takes them: packed or quantized where they are, else the plain stacked weights."""
-        if self.packed13 is not None and self.packed2 is not None:
-            return self.packed13, self.packed2
-        return self.w13, self.w2
+        return experts_of(self)
 
     def reads_host(self, device: torch.device) -> bool:
         """Whether the fused op reads values on the host on `device` (so no CUDA graph can capture it): the
@@ -236,6 +223,28 @@ class MoEMLP(nn.Module):
         # Under tensor parallel `out` is this rank's partial sum (its intermediate rows of every expert, or
         # its experts' pairs, plus its share of the shared expert): one all-reduce per layer adds them.
         return self.tp.all_reduce(out)
+
+
+def pack_experts_for_cpu(mlp) -> bool:
+    """Pack an MoE layer's float32 CPU experts (`mlp.w13`, `mlp.w2`) into panels for the fused MoE's C kernel
+    and release the plain stacked weights (like `Linear.pack_for_cpu`); True if packed. Where the C kernel
+    is off, or the experts are already packed, they stay as they are."""
+    if mlp.packed13 is not None:
+        return False
+    panels = cpu_panels(mlp.w13, mlp.w2)
+    if panels is None:
+        return False
+    mlp.packed13, mlp.packed2 = panels
+    mlp.w13 = nn.Parameter(torch.empty(0, dtype=mlp.w13.dtype), requires_grad=False)
+    mlp.w2 = nn.Parameter(torch.empty(0, dtype=mlp.w2.dtype), requires_grad=False)
+    return True
+
+
+def experts_of(mlp) -> tuple[ExpertWeights, ExpertWeights]:
+    """An MoE layer's (w13, w2) as the op takes them: packed or quantized where they are, else as built."""
+    if mlp.packed13 is not None and mlp.packed2 is not None:
+        return mlp.packed13, mlp.packed2
+    return mlp.w13, mlp.w2
 
 
 def cpu_panels(w13: torch.Tensor, w2: torch.Tensor) -> tuple[ExpertPanels, ExpertPanels] | None:
