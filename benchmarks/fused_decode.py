@@ -1,6 +1,7 @@
 """The fused CPU decode step against the layer-by-layer forward, in one process, steps interleaved.
 
-A real `EngineCore` on the default SmolLM2 (fp32) decodes batches of 1, 16 and 64 requests; rounds of
+A real `EngineCore` on the default SmolLM2 (fp32; or `--model` another, such as its Q4_1 GGUF, and
+`--quantization int8|int4` at load) decodes batches of 1, 16 and 64 requests; rounds of
 steps alternate between the fused path (every decoder layer in one C call: kernels/cpu/decoder.c) and
 the layer-by-layer torch forward it replaces (`PAGODA_DISABLE_FUSED_DECODE=1` in a server), so that both
 see the same machine load and the same growing contexts. Prints the median whole-step time of each
@@ -8,6 +9,8 @@ see the same machine load and the same growing contexts. Prints the median whole
 
     python -m benchmarks.fused_decode --threads 2
     python -m benchmarks.fused_decode --threads 2 --cases 1 --context 640   (the 512 -> 256 workload's mid-point)
+    python -m benchmarks.fused_decode --threads 2 --quantization int4
+    python -m benchmarks.fused_decode --threads 2 --model gguf   (the default model's Q4_1 GGUF file)
 """
 
 from __future__ import annotations
@@ -48,8 +51,18 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="prompt tokens of each decoding request")
     parser.add_argument("--rounds", type=int, default=6, help="alternations of the two paths per case")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per path per round")
+    parser.add_argument("--model", default=None, help="a model path, or 'gguf' (default: SmolLM2 in fp32)")
+    parser.add_argument("--quantization", choices=["auto", "int8", "int4"], default="auto", help="int8|int4: at load")
     args = parser.parse_args()
-    engine = EngineCore(EngineConfig(num_threads=args.threads, kv_cache_memory=512 * 2**20))
+    model = args.model
+    if model == "gguf":
+        from pagoda.engine_core.default_model import ensure_default_gguf
+
+        model = str(ensure_default_gguf())
+    extra = {"model": model} if model else {}
+    engine = EngineCore(
+        EngineConfig(num_threads=args.threads, kv_cache_memory=512 * 2**20, quantization=args.quantization, **extra)
+    )
     engine.warm_up()
     link = OutputLink()
     try:

@@ -1,12 +1,17 @@
 """The fused CPU decode path of the Llama family: a decode step's layers as one C call.
 
 A step whose tokens are all single-token decodes (and none a long prompt's bulk rows: their linears are
-the layer-by-layer forward's) runs `cpu.decoder.FusedDecoder` over this
-stage's layers instead of the layer-by-layer forward, when every projection is a float32 panel matmul
-(no quantized weights), every layer's MLP is dense (a mixture of experts, engine_core/models/moe.py, is
-not), no layer has attention sinks and all share one sliding window (gpt-oss's do not), there is no
-tensor parallel (its all-reduces sit between the layers' ops), and `PAGODA_DISABLE_FUSED_DECODE` is not
-set. Prefill and mixed steps keep the layer-by-layer forward, whose small ops are a small share of those
+the layer-by-layer forward's) runs `cpu.decoder.FusedDecoder` over this stage's layers instead of the
+layer-by-layer forward when:
+- every projection is a float32 panel matmul, or an 8-/4-bit quantized one (kernels/quantized.py
+  PackedWeight: at-load int8/int4, GGUF, GPTQ, AWQ, compressed-tensors; not FP8, not act-order GPTQ, not
+  a width the quantized kernels pad), and the batch is below the size where a quantized linear switches to
+  oneDNN tiles (prefill sizes);
+- every layer's MLP is dense (a mixture of experts, engine_core/models/moe.py, is not);
+- no layer has attention sinks and all share one sliding window (gpt-oss's do not);
+- there is no tensor parallel (its all-reduces sit between the layers' ops);
+- `PAGODA_DISABLE_FUSED_DECODE` is not set.
+Prefill and mixed steps keep the layer-by-layer forward, whose small ops are a small share of those
 steps. docs/decode-speed.md has the measurements.
 """
 
@@ -19,11 +24,14 @@ import torch
 
 from pagoda.engine_core.environment import fused_decode_disabled
 from pagoda.engine_core.layers.attention import Attention, AttentionMetadata
+from pagoda.engine_core.layers.linear import Linear
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.llama_layers import LlamaDecoderLayer, LlamaMLP
 from pagoda.engine_core.parallel.distributed import TPGroup
 from pagoda.kernels import ops
 from pagoda.kernels.cpu.decoder import FusedDecoder, LayerTensors, Shape
+from pagoda.kernels.panels import PanelWeight
+from pagoda.kernels.quantized import PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +74,12 @@ class FusedDecodeSeat:
         key = (first.key_cache.data_ptr(), last.value_cache.data_ptr())
         if key != self._built_for:
             self._built_for, self._decoder = key, _build(model)
+        if (
+            self._decoder is not None
+            and self._decoder.max_batch is not None
+            and hidden.shape[0] > self._decoder.max_batch
+        ):
+            return None
         return self._decoder
 
 
@@ -96,15 +110,23 @@ def _build(model: DecoderModel) -> FusedDecoder | None:
         return None
 
 
+def _projection(linear: Linear) -> PanelWeight | PackedWeight | None:
+    """A linear's weight as the C decoder reads it: float32 panels or an 8-/4-bit PackedWeight; None for the
+    others (the plain or oneDNN float weights, FP8)."""
+    if linear.panels is not None:
+        return linear.panels
+    return linear.quantized if isinstance(linear.quantized, PackedWeight) else None
+
+
 def _layer_tensors(layer: LlamaDecoderLayer) -> LayerTensors | None:
     attn, mlp = layer.self_attn, layer.mlp
     if not isinstance(mlp, LlamaMLP):
         return None  # (a mixture of experts, engine_core/models/moe.py: the C decoder runs dense MLPs only)
     if attn.attn.sinks is not None:
         return None  # (attention sinks, gpt-oss: the C decoder's attention has no sink term)
-    qkv, o, gate_up, down = (p.panels for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+    qkv, o, gate_up, down = map(_projection, (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
     if qkv is None or o is None or gate_up is None or down is None:
-        return None  # (quantized, or the plain/oneDNN path: the fused path reads panels only)
+        return None
     if mlp.gate_up_proj.bias is not None or mlp.down_proj.bias is not None:
         return None
     key_cache, value_cache = attn.attn.key_cache, attn.attn.value_cache

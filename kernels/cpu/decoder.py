@@ -1,9 +1,10 @@
 """A decode step's decoder layers as one C call (kernels/cpu/decoder.c): the fused CPU decode path.
 
-`FusedDecoder` is built once from a Llama-family model's tensors (projections packed as panels, norms,
-KV caches, the rotary table) and then runs every layer of a batch of single-token decodes per call.
-It computes what the layer-by-layer torch forward computes (the same panel matmul, rotary, cache write
-and attention kernels; RMSNorm and SiLU-and-mul in C), to float rounding.
+`FusedDecoder` is built once from a Llama-family model's tensors (projections packed as float32 panels or
+quantized, norms, KV caches, the rotary table) and then runs every layer of a batch of single-token decodes
+per call. It computes what the layer-by-layer torch forward computes (the same panel and quantized matmul,
+rotary, cache write and attention kernels, a quantized projection by the same path for the same row count;
+RMSNorm and SiLU-and-mul in C), to float rounding.
 """
 
 from __future__ import annotations
@@ -18,28 +19,35 @@ import torch
 from pagoda.kernels.cpu.arguments import as_int64, scratch_buffer
 from pagoda.kernels.cpu.attention import decode_attention_threads
 from pagoda.kernels.cpu.loader import load
+from pagoda.kernels.cpu.quantized_matmul import mins_in_float32, row_plan, workspace_floats
 from pagoda.kernels.panels import PanelWeight
+from pagoda.kernels.quantized import PackedWeight
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [
+        *((name, _P) for name in ("data", "scales", "mins")),
+        *((name, _I64) for name in ("groups", "group", "bits", "mins_f32", "int8_from", "int8_until", "batch_from")),
+    ]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [
-        (name, _P)
-        for name in (
-            "input_norm",
-            "post_norm",
-            "q_norm",
-            "k_norm",
-            "qkv",
-            "qkv_bias",
-            "o",
-            "o_bias",
-            "gate_up",
-            "down",
-            "key_cache",
-            "value_cache",
-        )
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("q_norm", _P),
+        ("k_norm", _P),
+        ("qkv", _Weight),
+        ("qkv_bias", _P),
+        ("o", _Weight),
+        ("o_bias", _P),
+        ("gate_up", _Weight),
+        ("down", _Weight),
+        ("key_cache", _P),
+        ("value_cache", _P),
     ]
 
 
@@ -49,7 +57,19 @@ class _Model(ctypes.Structure):
         *((name, _I64) for name in ("block_size", "window", "rot", "is_neox")),
         ("eps", _F32),
         ("scale", _F32),
-        *((name, _P) for name in ("cos_sin", "linear", "attention", "attention_workspace", "rotary", "cache")),
+        *(
+            (name, _P)
+            for name in (
+                "cos_sin",
+                "linear",
+                "quantized",
+                "quantized_q8",
+                "attention",
+                "attention_workspace",
+                "rotary",
+                "cache",
+            )
+        ),
     ]
 
 
@@ -57,8 +77,12 @@ class _Step(ctypes.Structure):
     _fields_ = [
         *((name, _I64) for name in ("batch", "max_blocks", "threads", "attention_threads", "has_residual")),
         *((name, _P) for name in ("positions", "slot_mapping", "block_tables", "seq_lens")),
-        *((name, _P) for name in ("hidden", "residual", "scratch")),
+        *((name, _P) for name in ("hidden", "residual", "scratch", "quantized_workspace")),
     ]
+
+
+# A projection's weight: float32 panels, or quantized (8- or 4-bit, any format that loads as a PackedWeight).
+Projection = PanelWeight | PackedWeight
 
 
 @dataclass
@@ -67,10 +91,10 @@ class LayerTensors:
 
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
-    qkv: PanelWeight  # [(Hq + 2 Hkv) D, hidden]
-    o: PanelWeight  # [hidden, Hq D]
-    gate_up: PanelWeight  # [2 I, hidden]
-    down: PanelWeight  # [hidden, I]
+    qkv: Projection  # [(Hq + 2 Hkv) D, hidden]
+    o: Projection  # [hidden, Hq D]
+    gate_up: Projection  # [2 I, hidden]
+    down: Projection  # [hidden, I]
     key_cache: torch.Tensor  # [blocks, block_size, Hkv, D], float32 or float16
     value_cache: torch.Tensor
     qkv_bias: torch.Tensor | None = None
@@ -90,10 +114,26 @@ class Shape:
     sliding_window: int | None = None
 
 
-def _ptr(t: torch.Tensor | PanelWeight | None) -> int | None:
-    if t is None:
-        return None
-    return t.data.data_ptr() if isinstance(t, PanelWeight) else t.data_ptr()
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _weight(lib, w: Projection) -> _Weight:
+    if isinstance(w, PanelWeight):
+        return _Weight(data=w.data.data_ptr())
+    plan = row_plan(lib, w)
+    return _Weight(
+        data=w.data.data_ptr(),
+        scales=w.scales.data_ptr(),
+        mins=_ptr(w.mins),
+        groups=w.num_groups,
+        group=w.group_size,
+        bits=w.bits,
+        mins_f32=mins_in_float32(w),
+        int8_from=plan.int8_from,
+        int8_until=plan.int8_until,
+        batch_from=plan.batch_from,
+    )
 
 
 def _address(lib, name: str) -> int | None:
@@ -131,15 +171,38 @@ class FusedDecoder:
             scale=shape.head_dim**-0.5,
             cos_sin=cos_sin_cache.data_ptr(),
             linear=_address(lib, "panel_linear_f32"),
+            quantized=_address(lib, "quantized_linear_f32"),
+            quantized_q8=_address(lib, "quantized_linear_q8_f32") if "quantized_linear_q8_f32" in lib else None,
             attention=_address(lib, attention),
             attention_workspace=_address(lib, "paged_decode_attention_workspace"),
             rotary=_address(lib, "rotary_embedding_f32"),
             cache=_address(lib, cache),
         )
         self._layers = (_Layer * len(layers))(  # (the struct's fields are LayerTensors' names)
-            *(_Layer(**{field[0]: _ptr(getattr(t, field[0])) for field in _Layer._fields_}) for t in layers)
+            *(
+                _Layer(
+                    **{
+                        name: _weight(lib, getattr(t, name)) if name in _PROJECTIONS else _ptr(getattr(t, name))
+                        for name in (field[0] for field in _Layer._fields_)
+                    }
+                )
+                for t in layers
+            )
         )
         self.num_layers = len(layers)
+        # Every distinct quantized layout, for the workspace a batch needs (None: all float32 panels).
+        self._quantized = list(
+            {
+                (w.bits, w.in_features, w.group_size, w.num_groups): w
+                for t in layers
+                for w in (t.qkv, t.o, t.gate_up, t.down)
+                if isinstance(w, PackedWeight)
+            }.values()
+        )
+        self._quantized_workspace = torch.empty(0)
+        # From this batch on, a quantized projection takes a path the C decoder does not have (oneDNN tiles,
+        # prefill sizes): such steps run layer by layer.
+        self.max_batch = min((row_plan(lib, w).tiles_from - 1 for w in self._quantized), default=None)
 
     @staticmethod
     def _check(shape: Shape, layers: list[LayerTensors], cos_sin: torch.Tensor) -> None:
@@ -154,9 +217,24 @@ class FusedDecoder:
                 t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() and tuple(t.shape) == size
             )
 
-        def panels(p: PanelWeight, n: int, k: int) -> bool:
+        def panels(p: Projection, n: int, k: int) -> bool:
+            if isinstance(p, PackedWeight):
+                return quantized(p, n, k)
             return (
                 p.out_features == n and p.in_features == k and p.data.is_contiguous() and p.data.dtype == torch.float32
+            )
+
+        def quantized(p: PackedWeight, n: int, k: int) -> bool:
+            """The quantized kernels' layout (quantized_matmul.py `mins_in_float32` checks the rest); the rows
+            they read are the decoder's buffers' rows, so no input padding or reordering."""
+            mins_in_float32(p)
+            return (
+                p.out_features == n
+                and p.in_features == k
+                and p.padded_in_features == k
+                and p.perm is None
+                and p.data.is_contiguous()
+                and p.data.device.type == "cpu"
             )
 
         cache_shape, cache_dtype = tuple(layers[0].key_cache.shape), layers[0].key_cache.dtype
@@ -214,6 +292,12 @@ class FusedDecoder:
         max_blocks = block_tables.shape[1]
         scratch_size = cast(Callable[..., int], self._lib["decoder_scratch_floats"])  # (restype int64)
         scratch = scratch_buffer(scratch_size(ctypes.byref(self._model), batch, max_blocks, attention_threads))
+        quantized_workspace = None
+        if self._quantized:  # (its own buffer: scratch_buffer's one is the scratch above)
+            floats = max(workspace_floats(self._lib, batch, w, threads) for w in self._quantized)
+            if self._quantized_workspace.numel() < floats:
+                self._quantized_workspace = torch.empty(floats, dtype=torch.float32)
+            quantized_workspace = self._quantized_workspace
         step = _Step(
             batch=batch,
             max_blocks=max_blocks,
@@ -227,6 +311,7 @@ class FusedDecoder:
             hidden=out.data_ptr(),
             residual=stream.data_ptr(),
             scratch=scratch.data_ptr(),
+            quantized_workspace=_ptr(quantized_workspace),
         )
         if batch:
             self._lib["decode_layers_f32"](ctypes.byref(self._model), self._layers, self.num_layers, ctypes.byref(step))

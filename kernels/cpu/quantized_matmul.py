@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pagoda.kernels.cpu.arguments import THREADED_WORK, scratch_buffer
@@ -51,16 +53,56 @@ def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
     return _quantized_linear(lib, x, packed, bias)
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """Which path each row count takes through one packed weight (see the list above): int8 activations for
+    `int8_from <= rows < int8_until` (never where they are equal), else oneDNN tiles from `tiles_from` rows
+    on, register tiles ("batch") from `batch_from`, and below that one row at a time ("fused"). The fused
+    decode step (decoder.py) follows the same plan, so both compute the same numbers."""
+
+    int8_from: int
+    int8_until: int
+    batch_from: int
+    tiles_from: int
+
+
+_NEVER = 1 << 62
+
+
+def row_plan(lib, packed: PackedWeight) -> RowPlan:
+    int8_from, int8_until = _NEVER, _NEVER
+    if _int8_activations_pay(lib, packed):
+        int8_from = 2  # (one row, single-stream decode, keeps float activations)
+        if packed.bits == 4 and packed.group_size % 128:  # (groups of 64: the float paths win from here on)
+            int8_until = _INT4_G64_ROWS
+    return RowPlan(int8_from, int8_until, _BATCH_ROWS[packed.bits], _ONEDNN_ROWS[packed.bits])
+
+
 def path(lib, rows: int, packed: PackedWeight) -> str:
     """How `rows` input rows go through `packed` with `lib`: "fused", "batch", "int8" or "tiles"."""
-    if rows >= 2 and _int8_activations_pay(lib, rows, packed):
+    plan = row_plan(lib, packed)
+    if plan.int8_from <= rows < plan.int8_until:
         return "int8"
-    if rows >= _ONEDNN_ROWS[packed.bits]:
+    if rows >= plan.tiles_from:
         return "tiles"
-    return "fused" if rows < _BATCH_ROWS[packed.bits] else "batch"
+    return "fused" if rows < plan.batch_from else "batch"
 
 
-def _int8_activations_pay(lib, rows: int, packed: PackedWeight) -> bool:
+def workspace_floats(lib, rows: int, packed: PackedWeight, threads: int) -> int:
+    """Floats of workspace `rows` input rows need through `packed` on the C paths ("fused", "batch", "int8")."""
+    way = path(lib, rows, packed)
+    if way == "int8":
+        return lib["quantized_q8_workspace"](
+            rows, packed.padded_in_features, packed.num_groups, packed.group_size, packed.bits
+        )
+    if way == "batch":
+        return lib["quantized_batch_workspace"](rows, packed.num_groups, threads)
+    return rows * packed.num_groups
+
+
+def _int8_activations_pay(lib, packed: PackedWeight) -> bool:
+    """Whether int8 activations beat the float paths for `packed` from two rows on (4-bit weights in groups
+    of 64: only below _INT4_G64_ROWS rows, `row_plan`)."""
     if not settings.int8_activations:
         return False
     key = id(lib["quantized_linear_f32"])
@@ -75,10 +117,10 @@ def _int8_activations_pay(lib, rows: int, packed: PackedWeight) -> bool:
             and packed.padded_in_features % unit == 0
             and (packed.num_groups == 1 or packed.group_size >= 2 * unit)
         )
-    return packed.group_size % 128 == 0 or (packed.group_size % 64 == 0 and rows < _INT4_G64_ROWS)
+    return packed.group_size % 64 == 0
 
 
-def _mins_f32(packed: PackedWeight) -> int:
+def mins_in_float32(packed: PackedWeight) -> int:
     """The C kernels read raw pointers to `pagoda.kernels.quantized.pack`'s layout: contiguous float16 scales,
     and mins contiguous in float16 or float32 (this flag tells them which). Checked on every call, cheaply:
     the C code would read anything else as garbage."""
@@ -97,7 +139,7 @@ def _mins_f32(packed: PackedWeight) -> int:
 
 
 def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    mins_f32 = _mins_f32(packed)
+    mins_f32 = mins_in_float32(packed)
     k, kp, n = packed.in_features, packed.padded_in_features, packed.out_features
     if packed.perm is not None:
         x = x.index_select(-1, packed.perm)
@@ -123,19 +165,15 @@ def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Te
         0 if bias is None else bias.data_ptr(),
     ]
     sizes = [m, n, kp, packed.num_groups, packed.group_size, packed.bits, rows.stride(0), n]
+    workspace = scratch_buffer(workspace_floats(lib, m, packed, threads))
     if way == "int8":  # workspace: per-row scales, per-group sums, then the int8 rows
-        workspace = scratch_buffer(
-            lib["quantized_q8_workspace"](m, kp, packed.num_groups, packed.group_size, packed.bits, threads)
-        )
         lib["quantized_linear_q8_f32"](
             rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, threads, mins_f32
         )
     else:
+        # (workspace: batch, each thread's output buffer and its chunk's scales and offsets; fused, the group
+        # sums of x)
         batched = int(way == "batch")
-        if batched:  # workspace: each thread's output buffer and its chunk's scales and offsets
-            workspace = scratch_buffer(lib["quantized_batch_workspace"](m, packed.num_groups, threads))
-        else:  # workspace: the group sums of x
-            workspace = scratch_buffer(m * packed.num_groups)
         lib["quantized_linear_f32"](
             rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, batched, threads, mins_f32
         )

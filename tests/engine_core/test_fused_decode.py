@@ -200,3 +200,62 @@ def test_fused_decode_reads_and_writes_a_float16_kv_cache(tmp_path, name):
         run_engine(engine, prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert check.calls >= 11 and 3 in check.batches
     assert check.worst < 1e-4
+
+
+def _quantized_checkpoint(kind: str, tmp_path) -> tuple[str, dict]:
+    """(model path, engine arguments) of each format whose weights load as 8-/4-bit PackedWeights."""
+    from tests import gptq_awq_checkpoints, quant_checkpoints
+    from tests.engine_core.gguf_files import smollm2_as
+
+    if kind in ("int8", "int4"):  # (at load, on a model with QKV biases)
+        tiny_models.build("qwen2").save_pretrained(tmp_path / "qwen2")
+        return str(tmp_path / "qwen2"), {"quantization": kind}
+    if kind == "gguf-q4_1":
+        from pagoda.engine_core.default_model import ensure_default_gguf
+
+        return str(ensure_default_gguf()), {}
+    if kind == "gguf-q8_0":
+        from gguf import GGMLQuantizationType
+
+        return str(smollm2_as("Q8_0", lambda name: GGMLQuantizationType.Q8_0)), {}
+    if kind.startswith(("gptq", "awq")):
+        return str(gptq_awq_checkpoints.checkpoint(gptq_awq_checkpoints.BY_NAME[kind])), {}
+    source, scheme = kind.removeprefix("ct-").split(":")
+    return str(quant_checkpoints.checkpoint(source, scheme)), {}
+
+
+@pytest.mark.parametrize("int8_activations", [False, True], ids=["float-activations", "int8-activations"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "int8",
+        "int4",
+        "gguf-q4_1",
+        "gguf-q8_0",
+        "gptq-tiny-qwen2-w4-g64",
+        "awq-tiny-mistral-g128",
+        "ct-tiny-mistral:w8a16-asym",
+        "ct-tiny-qwen2:w4a16-asym",
+    ],
+)
+def test_quantized_weights_decode_fused_as_the_layers_do(tmp_path, kind, int8_activations):
+    """8- and 4-bit weights of every format run in the C decoder, each projection by the path the
+    layer-by-layer forward takes for that batch (one row at a time, register tiles, int8 activations where
+    the CPU has VNNI and they are switched on): the same numbers, so the same greedy tokens."""
+    from pagoda.kernels import cpu
+
+    model, args = _quantized_checkpoint(kind, tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in (5, 12, 17, 30, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    try:
+        engine = _engine(model, int8_activations=int8_activations, **args)
+        with LayeredCheck(engine.runner.model) as check:
+            tokens = run_engine(engine, prompts[:1], params) + run_engine(engine, prompts, params)
+        engine.runner.model.fused_decode.enabled = False
+        layered = run_engine(engine, prompts[:1], params) + run_engine(engine, prompts, params)
+    finally:
+        cpu.settings.int8_activations = False  # (the engine set it for the whole process)
+    assert check.calls >= 2 * 9 and {1, 5} <= check.batches  # (the fused path really ran)
+    assert check.worst < 1e-4
+    assert tokens == layered
