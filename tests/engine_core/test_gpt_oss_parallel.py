@@ -8,8 +8,9 @@ blocks do not (96: 3 blocks, 32 + 64 rows) -- in the fused MoE's C kernel where 
 sinks are its query heads'; a pipeline stage's layers keep their sliding or full attention by their index
 in the model; and MXFP4 experts split over more ranks than they have blocks are refused with the limit
 named. With real worker processes over gloo: TP=2, EP=2 and PP=2 engines on the tiny float and MXFP4
-checkpoints generate one rank's greedy tokens on prompts past the 8-token sliding window, and their
-first-step logprobs agree within tests/parallel_checks.py TOLERANCE.
+checkpoints (their attention biases drawn, so that o_proj's, added once after its all-reduce, matters)
+generate one rank's greedy tokens on prompts past the 8-token sliding window, and their first-step
+logprobs agree within tests/parallel_checks.py TOLERANCE.
 """
 
 from __future__ import annotations
