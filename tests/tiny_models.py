@@ -8,7 +8,8 @@ Mistral's and Mixtral's sliding window (24) is shorter than the longer test prom
 (qwen3_moe with one dense layer, qwen2_moe with a shared expert, mixtral) route each token to 2 of 8 experts.
 gpt_oss is smaller (hidden 64, 4 layers, 2 of 4 experts, head_dim 32 so its MXFP4 blocks of 32 fit) with
 its layers alternating between an 8-token sliding window and full attention, YaRN over an original
-context of 64 (factor 16), and its attention sinks, router and expert biases drawn large so they matter.
+context of 64 (factor 16), and its attention sinks, router and expert biases drawn large so they matter;
+`save_gpt_oss_mxfp4` rewrites its checkpoint with MXFP4 experts, as the released models store them.
 """
 
 from __future__ import annotations
@@ -138,3 +139,37 @@ def save_servable(name: str, out, tokenizer_dir) -> None:
     build(name, vocab_size=vocab_size, tie_word_embeddings=True).save_pretrained(out)
     for file in SERVABLE_FILES:
         shutil.copy(source / file, Path(out) / file)
+
+
+def save_gpt_oss_mxfp4(hf_model, model_dir, out) -> list[list[torch.Tensor]]:
+    """The gpt_oss checkpoint in `model_dir` written to the new directory `out` with its experts' matrices
+    quantized to MXFP4 as HF's checkpoints store them ([E, rows, cols/32, 16] blocks over each [out, in]
+    matrix); returns HF's dequantization of each layer's (gate_up_proj, down_proj) in HF's layout."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pagoda.kernels import mxfp4
+
+    model_dir, out = Path(model_dir), Path(out)
+    out.mkdir()
+    weights = load_file(str(model_dir / "model.safetensors"))
+    dequantized = []
+    for i in range(len(hf_model.model.layers)):
+        pair = []
+        for proj in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{proj}"
+            blocks, scales = mxfp4.quantize(weights.pop(name).transpose(1, 2))  # ([E, in, out] stored)
+            weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+            pair.append(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+        dequantized.append(pair)
+    save_file(weights, str(out / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens"],
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return dequantized

@@ -18,16 +18,33 @@ On the CPU the fused MoE's C kernel reads those blocks as they are, expanding ea
 experts are packed after load into the panels it reads (`GptOssMLP.pack_for_cpu`, as models/moe.py's
 `MoEMLP` packs its own).
 
-Refused with an error naming the limit: tensor and pipeline parallel (here and in parallel/sharding.py),
-quantizing at load and other quantized formats (loader.py), GGUF files (gguf_model.py). The fused CPU
-decode step declines the sinks layers (fused_decode.py); CUDA graphs are not captured (its experts run the
-torch reference, which reads the routing on the host: cuda_graphs.py).
+Tensor parallel (engine_core/parallel) splits attention by heads as the Llama family does, each rank's
+sinks those of its query heads; the output projection's bias is added once, after its all-reduce. The
+router (with its bias) is replicated. By default every rank holds every expert's slice of the intermediate
+rows: the gate and up rows with their biases, the down projection's columns. MXFP4 experts split in whole
+blocks of 32 rows (parallel/sharding.py `expert_row_unit`), since the down projection stores its columns
+in those blocks; float experts split row by row. The down projection's bias is added on rank 0 only, so
+the ranks' partial sums, each weighted per token and expert by the routing, add up to the whole layer's
+output. With expert parallel (`--enable-expert-parallel`) each rank holds a contiguous range of whole
+experts, biases included, routes every token over all experts and computes only its experts' pairs
+(`Routing.expert_offset` / `local_experts`). Either way one all-reduce per layer adds the partial sums.
+Each rank reads only its slice of the stacked checkpoint tensors (`checkpoint_slices`, in the
+checkpoint's interleaved layout: rank rows [a, b) are gate/up columns [2a, 2b)), reordered after.
+Pipeline parallel holds whole layers per stage, each keeping its sliding window or full attention by its
+global index.
+
+Refused with an error naming the limit: MXFP4 experts split over more ranks than their intermediate size
+has blocks of 32 (here and in parallel/sharding.py), quantizing at load and other quantized formats
+(loader.py), GGUF files (gguf_model.py). The fused CPU decode step declines the sinks layers
+(fused_decode.py); CUDA graphs are not captured (its experts run the torch reference, which reads the
+routing on the host: cuda_graphs.py).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -35,8 +52,17 @@ from torch import nn
 from pagoda.engine_core.layers.linear import Linear, weights_deferred
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.llama import LlamaForCausalLM
+from pagoda.engine_core.models.llama_layers import LlamaDecoderLayer
 from pagoda.engine_core.models.moe import experts_of, pack_experts_for_cpu
-from pagoda.engine_core.parallel.distributed import building_group, building_stage
+from pagoda.engine_core.parallel.distributed import building_expert_parallel, building_group, building_stage
+from pagoda.engine_core.parallel.sharding import (
+    MXFP4_BLOCK,
+    Span,
+    check_model_splits,
+    expert_row_unit,
+    split_experts,
+    split_rows,
+)
 from pagoda.engine_core.quantization.assembly import LinearAssembler
 from pagoda.kernels import ops
 from pagoda.kernels.mxfp4 import Mxfp4Experts
@@ -50,37 +76,82 @@ _OURS = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 def uses_mxfp4(cfg: ModelConfig) -> bool:
     """Whether the checkpoint stores its experts MXFP4 (its config's quantization_config says so)."""
-    qcfg = cfg.raw.get("quantization_config") or {}
-    return str(qcfg.get("quant_method", "")).lower() == "mxfp4"
+    return expert_row_unit(cfg) == MXFP4_BLOCK
 
 
 class GptOssMLP(nn.Module):
     """A layer's mixture of experts: `router` (a Linear with bias, [E, H]), each expert's gate/up
     projection `w13` [E, 2I, H] and down projection `w2` [E, H, I] (tensors, or `Mxfp4Experts`), and
     their biases `w13_bias` [E, 2I], `w2_bias` [E, H]. Float32 CPU experts are packed after load into
-    `packed13` / `packed2` (`pack_for_cpu`), which replace w13 / w2."""
+    `packed13` / `packed2` (`pack_for_cpu`), which replace w13 / w2.
+
+    Under tensor parallel E and I are this rank's: `expert_span` (expert parallel) or `inter_span`
+    (otherwise) place them in the checkpoint's experts and intermediate rows. `w2_bias` is None on the
+    ranks that do not add it (tensor parallel without expert parallel: all but rank 0)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, mxfp4: bool):
         super().__init__()
         experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        # (HF's router: top-k of the logits, softmax over those k; the weights rounded to the hidden dtype)
-        self.routing = Routing(cfg.num_experts_per_tok, weights_in_hidden_dtype=True, softmax_after_topk=True)
+        self.tp = building_group()
+        self.expert_parallel = self.tp.parallel and building_expert_parallel()
+        self.expert_span, self.inter_span = Span(0, experts), Span(0, inter)
+        if self.expert_parallel:
+            self.expert_span = split_experts(experts, self.tp.rank, self.tp.world_size)
+        elif self.tp.parallel:
+            # (MXFP4: whole blocks of 32, so that the down projection's blocks are never cut)
+            unit = MXFP4_BLOCK if mxfp4 else 1
+            self.inter_span = split_rows(inter, self.tp.rank, self.tp.world_size, unit)
+        local_experts, local_inter = self.expert_span.size, self.inter_span.size
+        # (HF's router: top-k of the logits, softmax over those k; the weights rounded to the hidden dtype.
+        # Expert parallel: every token routed over all experts, then only this rank's pairs computed.)
+        self.routing = Routing(
+            cfg.num_experts_per_tok,
+            weights_in_hidden_dtype=True,
+            expert_offset=self.expert_span.start,
+            local_experts=local_experts if self.expert_parallel else None,
+            softmax_after_topk=True,
+        )
         self.activation = ClampedSwiGLU(
             alpha=float(cfg.raw.get("swiglu_alpha", 1.702)), limit=float(cfg.raw.get("swiglu_limit", 7.0))
         )
-        self.router = Linear(hidden, experts, True, dtype)
+        self.router = Linear(hidden, experts, True, dtype)  # (replicated: every rank routes every token alike)
         self.w13: nn.Parameter | Mxfp4Experts
         self.w2: nn.Parameter | Mxfp4Experts
         if mxfp4:
-            self.w13 = Mxfp4Experts(experts, 2 * inter, hidden, dtype)
-            self.w2 = Mxfp4Experts(experts, hidden, inter, dtype)
+            self.w13 = Mxfp4Experts(local_experts, 2 * local_inter, hidden, dtype)
+            self.w2 = Mxfp4Experts(local_experts, hidden, local_inter, dtype)
         else:
-            self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
-            self.w2 = nn.Parameter(torch.empty(experts, hidden, inter, dtype=dtype), requires_grad=False)
-        self.w13_bias = nn.Parameter(torch.empty(experts, 2 * inter, dtype=dtype), requires_grad=False)
-        self.w2_bias = nn.Parameter(torch.empty(experts, hidden, dtype=dtype), requires_grad=False)
+            w13 = torch.empty(local_experts, 2 * local_inter, hidden, dtype=dtype)
+            self.w13 = nn.Parameter(w13, requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(local_experts, hidden, local_inter, dtype=dtype), requires_grad=False)
+        self.w13_bias = nn.Parameter(torch.empty(local_experts, 2 * local_inter, dtype=dtype), requires_grad=False)
+        # The fused op adds w2_bias to each expert's output before weighting it: with the intermediate rows
+        # split, each rank's output is a partial sum of that projection, and the bias must join only one.
+        self.w2_bias: nn.Parameter | None = None
+        if self.expert_parallel or self.tp.rank == 0:
+            self.w2_bias = nn.Parameter(torch.empty(local_experts, hidden, dtype=dtype), requires_grad=False)
         self.packed13: ExpertPanels | None = None
         self.packed2: ExpertPanels | None = None
+
+    def checkpoint_slices(self, proj: str, suffix: str) -> tuple[slice, ...] | None:
+        """The slice this rank loads of a checkpoint's stacked expert tensor, in the checkpoint's layout
+        (before `_in_our_layout` reorders it): `proj` gate_up_proj or down_proj, `suffix` "" (the float
+        weight, [E, in, out]), "_bias", "_blocks" or "_scales" (MXFP4: [E, out, in / 32, ...]). None: all of
+        it. Gate and up are interleaved along their output axis, so rows [a, b) are its [2a, 2b)."""
+        if self.expert_parallel:
+            return (self.expert_span.slice(),)
+        if not self.tp.parallel:
+            return None
+        rows = self.inter_span
+        if proj == "gate_up_proj":
+            interleaved = slice(2 * rows.start, 2 * rows.stop)
+            return (slice(None), slice(None), interleaved) if suffix == "" else (slice(None), interleaved)
+        if suffix == "_bias":
+            return None  # (whole, on rank 0 only: the other ranks do not read it, see `_target`)
+        if suffix == "":  # (down_proj [E, I, H])
+            return (slice(None), rows.slice())
+        blocks = slice(rows.start // MXFP4_BLOCK, rows.stop // MXFP4_BLOCK)
+        return (slice(None), slice(None), blocks)
 
     def pack_for_cpu(self) -> bool:
         """Pack float32 CPU experts into panels for the fused MoE's C kernel and release the plain stacked
@@ -106,7 +177,7 @@ class GptOssMLP(nn.Module):
     def forward(self, x: torch.Tensor, bulk_rows_from: int | None = None) -> torch.Tensor:
         logits = self.router(x).float()
         w13, w2 = self.experts()
-        return ops.fused_moe(
+        out = ops.fused_moe(
             x,
             logits,
             w13,  # (panels, MXFP4 storage the C kernel reads as it is, or a tensor)
@@ -116,15 +187,14 @@ class GptOssMLP(nn.Module):
             w2_bias=self.w2_bias,
             activation=self.activation,
         )
+        # Under tensor parallel `out` is this rank's partial sum (its rows of every expert, or its experts'
+        # pairs): one all-reduce per layer adds them.
+        return self.tp.all_reduce(out)
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pooling: bool = False):
         name = cfg.architecture
-        if building_group().parallel:
-            raise ValueError(f"{name}: gpt-oss does not run under tensor parallel; serve it on one device (--tp 1)")
-        if building_stage().count > 1:
-            raise ValueError(f"{name}: gpt-oss does not run under pipeline parallel; serve it as one stage (--pp 1)")
         if weights_deferred():  # (built for a quantization method, which fills Linears and MoEMLP's experts only)
             raise ValueError(
                 f"{name} is a mixture-of-experts model: quantized weights (--quantization at load, or a quantized "
@@ -133,14 +203,22 @@ class GptOssForCausalLM(LlamaForCausalLM):
             )
         if cfg.layer_types and len(cfg.layer_types) != cfg.num_layers:
             raise ValueError(f"{name}: layer_types names {len(cfg.layer_types)} layers, the model has {cfg.num_layers}")
+        # (the engine checks the split before any worker starts; a rank built otherwise checks it here, so that
+        # MXFP4 experts are never cut inside a block)
+        group, stage = building_group(), building_stage()
+        check_model_splits(cfg, group.world_size, stage.count, building_expert_parallel())
         self.mxfp4 = uses_mxfp4(cfg)
         super().__init__(cfg, dtype, pooling)
-        # (no layer_types: HF's default, sliding in the even layers, full in the odd ones)
+        # (no layer_types: HF's default, sliding in the even layers, full in the odd ones; indices are the
+        # model's, not this pipeline stage's)
         kinds = cfg.layer_types or tuple("sliding_attention" if i % 2 == 0 else "full" for i in range(cfg.num_layers))
-        for i, layer in enumerate(self.decoder_layers()):
-            attn = layer.self_attn.attn
+        for i in self.layer_range:
+            attn = cast(LlamaDecoderLayer, self.layers[i]).self_attn.attn
             attn.sliding_window = cfg.sliding_window if kinds[i] == "sliding_attention" else None
             attn.sinks = nn.Parameter(torch.empty(attn.num_heads, dtype=dtype), requires_grad=False)
+        # This rank's query heads, as its q projection holds them: the sinks it loads (one per head).
+        attention = self.decoder_layers()[0].self_attn
+        self.sink_heads = Span(attention.qkv_proj.out_spans[0].start // cfg.head_dim, attention.num_heads)
 
     def mlp_for(self, layer_index: int, dtype: torch.dtype) -> nn.Module:
         return GptOssMLP(self.cfg, dtype, self.mxfp4)
@@ -152,7 +230,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def _in_our_layout(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The experts' tensors as our parameters hold them: transposed to [E, out, in] (the float weights),
-        gate/up de-interleaved into gate rows, then up rows (MXFP4 blocks and scales: only the rows)."""
+        gate/up de-interleaved into gate rows, then up rows (MXFP4 blocks and scales: only the rows). Under
+        tensor parallel the tensors arrive already cut to this rank's piece (`checkpoint_slices`), whole
+        gate/up pairs, so the same reorder holds."""
         for name, tensor in weights:
             match = _EXPERTS.match(name.removeprefix("model."))
             if match is not None:
@@ -163,6 +243,23 @@ class GptOssForCausalLM(LlamaForCausalLM):
                     tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
             yield name, tensor
 
+    def checkpoint_slices(self, name: str, assembled: bool) -> tuple[slice, ...] | None:
+        if not self.tp.parallel:
+            return None
+        short = name.removeprefix("model.")
+        match = _EXPERTS.match(short)
+        if match is not None:
+            layer, proj, suffix = match[1], match[2], match[3] or ""
+            if not self._on_this_stage(f"layers.{layer}"):
+                return None
+            return self._mlp(layer).checkpoint_slices(proj, suffix)
+        if short.endswith(".self_attn.sinks"):
+            return (self.sink_heads.slice(),)
+        return super().checkpoint_slices(name, assembled)
+
+    def _mlp(self, layer: str) -> GptOssMLP:
+        return cast(GptOssMLP, self.get_submodule(f"layers.{layer}.mlp"))
+
     def _target(self, name: str) -> tuple[str, int | None] | None:
         short = name.removeprefix("model.")
         match = _EXPERTS.match(short)
@@ -170,8 +267,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
             layer, proj, suffix = match[1], match[2], match[3] or ""
             if not self._on_this_stage(f"layers.{layer}"):
                 return None
+            if proj == "down_proj" and suffix == "_bias" and self._mlp(layer).w2_bias is None:
+                return None  # (added on another rank: not even read, loader.py `keep`)
             kind = {"": "", "_bias": "_bias", "_blocks": ".blocks", "_scales": ".scales"}[suffix]
             return f"layers.{layer}.mlp.{_OURS[proj]}{kind}", None
         if short.endswith(".self_attn.sinks"):
+            if not self._on_this_stage(short):
+                return None
             return short.replace(".self_attn.sinks", ".self_attn.attn.sinks"), None
         return super()._target(name)

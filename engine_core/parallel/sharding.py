@@ -9,12 +9,19 @@
 - Vocabulary (embedding and LM head rows): `ceil(V / N)` each, the last rank's possibly fewer.
 - Experts under expert parallel (`split_experts`): whole experts, a contiguous range per rank, `E // N`
   each and one more on each of the first `E % N` ranks (vLLM's placement: 60 experts over 8 ranks are
-  8, 8, 8, 8, 7, 7, 7, 7). Without it each expert's intermediate rows are split as a dense MLP's.
+  8, 8, 8, 8, 7, 7, 7, 7). Without it each expert's intermediate rows are split as a dense MLP's;
+  MXFP4 experts' (gpt-oss) in whole blocks of 32 rows (`expert_row_unit`), since their down projection
+  stores its columns, those rows, in blocks of 32 with one scale each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pagoda.engine_core.quantization import checkpoint_method_name
+
+# Values per scale of an MXFP4 block (kernels/mxfp4.py GROUP; this module imports no torch).
+MXFP4_BLOCK = 32
 
 
 @dataclass(frozen=True)
@@ -36,9 +43,21 @@ class Span:
         return Span(self.start * factor, self.size * factor)
 
 
-def split_rows(total: int, rank: int, world_size: int) -> Span:
-    start, stop = rank * total // world_size, (rank + 1) * total // world_size
-    return Span(start, stop - start)
+def split_rows(total: int, rank: int, world_size: int, unit: int = 1) -> Span:
+    """Rank `rank`'s rows of `total`; with `unit`, in whole units of that many rows (`total` a multiple of
+    it), the ranks differing by one unit at most."""
+    if total % unit:
+        raise ValueError(f"{total} rows do not split in whole units of {unit}")
+    units = total // unit
+    start, stop = rank * units // world_size, (rank + 1) * units // world_size
+    return Span(start * unit, (stop - start) * unit)
+
+
+def expert_row_unit(model_cfg) -> int:
+    """The units in which each expert's intermediate rows split over the ranks: whole MXFP4 blocks where
+    the checkpoint stores its experts MXFP4 (gpt-oss: the down projection's columns are those rows, 32 to
+    a block and its scale), else single rows."""
+    return MXFP4_BLOCK if checkpoint_method_name(model_cfg.raw) == "mxfp4" else 1
 
 
 def split_vocab(vocab_size: int, rank: int, world_size: int) -> Span:
@@ -78,11 +97,6 @@ class AttentionHeads:
         return Span(head * group + part.start, part.size), Span(head, 1)
 
 
-# Families whose layers have no tensor- or pipeline-parallel split (each model refuses too, as it is built):
-# gpt-oss's attention sinks and MXFP4 experts (engine_core/models/gpt_oss.py).
-UNSPLIT_FAMILIES = {"GptOssForCausalLM": "gpt-oss"}
-
-
 def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1, expert_parallel: bool = False) -> None:
     """A clear error, before any process starts, if the model cannot be split over `world_size`
     tensor-parallel ranks and `pipeline_stages` stages (each at least one layer); `expert_parallel`:
@@ -96,12 +110,6 @@ def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1, exp
         )
     if world_size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1, not {world_size}")
-    if model_cfg.architecture in UNSPLIT_FAMILIES and (world_size > 1 or pipeline_stages > 1):
-        raise ValueError(
-            f"{model_cfg.architecture}: {UNSPLIT_FAMILIES[model_cfg.architecture]} does not run under tensor and "
-            "pipeline parallel; serve it on one device with one stage (--tensor-parallel-size 1 "
-            "--pipeline-parallel-size 1)"
-        )
     if world_size == 1:
         return
     heads = AttentionHeads(model_cfg.num_heads, model_cfg.num_kv_heads)
@@ -126,6 +134,20 @@ def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1, exp
             f"tensor_parallel_size {world_size} exceeds the experts' intermediate size "
             f"{model_cfg.moe_intermediate_size}: use fewer ranks, or --enable-expert-parallel"
         )
+    unit = expert_row_unit(model_cfg)
+    if not expert_parallel and unit > 1:
+        blocks, remainder = divmod(model_cfg.moe_intermediate_size, unit)
+        if remainder:
+            raise ValueError(
+                f"the MXFP4 experts' intermediate size {model_cfg.moe_intermediate_size} is not a multiple of "
+                f"their blocks of {unit}"
+            )
+        if blocks < world_size:
+            raise ValueError(
+                f"tensor_parallel_size {world_size} cannot split the MXFP4 experts' intermediate size "
+                f"{model_cfg.moe_intermediate_size}: it splits in whole blocks of {unit} rows, {blocks} of them; "
+                f"use at most {blocks} ranks, or --enable-expert-parallel"
+            )
     if model_cfg.shared_expert_intermediate_size and model_cfg.shared_expert_intermediate_size < world_size:
         raise ValueError(
             f"tensor_parallel_size {world_size} exceeds the shared expert's intermediate size "

@@ -3,7 +3,8 @@ equal HF's (float32, eager attention: the one with sinks) with prompts longer th
 under chunked prefill and prefix caching; first-step logprobs close to HF's; the sinks and the window both
 change the tokens (so the equality above tests them); MXFP4 experts stay 4-bit and equal HF's
 dequantization; the experts, float32 and MXFP4, run in the fused MoE's C kernel; chat through the
-checkpoint's template; and what is refused, with the limit named."""
+checkpoint's template; and what is refused, with the limit named. Tensor, expert and pipeline parallel:
+tests/engine_core/test_gpt_oss_parallel.py."""
 
 from __future__ import annotations
 
@@ -11,18 +12,15 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.engine import EngineCore
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models import model_class
 from pagoda.engine_core.models.gpt_oss import GptOssMLP
-from pagoda.engine_core.parallel.distributed import SINGLE, TPGroup, building_for
-from pagoda.engine_core.parallel.sharding import check_model_splits
-from pagoda.engine_core.parallel.stage import Stage
 from pagoda.engine_core.sampling_params import SamplingParams
-from pagoda.kernels import mxfp4, ops
+from pagoda.kernels import ops
 from pagoda.kernels.cpu import moe as cpu_moe
 from pagoda.kernels.mxfp4 import Mxfp4Experts
 from pagoda.kernels.panels import ExpertPanels
@@ -192,36 +190,9 @@ def test_the_sliding_layers_attend_only_inside_their_window(saved, expected):
     assert run_engine(engine, _prompts()[:2], params) == [e[:2] for e in expected[:2]]
 
 
-def _mxfp4_checkpoint(hf_model, model_dir, out):
-    """The checkpoint in `model_dir` with its experts' matrices quantized to MXFP4 as HF's checkpoints
-    store them ([E, rows, cols/32, 16] blocks over each [out, in] matrix); returns HF's dequantization of
-    each layer's (gate_up_proj, down_proj) in HF's layout."""
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    out.mkdir()
-    weights = load_file(str(model_dir / "model.safetensors"))
-    dequantized = []
-    for i in range(len(hf_model.model.layers)):
-        pair = []
-        for proj in ("gate_up_proj", "down_proj"):
-            name = f"model.layers.{i}.mlp.experts.{proj}"
-            blocks, scales = mxfp4.quantize(weights.pop(name).transpose(1, 2))  # ([E, in, out] stored)
-            weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
-            pair.append(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-        dequantized.append(pair)
-    save_file(weights, str(out / "model.safetensors"))
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens"],
-    }
-    (out / "config.json").write_text(json.dumps(config))
-    return dequantized
-
-
 def test_mxfp4_experts_stay_4_bit_and_equal_hfs_dequantization(saved, tmp_path, monkeypatch):
     hf_model, model_dir = saved
-    dequantized = _mxfp4_checkpoint(hf_model, model_dir, tmp_path / "mxfp4")
+    dequantized = tiny_models.save_gpt_oss_mxfp4(hf_model, model_dir, tmp_path / "mxfp4")
     engine = _engine(tmp_path / "mxfp4")
     model = engine.runner.model
     for layer, (gate_up, down) in zip(model.decoder_layers(), dequantized, strict=True):
@@ -254,7 +225,7 @@ def test_mxfp4_experts_stay_4_bit_and_equal_hfs_dequantization(saved, tmp_path, 
 
 def test_mxfp4_is_refused_with_another_quantization_or_architecture(saved, tmp_path):
     hf_model, model_dir = saved
-    _mxfp4_checkpoint(hf_model, model_dir, tmp_path / "mxfp4")
+    tiny_models.save_gpt_oss_mxfp4(hf_model, model_dir, tmp_path / "mxfp4")
     with pytest.raises(ValueError, match=r"experts are quantized with 'mxfp4'; --quantization int8 cannot"):
         _engine(tmp_path / "mxfp4", quantization="int8")
     config = json.loads((tmp_path / "mxfp4" / "config.json").read_text())
@@ -269,23 +240,6 @@ def test_quantizing_at_load_is_refused(saved, flag):
     _, model_dir = saved
     with pytest.raises(ValueError, match=r"mixture-of-experts model: quantized weights .* not supported for it"):
         _engine(model_dir, quantization=flag)
-
-
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
-def test_parallel_is_refused_before_any_worker_starts(saved, tp, pp):
-    _, model_dir = saved
-    with pytest.raises(ValueError, match="tensor and pipeline parallel"):
-        check_model_splits(ModelConfig.from_dir(model_dir), tp, pp)
-
-
-@pytest.mark.parametrize(
-    ("group", "stage", "limit"), [(TPGroup(0, 2), Stage(), "tensor"), (SINGLE, Stage(0, 2), "pipeline")]
-)
-def test_a_parallel_rank_refuses_to_build_the_model(saved, group, stage, limit):
-    _, model_dir = saved
-    cfg = ModelConfig.from_dir(model_dir)
-    with building_for(group, stage), pytest.raises(ValueError, match=f"gpt-oss does not run under {limit} parallel"):
-        model_class(cfg.architecture)(cfg, torch.float32)
 
 
 def test_chat_through_the_checkpoints_template(tmp_path, default_model_dir):
