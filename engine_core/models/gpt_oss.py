@@ -14,12 +14,16 @@ and up interleaved along the last axis (gate the even columns), `down_proj` [E, 
 they are transposed and de-interleaved at load into our `w13` [E, 2I, H] (gate rows, then up rows) and
 `w2` [E, H, I]. MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`, the released models) store
 those two as `*_blocks` / `*_scales`, which stay 4-bit (kernels/mxfp4.py); only their rows are reordered.
+GGUF files (llama.cpp's "gpt-oss", engine_core/gguf_gpt_oss.py) arrive with each projection stacked apart and
+rows first, as `mlp.experts.{gate,up,down}_proj.{weight,bias,blocks,scales}` (or gate and up joined as
+`gate_up_proj.*`, gate rows first); gate and up each fill their half of `w13` as they are.
 On the CPU the fused MoE's C kernel reads those blocks as they are, expanding each in registers; float32
 experts are packed after load into the panels it reads (`GptOssMLP.pack_for_cpu`, as models/moe.py's
 `MoEMLP` packs its own).
 
 Refused with an error naming the limit: tensor and pipeline parallel (here and in parallel/sharding.py),
-quantizing at load and other quantized formats (loader.py), GGUF files (gguf_model.py). The fused CPU
+quantizing at load and other quantized formats (loader.py; a GGUF file's quantized tensors other than MXFP4
+experts are dequantized when read, engine_core/gguf_gpt_oss.py). The fused CPU
 decode step declines the sinks layers (fused_decode.py); CUDA graphs are not captured (its experts run the
 torch reference, which reads the routing on the host: cuda_graphs.py).
 """
@@ -43,9 +47,19 @@ from pagoda.kernels.mxfp4 import Mxfp4Experts
 from pagoda.kernels.panels import ExpertPanels
 from pagoda.kernels.torch_ref.moe import ClampedSwiGLU, ExpertWeights, Routing
 
-# A checkpoint's expert tensor: layer, projection, suffix ("" for the weight, _bias, _blocks, _scales).
-_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
-_OURS = {"gate_up_proj": "w13", "down_proj": "w2"}
+# A Hugging Face checkpoint's expert tensor: layer, projection, suffix ("" for the weight, _bias, _blocks,
+# _scales). Float weights are [E, in, out]; gate_up_proj's rows (columns of the float weight) interleave gate
+# and up.
+_HF_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+_HF_KINDS = {"": "weight", "_bias": "bias", "_blocks": "blocks", "_scales": "scales"}
+# A stacked projection named as a module, rows first ([E, out, in]): how GGUF files' experts arrive, and
+# HF's once `_in_our_layout` has turned them. gate_up_proj here is gate rows, then up rows.
+_STACKED = re.compile(
+    r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)\.(weight|bias|blocks|scales)$"
+)
+# projection -> (our parameter, its checkpoint shard: gate and up each fill half of w13's rows)
+_OURS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+_OUR_KINDS = {"weight": "", "bias": "_bias", "blocks": ".blocks", "scales": ".scales"}
 
 
 def uses_mxfp4(cfg: ModelConfig) -> bool:
@@ -72,7 +86,7 @@ class GptOssMLP(nn.Module):
         self.w13: nn.Parameter | Mxfp4Experts
         self.w2: nn.Parameter | Mxfp4Experts
         if mxfp4:
-            self.w13 = Mxfp4Experts(experts, 2 * inter, hidden, dtype)
+            self.w13 = Mxfp4Experts(experts, 2 * inter, hidden, dtype, parts=2)
             self.w2 = Mxfp4Experts(experts, hidden, inter, dtype)
         else:
             self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
@@ -81,6 +95,18 @@ class GptOssMLP(nn.Module):
         self.w2_bias = nn.Parameter(torch.empty(experts, hidden, dtype=dtype), requires_grad=False)
         self.packed13: ExpertPanels | None = None
         self.packed2: ExpertPanels | None = None
+
+    def shard_count(self, param: torch.Tensor) -> int:
+        """Checkpoint tensors that fill `param` (engine_core/models/checkpoint.py): w13's and its bias's gate
+        rows and up rows come apart; the rest whole."""
+        return 2 if param is self.w13 or param is self.w13_bias else 1
+
+    def shard(self, index: int, param: torch.Tensor) -> torch.Tensor:
+        """The view of `param` checkpoint shard `index` fills: w13's gate rows (0) or up rows (1)."""
+        if param is self.w13 or param is self.w13_bias:
+            half = param.shape[1] // 2
+            return param[:, index * half : (index + 1) * half]
+        return param
 
     def pack_for_cpu(self) -> bool:
         """Pack float32 CPU experts into panels for the fused MoE's C kernel and release the plain stacked
@@ -151,27 +177,39 @@ class GptOssForCausalLM(LlamaForCausalLM):
         super().load_weights(self._in_our_layout(weights), assembler)
 
     def _in_our_layout(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The experts' tensors as our parameters hold them: transposed to [E, out, in] (the float weights),
-        gate/up de-interleaved into gate rows, then up rows (MXFP4 blocks and scales: only the rows)."""
+        """The experts' tensors as stacked projections, rows first (`_STACKED`), gate and up apart: HF's float
+        weights transposed to [E, out, in] and every gate_up tensor's rows split (HF's interleaved, a GGUF's
+        joined gate_up halves). Views: nothing is copied until the parameters take them."""
         for name, tensor in weights:
-            match = _EXPERTS.match(name.removeprefix("model."))
-            if match is not None:
-                proj, suffix = match[2], match[3] or ""
-                if suffix == "":
+            short = name.removeprefix("model.")
+            hf = _HF_EXPERTS.match(short)
+            stacked = _STACKED.match(short)
+            if hf is not None:
+                layer, proj, kind = hf[1], hf[2], _HF_KINDS[hf[3] or ""]
+                if kind == "weight":
                     tensor = tensor.transpose(1, 2)  # [E, in, out] -> [E, out, in]
+                prefix = f"layers.{layer}.mlp.experts."
                 if proj == "gate_up_proj":
-                    tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
-            yield name, tensor
+                    yield f"{prefix}gate_proj.{kind}", tensor[:, 0::2]
+                    yield f"{prefix}up_proj.{kind}", tensor[:, 1::2]
+                else:
+                    yield f"{prefix}{proj}.{kind}", tensor
+            elif stacked is not None and stacked[2] == "gate_up_proj":
+                prefix, kind, half = f"layers.{stacked[1]}.mlp.experts.", stacked[3], tensor.shape[1] // 2
+                yield f"{prefix}gate_proj.{kind}", tensor[:, :half]
+                yield f"{prefix}up_proj.{kind}", tensor[:, half:]
+            else:
+                yield name, tensor
 
     def _target(self, name: str) -> tuple[str, int | None] | None:
         short = name.removeprefix("model.")
-        match = _EXPERTS.match(short)
+        match = _STACKED.match(short)
         if match is not None:
-            layer, proj, suffix = match[1], match[2], match[3] or ""
+            layer, proj, kind = match[1], match[2], match[3]
             if not self._on_this_stage(f"layers.{layer}"):
                 return None
-            kind = {"": "", "_bias": "_bias", "_blocks": ".blocks", "_scales": ".scales"}[suffix]
-            return f"layers.{layer}.mlp.{_OURS[proj]}{kind}", None
+            ours, shard = _OURS[proj]
+            return f"layers.{layer}.mlp.{ours}{_OUR_KINDS[kind]}", shard
         if short.endswith(".self_attn.sinks"):
             return short.replace(".self_attn.sinks", ".self_attn.attn.sinks"), None
         return super()._target(name)
