@@ -22,6 +22,8 @@ What the converter writes, and what becomes of it:
 - The model takes no GGUF quantization method for its linears, so every other quantized tensor
   (llama.cpp's MXFP4_MOE files keep attention and the embeddings in Q8_0) is dequantized as it is read,
   to float32, then held in the model's dtype.
+- The tokenizer from the file's metadata, as for every GGUF. The file names one end token; generation ends on
+  each of gpt-oss's (`END_TOKENS`, the ids its generation_config.json lists and llama.cpp stops on).
 - Metadata: the usual sizes; `expert_count`, `expert_used_count`, `expert_feed_forward_length`;
   `attention.sliding_window`, in the layers llama.cpp makes sliding: the even ones, unless
   `attention.sliding_window_pattern` says otherwise (Hugging Face's default too); YaRN rotary scaling
@@ -41,6 +43,10 @@ ARCHITECTURE = ("GptOssForCausalLM", "gpt_oss")  # (Hugging Face architecture, m
 
 # llama.cpp's gpt-oss activation, fixed in its graph (LLM_FFN_SWIGLU_OAI_MOE): the released models' values.
 _SWIGLU_ALPHA, _SWIGLU_LIMIT = 1.702, 7.0
+
+# The tokens a gpt-oss generation ends on: the released generation_config.json's eos ids (<|return|>,
+# <|endoftext|>, <|call|>), which are also llama.cpp's end-of-generation tokens for it.
+END_TOKENS = ("<|return|>", "<|endoftext|>", "<|call|>")
 
 _TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -95,6 +101,16 @@ def check_expert_types(path: Path, tensor_types: Iterable[tuple[str, str]]) -> N
             "holds a gpt-oss model's experts all as MXFP4 (kept 4-bit) or all at full precision (float types, "
             "or other quantized types dequantized at load), not both"
         )
+
+
+def end_token_ids(vocabulary: list[str], eos: int | None) -> list[int]:
+    """generation_config.json's eos ids: the file's eos, then those of `END_TOKENS` the vocabulary holds."""
+    ids = [] if eos is None else [eos]
+    for token in END_TOKENS:
+        index = vocabulary.index(token) if token in vocabulary else None
+        if index is not None and index not in ids:
+            ids.append(index)
+    return ids
 
 
 def config_fields(path: Path, meta: dict, config: dict) -> dict:

@@ -178,6 +178,10 @@ def write_model_files(model: GGUFModel, out_dir: Path, quantization_config: bool
         config["quantization_config"] = {"quant_method": "gguf", "tensor_types": types}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if config["model_type"] == gguf_gpt_oss.ARCHITECTURE[1]:  # (the file names one; gpt-oss ends on three)
+        tokens = model.reader.fields.get("tokenizer.ggml.tokens")  # type: ignore[attr-defined]
+        vocabulary = tokens.contents() if tokens is not None else []
+        generation["eos_token_id"] = gguf_gpt_oss.end_token_ids(vocabulary, config["eos_token_id"])
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _save_tokenizer(model.path, out_dir, config["model_type"])
 

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import MXFP4, dequantize, quantize
 
 from pagoda.engine_core.default_model import ensure_default_gguf
-from pagoda.engine_core.gguf_gpt_oss import config_fields
+from pagoda.engine_core.gguf_gpt_oss import config_fields, end_token_ids
 from pagoda.engine_core.gguf_model import read_gguf
 from pagoda.engine_core.gguf_weights import mxfp4_from_ggml
 from pagoda.engine_core.loader import iterate_weights, load_model, resolve_model
@@ -200,6 +200,9 @@ def test_the_config_is_hfs(tmp_path, q4_1_reader):
     assert cfg.rope_scaling == {k: v for k, v in theirs.rope_parameters.items() if k != "rope_theta"}
     assert (cfg.raw["swiglu_alpha"], cfg.raw["swiglu_limit"]) == (theirs.swiglu_alpha, theirs.swiglu_limit)
     assert "quantization_config" not in cfg.raw  # (float experts; the file's types all float)
+    # Generation ends on the file's eos (SmolLM2's <|im_end|>, 2) and those of gpt-oss's end tokens the vocabulary
+    # has (<|endoftext|>, 0: SmolLM2's has no <|return|> or <|call|>).
+    assert cfg.eos_token_ids == {2, 0}
 
 
 @pytest.mark.parametrize(
@@ -214,6 +217,14 @@ def test_the_sliding_layers_are_llama_cpps(pattern, sliding):
         meta["gpt-oss.attention.sliding_window_pattern"] = pattern
     fields = config_fields(Path("x.gguf"), meta, {"num_hidden_layers": 6, "intermediate_size": 64, "rope_theta": 1e4})
     assert [i for i, kind in enumerate(fields["layer_types"]) if kind == "sliding_attention"] == sliding
+
+
+def test_generation_ends_on_gpt_oss_end_tokens():
+    """The file's eos, then <|return|>, <|endoftext|> and <|call|> where the vocabulary has them (the released
+    generation_config.json's eos ids, o200k_harmony's 200002, 199999, 200012)."""
+    vocabulary = ["<|endoftext|>", "a", "<|return|>", "b", "<|call|>"]
+    assert end_token_ids(vocabulary, 2) == [2, 0, 4]
+    assert end_token_ids(["a", "<|endoftext|>"], None) == [1]
 
 
 def test_the_mxfp4_repack_is_lossless():
