@@ -7,9 +7,9 @@ tensors of the GGUF quantization method (engine_core/quantization/gguf.py), kept
 (0-dim, the GGML type number). Any other quantized tensor (an untied embedding table, a norm; every one
 of a gpt-oss file's but its MXFP4 experts) is dequantized to float32 here.
 
-gpt-oss's MXFP4 experts (GGML type MXFP4) arrive as Hugging Face's MXFP4 checkpoints hold them:
-`<module>.blocks` (uint8 [experts, rows, columns / 32, 16]) and `<module>.scales` (uint8 [experts, rows,
-columns / 32]), repacked losslessly from ggml's blocks (`mxfp4_from_ggml`).
+gpt-oss's MXFP4 experts (GGML type MXFP4) arrive in Hugging Face's MXFP4 layout (kernels/mxfp4.py), repacked
+losslessly from ggml's blocks (`mxfp4_from_ggml`): `<module>.blocks` (uint8 [experts, rows, columns / 32,
+16]) and `<module>.scales` (uint8 [experts, rows, columns / 32]).
 
 llama.cpp stores Llama's q/k projection rows in its own rotary order; they are put back in Hugging
 Face's order here. Rows move whole, with the scales of their blocks (blocks run along a row), so the

@@ -11,15 +11,16 @@
 
 Checkpoints store a layer's experts as stacked tensors: `mlp.experts.gate_up_proj` [E, H, 2I] with gate
 and up interleaved along the last axis (gate the even columns), `down_proj` [E, I, H], and their biases;
-they are transposed and de-interleaved at load into our `w13` [E, 2I, H] (gate rows, then up rows) and
-`w2` [E, H, I]. MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`, the released models) store
-those two as `*_blocks` / `*_scales`, which stay 4-bit (kernels/mxfp4.py); only their rows are reordered.
-GGUF files (llama.cpp's "gpt-oss", engine_core/gguf_gpt_oss.py) arrive with each projection stacked apart and
-rows first, as `mlp.experts.{gate,up,down}_proj.{weight,bias,blocks,scales}` (or gate and up joined as
-`gate_up_proj.*`, gate rows first); gate and up each fill their half of `w13` as they are.
-On the CPU the fused MoE's C kernel reads those blocks as they are, expanding each in registers; float32
-experts are packed after load into the panels it reads (`GptOssMLP.pack_for_cpu`, as models/moe.py's
-`MoEMLP` packs its own).
+they are transposed and de-interleaved at load into our `w13` [E, 2I, H] (gate rows, then up rows: each half
+filled from its own view) and `w2` [E, H, I]. MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`,
+the released models) store those two as `*_blocks` / `*_scales`, which stay 4-bit (kernels/mxfp4.py); only
+their rows are reordered. On the CPU the fused MoE's C kernel reads those blocks as they are, expanding each
+in registers; float32 experts are packed after load into the panels it reads (`GptOssMLP.pack_for_cpu`, as
+models/moe.py's `MoEMLP` packs its own).
+
+GGUF files (llama.cpp's "gpt-oss", engine_core/gguf_gpt_oss.py) hold each projection stacked apart, rows
+first; they arrive as `mlp.experts.{gate,up,down}_proj.{weight,bias,blocks,scales}` (or gate and up joined as
+`gate_up_proj.*`, gate rows first), MXFP4 blocks already in the layout above, and load as they are.
 
 Refused with an error naming the limit: tensor and pipeline parallel (here and in parallel/sharding.py),
 quantizing at load and other quantized formats (loader.py; a GGUF file's quantized tensors other than MXFP4

@@ -23,6 +23,7 @@ from pagoda.engine_core.gguf_model import read_gguf
 from pagoda.engine_core.gguf_weights import mxfp4_from_ggml
 from pagoda.engine_core.loader import iterate_weights, load_model, resolve_model
 from pagoda.engine_core.model_config import ModelConfig
+from pagoda.engine_core.tokenizer import load_tokenizer
 from pagoda.kernels import mxfp4
 from pagoda.kernels.mxfp4 import Mxfp4Experts
 from tests import tiny_models
@@ -187,7 +188,9 @@ def _serve_and_compare(path, hf_model) -> None:
             torch.testing.assert_close(torch.tensor([first[i] for i in ids]), theirs[ids], atol=LOGPROB_ATOL, rtol=0)
 
 
-def test_the_config_is_hfs(tmp_path, q4_1_reader):
+def test_the_config_is_hfs(tmp_path, q4_1_reader, tokenizer):
+    """config.json says what HF's config says; the tokenizer is the file's (SmolLM2's, the same path as every
+    GGUF's: transformers' reading of its metadata)."""
     hf_model = _hf_model()
     path = _write(tmp_path / "f32.gguf", q4_1_reader, hf_model)
     cfg = ModelConfig.from_dir(resolve_model(str(path)))
@@ -203,6 +206,10 @@ def test_the_config_is_hfs(tmp_path, q4_1_reader):
     # Generation ends on the file's eos (SmolLM2's <|im_end|>, 2) and those of gpt-oss's end tokens the vocabulary
     # has (<|endoftext|>, 0: SmolLM2's has no <|return|> or <|call|>).
     assert cfg.eos_token_ids == {2, 0}
+    texts = ["Hello world", "déjà vu 🤖", "<|im_start|>user\nhi<|im_end|>\n"]
+    gguf_tokenizer = load_tokenizer(path)
+    assert [gguf_tokenizer.encode(t) for t in texts] == [tokenizer.encode(t) for t in texts]
+    assert gguf_tokenizer.chat_template == tokenizer.chat_template
 
 
 @pytest.mark.parametrize(
