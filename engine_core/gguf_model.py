@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagoda.engine_core import gguf_gpt_oss
 from pagoda.engine_core.environment import cache_root
 
 logger = logging.getLogger(__name__)
@@ -45,17 +46,13 @@ ARCHITECTURES = {
     # ffn_gate_inp_shexp.
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    # gpt-oss: names, metadata and MXFP4 experts of its own (engine_core/gguf_gpt_oss.py)
+    "gpt-oss": gguf_gpt_oss.ARCHITECTURE,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # Whether the top-k routing weights are renormalised (Hugging Face's norm_topk_prob) where the file does
 # not say (`expert_weights_norm`): what llama.cpp's graphs for these architectures do.
 _RENORMALIZED = {"qwen2moe": False, "qwen3moe": True, "llama": True}
-# gpt-oss files (llama.cpp's "gpt-oss", with MXFP4 expert tensors in a layout of its own): refused, its
-# Hugging Face checkpoints run (engine_core/models/gpt_oss.py).
-_GPT_OSS_REFUSAL = (
-    "gpt-oss GGUF files are not supported; serve the model's Hugging Face safetensors checkpoint instead "
-    "(its MXFP4 experts load as they are)"
-)
 # llama.cpp's converter permutes the rows of q/k for the architectures whose rotary embedding it runs
 # in the interleaved (GPT-J) order; the file must be un-permuted for Hugging Face's rotate-half order.
 # Qwen2/3 use the rotate-half (NeoX) order in llama.cpp too, so their rows are stored as in HF. (Model
@@ -113,7 +110,10 @@ class GGUFTensor:
     shape: tuple[int, ...]  # rows first (PyTorch order; GGUF lists the fastest dimension first)
     offset: int  # of its first byte in the file
     nbytes: int
-    linear: bool  # the weight of a linear layer (a tied embedding is the LM head's)
+    # The weight of a linear layer (a tied embedding is the LM head's), which a quantized type hands raw to
+    # the GGUF quantization method; otherwise a quantized tensor is dequantized as it is read. (Never for
+    # gpt-oss, whose model takes no quantization method: engine_core/gguf_gpt_oss.py.)
+    linear: bool
     rope_heads: int  # > 0: rows to un-permute from llama.cpp's rotary order, in this many heads
     # > 0: the stacked weights of this many experts, [experts, rows, columns]; hf_name then holds
     # `{expert}` where each expert's index goes (engine_core/gguf_weights.py yields one tensor per expert)
@@ -150,32 +150,40 @@ def read_gguf(path: Path) -> GGUFModel:
         raise ValueError(f"{path} is not a readable GGUF file (truncated or corrupt?): {exc}") from exc
     meta = {name: _field_value(field) for name, field in reader.fields.items() if not name.startswith("tokenizer.")}
     arch = meta.get("general.architecture")
-    if arch == "gpt-oss":
-        raise ValueError(f"{path}: {_GPT_OSS_REFUSAL}")
     if arch not in ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))} "
-            "(Llama 2/3, Mistral, Mixtral, SmolLM2, TinyLlama, Qwen2 / Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE)"
+            "(Llama 2/3, Mistral, Mixtral, SmolLM2, TinyLlama, Qwen2 / Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, "
+            "gpt-oss)"
         )
     names = {t.name for t in reader.tensors}
     config = _model_config(path, meta, reader, names)
     # (A truncated file fails in the reader already: each tensor's bytes are mapped when it is listed.)
     tensors = [_tensor(path, t, config) for t in reader.tensors]
+    if arch == "gpt-oss":
+        gguf_gpt_oss.check_expert_types(path, [(t.name, t.type) for t in tensors])
     return GGUFModel(path, config, tensors, reader)
 
 
 def write_model_files(model: GGUFModel, out_dir: Path, quantization_config: bool) -> None:
     """config.json, generation_config.json and the tokenizer files (chat template included) of `model`.
     With `quantization_config`, config.json declares the file's quantized types (`quant_method: gguf`),
-    so `--quantization auto` picks the GGUF method and `none` / `int8` / `int4` are refused."""
+    so `--quantization auto` picks the GGUF method and `none` / `int8` / `int4` are refused; or, for a
+    gpt-oss file with MXFP4 experts, those (`quant_method: mxfp4`, which the model reads itself)."""
     config = dict(model.config)
     types = model.quantized_types()
-    if quantization_config and types:
+    if quantization_config and any(t.type == "MXFP4" for t in model.tensors):  # (gpt-oss's experts only)
+        config["quantization_config"] = {"quant_method": "mxfp4"}
+    elif quantization_config and types:
         config["quantization_config"] = {"quant_method": "gguf", "tensor_types": types}
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if config["model_type"] == gguf_gpt_oss.ARCHITECTURE[1]:  # (the file names one; gpt-oss ends on three)
+        tokens = model.reader.fields.get("tokenizer.ggml.tokens")  # type: ignore[attr-defined]
+        vocabulary = tokens.contents() if tokens is not None else []
+        generation["eos_token_id"] = gguf_gpt_oss.end_token_ids(vocabulary, config["eos_token_id"])
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    _save_tokenizer(model.path, out_dir)
+    _save_tokenizer(model.path, out_dir, config["model_type"])
 
 
 def gguf_model_dir(path: Path) -> Path:
@@ -277,13 +285,16 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
         }
     except KeyError as exc:
         raise ValueError(f"{path}: GGUF metadata lacks {exc.args[0]!r}") from None
-    if meta.get(p + "expert_count"):
-        config.update(_moe_config(path, meta, p, arch, names, config))
-    scaling = meta.get(p + "rope.scaling.type")
-    if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
-    elif scaling not in (None, "none"):
-        raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (supported: linear)")
+    if arch == "gpt-oss":  # (its experts, sliding window and YaRN)
+        config.update(gguf_gpt_oss.config_fields(path, meta, config))
+    else:
+        if meta.get(p + "expert_count"):
+            config.update(_moe_config(path, meta, p, arch, names, config))
+        scaling = meta.get(p + "rope.scaling.type")
+        if scaling == "linear":
+            config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
+        elif scaling not in (None, "none"):
+            raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (supported: linear)")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     config.update(
         {
@@ -347,22 +358,29 @@ def _hf_name(gguf_name: str) -> str | None:
 
 
 def _tensor(path: Path, t, config: dict) -> GGUFTensor:
-    hf_name = _hf_name(t.name)
+    gpt_oss = config["model_type"] == gguf_gpt_oss.ARCHITECTURE[1]
+    hf_name = gguf_gpt_oss.hf_name(t.name) if gpt_oss else _hf_name(t.name)
     if hf_name is None:
         raise ValueError(f"{path}: tensor {t.name!r} has no place in a {config['architectures'][0]}")
     type_name = t.tensor_type.name
     parts = t.name.split(".")
     kind = parts[-1]
-    linear = kind == "weight" and (
-        (parts[0] == "blk" and parts[2] in _LINEARS)
-        or ".experts." in hf_name
-        or t.name == "output.weight"
-        or (t.name == "token_embd.weight" and config["tie_word_embeddings"])
+    # (gpt-oss: no linear takes GGUF blocks raw, see GGUFTensor.linear; its stacked experts load whole)
+    linear = (
+        not gpt_oss
+        and kind == "weight"
+        and (
+            (parts[0] == "blk" and parts[2] in _LINEARS)
+            or ".experts." in hf_name
+            or t.name == "output.weight"
+            or (t.name == "token_embd.weight" and config["tie_word_embeddings"])
+        )
     )
-    if type_name not in FLOAT_TYPES and type_name not in QUANTIZED_TYPES:
+    mxfp4_experts = gpt_oss and type_name == "MXFP4" and gguf_gpt_oss.is_expert_weight(t.name)
+    if type_name not in FLOAT_TYPES and type_name not in QUANTIZED_TYPES and not mxfp4_experts:
         raise ValueError(
             f"{path}: tensor {t.name} has GGML type {type_name}, which Pagoda does not load; supported: "
-            f"{', '.join(FLOAT_TYPES + QUANTIZED_TYPES)}"
+            f"{', '.join(FLOAT_TYPES + QUANTIZED_TYPES)} (and MXFP4 for gpt-oss's expert weights)"
         )
     rope_heads = 0
     if config["model_type"] in _PERMUTED_ROPE and parts[0] == "blk" and parts[2] == "attn_q":
@@ -370,7 +388,7 @@ def _tensor(path: Path, t, config: dict) -> GGUFTensor:
     elif config["model_type"] in _PERMUTED_ROPE and parts[0] == "blk" and parts[2] == "attn_k":
         rope_heads = config["num_key_value_heads"]
     shape = tuple(int(d) for d in reversed(t.shape))
-    experts = shape[0] if parts[0] == "blk" and parts[2] in _EXPERT_NAMES else 0
+    experts = shape[0] if not gpt_oss and parts[0] == "blk" and parts[2] in _EXPERT_NAMES else 0
     if t.name.endswith("ffn_gate_inp_shexp.weight"):  # (a vector in the file; [1, hidden] in the model)
         shape = (1, *shape)
     return GGUFTensor(
@@ -378,13 +396,17 @@ def _tensor(path: Path, t, config: dict) -> GGUFTensor:
     )
 
 
-def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+def _save_tokenizer(gguf_path: Path, out_dir: Path, model_type: str) -> None:
     # transformers turns GGUF tokenizer metadata (BPE or SentencePiece vocab, merges, pre-tokenizer,
     # special tokens, chat template) into a fast tokenizer; we save it as ordinary tokenizer files.
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    # gpt-oss's tokenizer class is the plain fast one (its checkpoints' tokenizer_config says so), built
+    # directly: AutoTokenizer first reads the file's model config to choose a class, and transformers' reader
+    # of gpt-oss's rope.scaling keys fails on them (transformers 5.25: it reads each key's length for its value).
+    tokenizer_class = PreTrainedTokenizerFast if model_type == gguf_gpt_oss.ARCHITECTURE[1] else AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        tokenizer = tokenizer_class.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:  # (transformers raises many types here)
         raise ValueError(f"{gguf_path}: its tokenizer metadata could not be read: {exc}") from exc
     tokenizer.save_pretrained(str(out_dir))

@@ -57,17 +57,30 @@ def quantize(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Mxfp4Experts(nn.Module):
     """A layer's stacked expert projection [E, rows, cols] stored MXFP4: `blocks` and `scales` as the
-    checkpoint has them (the loader fills them; `shard` selects an expert's rows for a checkpoint that
-    orders them otherwise). `matrix(e, dtype)` is expert e's [rows, cols] weight, dequantized alone."""
+    checkpoint has them. The loader fills them from `parts` checkpoint tensors each, every one a run of
+    rows/parts rows of every expert (`shard`: gpt-oss's gate rows, then up rows). `matrix(e, dtype)` is
+    expert e's [rows, cols] weight, dequantized alone."""
 
-    def __init__(self, experts: int, rows: int, cols: int, dtype: torch.dtype):
+    def __init__(self, experts: int, rows: int, cols: int, dtype: torch.dtype, parts: int = 1):
         super().__init__()
         if cols % GROUP:
             raise ValueError(f"MXFP4 experts need a multiple of {GROUP} input columns, not {cols}")
+        if rows % parts:
+            raise ValueError(f"MXFP4 experts of {rows} rows cannot be filled from {parts} equal parts")
         groups = cols // GROUP
         self.blocks = nn.Parameter(torch.empty(experts, rows, groups, GROUP // 2, dtype=torch.uint8), False)
         self.scales = nn.Parameter(torch.empty(experts, rows, groups, dtype=torch.uint8), False)
         self.dtype = dtype
+        self.parts = parts
+
+    def shard_count(self, param: torch.Tensor) -> int:
+        """Checkpoint tensors that fill `param` (blocks or scales): engine_core/models/checkpoint.py."""
+        return self.parts
+
+    def shard(self, index: int, param: torch.Tensor) -> torch.Tensor:
+        """The rows of every expert that checkpoint tensor `index` fills."""
+        rows = param.shape[1] // self.parts
+        return param[:, index * rows : (index + 1) * rows]
 
     def matrix(self, expert: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Expert `expert`'s weight [rows, cols], dequantized alone (the torch reference's path)."""

@@ -11,12 +11,16 @@
 
 Checkpoints store a layer's experts as stacked tensors: `mlp.experts.gate_up_proj` [E, H, 2I] with gate
 and up interleaved along the last axis (gate the even columns), `down_proj` [E, I, H], and their biases;
-they are transposed and de-interleaved at load into our `w13` [E, 2I, H] (gate rows, then up rows) and
-`w2` [E, H, I]. MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`, the released models) store
-those two as `*_blocks` / `*_scales`, which stay 4-bit (kernels/mxfp4.py); only their rows are reordered.
-On the CPU the fused MoE's C kernel reads those blocks as they are, expanding each in registers; float32
-experts are packed after load into the panels it reads (`GptOssMLP.pack_for_cpu`, as models/moe.py's
-`MoEMLP` packs its own).
+they are transposed and de-interleaved at load into our `w13` [E, 2I, H] (gate rows, then up rows: each half
+filled from its own view) and `w2` [E, H, I]. MXFP4 checkpoints (`quantization_config.quant_method: mxfp4`,
+the released models) store those two as `*_blocks` / `*_scales`, which stay 4-bit (kernels/mxfp4.py); only
+their rows are reordered. On the CPU the fused MoE's C kernel reads those blocks as they are, expanding each
+in registers; float32 experts are packed after load into the panels it reads (`GptOssMLP.pack_for_cpu`, as
+models/moe.py's `MoEMLP` packs its own).
+
+GGUF files (llama.cpp's "gpt-oss", engine_core/gguf_gpt_oss.py) hold each projection stacked apart, rows
+first; they arrive as `mlp.experts.{gate,up,down}_proj.{weight,bias,blocks,scales}` (or gate and up joined as
+`gate_up_proj.*`, gate rows first), MXFP4 blocks already in the layout above, and load as they are.
 
 Tensor parallel (engine_core/parallel) splits attention by heads as the Llama family does, each rank's
 sinks those of its query heads; the output projection's bias is added once, after its all-reduce. The
@@ -28,14 +32,17 @@ the ranks' partial sums, each weighted per token and expert by the routing, add 
 output. With expert parallel (`--enable-expert-parallel`) each rank holds a contiguous range of whole
 experts, biases included, routes every token over all experts and computes only its experts' pairs
 (`Routing.expert_offset` / `local_experts`). Either way one all-reduce per layer adds the partial sums.
-Each rank reads only its slice of the stacked checkpoint tensors (`checkpoint_slices`, in the
-checkpoint's interleaved layout: rank rows [a, b) are gate/up columns [2a, 2b)), reordered after.
+Each rank reads only its slice of the stacked checkpoint tensors (`checkpoint_slices`: in a Hugging Face
+checkpoint's interleaved layout rank rows [a, b) are gate/up columns [2a, 2b), split after; a GGUF file's
+are rows first).
 Pipeline parallel holds whole layers per stage, each keeping its sliding window or full attention by its
 global index.
 
 Refused with an error naming the limit: MXFP4 experts split over more ranks than their intermediate size
-has blocks of 32 (here and in parallel/sharding.py), quantizing at load and other quantized formats
-(loader.py), GGUF files (gguf_model.py). The fused CPU decode step declines the sinks layers
+has blocks of 32 (here and in parallel/sharding.py), a GGUF file's joined gate_up experts under tensor
+parallel without expert parallel (its halves cannot be cut as one slice), quantizing at load and other
+quantized formats (loader.py; a GGUF file's quantized tensors other than MXFP4 experts are dequantized when
+read, engine_core/gguf_gpt_oss.py). The fused CPU decode step declines the sinks layers
 (fused_decode.py); CUDA graphs are not captured (its experts run the torch reference, which reads the
 routing on the host: cuda_graphs.py).
 """
@@ -69,9 +76,19 @@ from pagoda.kernels.mxfp4 import Mxfp4Experts
 from pagoda.kernels.panels import ExpertPanels
 from pagoda.kernels.torch_ref.moe import ClampedSwiGLU, ExpertWeights, Routing
 
-# A checkpoint's expert tensor: layer, projection, suffix ("" for the weight, _bias, _blocks, _scales).
-_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
-_OURS = {"gate_up_proj": "w13", "down_proj": "w2"}
+# A Hugging Face checkpoint's expert tensor: layer, projection, suffix ("" for the weight, _bias, _blocks,
+# _scales). Float weights are [E, in, out]; gate_up_proj's rows (columns of the float weight) interleave gate
+# and up.
+_HF_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+_HF_KINDS = {"": "weight", "_bias": "bias", "_blocks": "blocks", "_scales": "scales"}
+# A stacked projection named as a module, rows first ([E, out, in]): how GGUF files' experts arrive, and
+# HF's once `_in_our_layout` has turned them. gate_up_proj here is gate rows, then up rows.
+_STACKED = re.compile(
+    r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)\.(weight|bias|blocks|scales)$"
+)
+# projection -> (our parameter, its checkpoint shard: gate and up each fill half of w13's rows)
+_OURS = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
+_OUR_KINDS = {"weight": "", "bias": "_bias", "blocks": ".blocks", "scales": ".scales"}
 
 
 def uses_mxfp4(cfg: ModelConfig) -> bool:
@@ -118,7 +135,7 @@ class GptOssMLP(nn.Module):
         self.w13: nn.Parameter | Mxfp4Experts
         self.w2: nn.Parameter | Mxfp4Experts
         if mxfp4:
-            self.w13 = Mxfp4Experts(local_experts, 2 * local_inter, hidden, dtype)
+            self.w13 = Mxfp4Experts(local_experts, 2 * local_inter, hidden, dtype, parts=2)
             self.w2 = Mxfp4Experts(local_experts, hidden, local_inter, dtype)
         else:
             w13 = torch.empty(local_experts, 2 * local_inter, hidden, dtype=dtype)
@@ -133,11 +150,11 @@ class GptOssMLP(nn.Module):
         self.packed13: ExpertPanels | None = None
         self.packed2: ExpertPanels | None = None
 
-    def checkpoint_slices(self, proj: str, suffix: str) -> tuple[slice, ...] | None:
-        """The slice this rank loads of a checkpoint's stacked expert tensor, in the checkpoint's layout
-        (before `_in_our_layout` reorders it): `proj` gate_up_proj or down_proj, `suffix` "" (the float
-        weight, [E, in, out]), "_bias", "_blocks" or "_scales" (MXFP4: [E, out, in / 32, ...]). None: all of
-        it. Gate and up are interleaved along their output axis, so rows [a, b) are its [2a, 2b)."""
+    def hf_checkpoint_slices(self, proj: str, suffix: str) -> tuple[slice, ...] | None:
+        """The slice this rank loads of a Hugging Face checkpoint's stacked expert tensor, in its layout
+        (before `_in_our_layout` turns it): `proj` gate_up_proj or down_proj, `suffix` "" (the float weight,
+        [E, in, out]), "_bias", "_blocks" or "_scales" (MXFP4: [E, out, in / 32, ...]). None: all of it.
+        Gate and up are interleaved along their output axis, so rows [a, b) are its [2a, 2b)."""
         if self.expert_parallel:
             return (self.expert_span.slice(),)
         if not self.tp.parallel:
@@ -150,8 +167,41 @@ class GptOssMLP(nn.Module):
             return None  # (whole, on rank 0 only: the other ranks do not read it, see `_target`)
         if suffix == "":  # (down_proj [E, I, H])
             return (slice(None), rows.slice())
-        blocks = slice(rows.start // MXFP4_BLOCK, rows.stop // MXFP4_BLOCK)
-        return (slice(None), slice(None), blocks)
+        return (slice(None), slice(None), self._blocks())
+
+    def stacked_checkpoint_slices(self, proj: str, kind: str) -> tuple[slice, ...] | None:
+        """The same for a projection stored rows first ([E, out, in], a GGUF file's): gate_proj / up_proj
+        cut along their rows, down_proj along its columns (MXFP4: whole blocks of them)."""
+        if self.expert_parallel:
+            return (self.expert_span.slice(),)
+        if not self.tp.parallel:
+            return None
+        if proj == "gate_up_proj":
+            raise ValueError(
+                "gpt-oss: this file joins each expert's gate and up projections (ffn_gate_up_exps), which tensor "
+                "parallel cannot cut as one slice; use --enable-expert-parallel, or a file with them apart"
+            )
+        if proj in ("gate_proj", "up_proj"):
+            return (slice(None), self.inter_span.slice())
+        if kind == "bias":
+            return None  # (whole, on rank 0 only, as above)
+        return (slice(None), slice(None), self._blocks() if kind in ("blocks", "scales") else self.inter_span.slice())
+
+    def _blocks(self) -> slice:
+        """This rank's intermediate rows as MXFP4 blocks of the down projection's columns."""
+        return slice(self.inter_span.start // MXFP4_BLOCK, self.inter_span.stop // MXFP4_BLOCK)
+
+    def shard_count(self, param: torch.Tensor) -> int:
+        """Checkpoint tensors that fill `param` (engine_core/models/checkpoint.py): w13's and its bias's gate
+        rows and up rows come apart; the rest whole."""
+        return 2 if param is self.w13 or param is self.w13_bias else 1
+
+    def shard(self, index: int, param: torch.Tensor) -> torch.Tensor:
+        """The view of `param` checkpoint shard `index` fills: w13's gate rows (0) or up rows (1)."""
+        if param is self.w13 or param is self.w13_bias:
+            half = param.shape[1] // 2
+            return param[:, index * half : (index + 1) * half]
+        return param
 
     def pack_for_cpu(self) -> bool:
         """Pack float32 CPU experts into panels for the fused MoE's C kernel and release the plain stacked
@@ -229,30 +279,43 @@ class GptOssForCausalLM(LlamaForCausalLM):
         super().load_weights(self._in_our_layout(weights), assembler)
 
     def _in_our_layout(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The experts' tensors as our parameters hold them: transposed to [E, out, in] (the float weights),
-        gate/up de-interleaved into gate rows, then up rows (MXFP4 blocks and scales: only the rows). Under
-        tensor parallel the tensors arrive already cut to this rank's piece (`checkpoint_slices`), whole
-        gate/up pairs, so the same reorder holds."""
+        """The experts' tensors as stacked projections, rows first (`_STACKED`), gate and up apart: HF's float
+        weights transposed to [E, out, in] and every gate_up tensor's rows split (HF's interleaved, a GGUF's
+        joined gate_up halves). Views: nothing is copied until the parameters take them. Under
+        tensor parallel they arrive already cut to this rank's piece (`checkpoint_slices`): whole gate/up
+        pairs of an interleaved tensor, so the same split holds."""
         for name, tensor in weights:
-            match = _EXPERTS.match(name.removeprefix("model."))
-            if match is not None:
-                proj, suffix = match[2], match[3] or ""
-                if suffix == "":
+            short = name.removeprefix("model.")
+            hf = _HF_EXPERTS.match(short)
+            stacked = _STACKED.match(short)
+            if hf is not None:
+                layer, proj, kind = hf[1], hf[2], _HF_KINDS[hf[3] or ""]
+                if kind == "weight":
                     tensor = tensor.transpose(1, 2)  # [E, in, out] -> [E, out, in]
+                prefix = f"layers.{layer}.mlp.experts."
                 if proj == "gate_up_proj":
-                    tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
-            yield name, tensor
+                    yield f"{prefix}gate_proj.{kind}", tensor[:, 0::2]
+                    yield f"{prefix}up_proj.{kind}", tensor[:, 1::2]
+                else:
+                    yield f"{prefix}{proj}.{kind}", tensor
+            elif stacked is not None and stacked[2] == "gate_up_proj":
+                prefix, kind, half = f"layers.{stacked[1]}.mlp.experts.", stacked[3], tensor.shape[1] // 2
+                yield f"{prefix}gate_proj.{kind}", tensor[:, :half]
+                yield f"{prefix}up_proj.{kind}", tensor[:, half:]
+            else:
+                yield name, tensor
 
     def checkpoint_slices(self, name: str, assembled: bool) -> tuple[slice, ...] | None:
         if not self.tp.parallel:
             return None
         short = name.removeprefix("model.")
-        match = _EXPERTS.match(short)
-        if match is not None:
-            layer, proj, suffix = match[1], match[2], match[3] or ""
-            if not self._on_this_stage(f"layers.{layer}"):
-                return None
-            return self._mlp(layer).checkpoint_slices(proj, suffix)
+        hf, stacked = _HF_EXPERTS.match(short), _STACKED.match(short)
+        if hf is not None and self._on_this_stage(f"layers.{hf[1]}"):
+            return self._mlp(hf[1]).hf_checkpoint_slices(hf[2], hf[3] or "")
+        if stacked is not None and self._on_this_stage(f"layers.{stacked[1]}"):
+            return self._mlp(stacked[1]).stacked_checkpoint_slices(stacked[2], stacked[3])
+        if hf is not None or stacked is not None:
+            return None
         if short.endswith(".self_attn.sinks"):
             return (self.sink_heads.slice(),)
         return super().checkpoint_slices(name, assembled)
@@ -262,15 +325,20 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def _target(self, name: str) -> tuple[str, int | None] | None:
         short = name.removeprefix("model.")
-        match = _EXPERTS.match(short)
+        hf = _HF_EXPERTS.match(short)
+        if hf is not None:  # (a name as the checkpoint has it, before `_in_our_layout`: asked by `holds`)
+            proj = "down_proj" if hf[2] == "down_proj" else "gate_up_proj"
+            short = f"layers.{hf[1]}.mlp.experts.{proj}.{_HF_KINDS[hf[3] or '']}"
+        match = _STACKED.match(short)
         if match is not None:
-            layer, proj, suffix = match[1], match[2], match[3] or ""
+            layer, proj, kind = match[1], match[2], match[3]
             if not self._on_this_stage(f"layers.{layer}"):
                 return None
-            if proj == "down_proj" and suffix == "_bias" and self._mlp(layer).w2_bias is None:
+            if proj == "down_proj" and kind == "bias" and self._mlp(layer).w2_bias is None:
                 return None  # (added on another rank: not even read, loader.py `keep`)
-            kind = {"": "", "_bias": "_bias", "_blocks": ".blocks", "_scales": ".scales"}[suffix]
-            return f"layers.{layer}.mlp.{_OURS[proj]}{kind}", None
+            # (gate and up joined, which only `holds` sees unsplit: they fill w13 as its gate and up do)
+            ours, shard = _OURS["gate_proj" if proj == "gate_up_proj" else proj]
+            return f"layers.{layer}.mlp.{ours}{_OUR_KINDS[kind]}", shard
         if short.endswith(".self_attn.sinks"):
             if not self._on_this_stage(short):
                 return None

@@ -26,7 +26,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 TEXTS = ["Hello world", " The capital of France is", "déjà vu 🤖 naïve", "<|im_start|>user\nhi<|im_end|>\n"]
 VOCAB = 49152  # SmolLM2's: the file carries its tokenizer
 # tiny model -> GGUF architecture (Mixtral's files say llama, with an expert_count); tiny_models.MOE's gpt_oss
-# has no GGUF file here (refused: test_gguf.py)
+# has names, metadata and MXFP4 experts of its own: test_gguf_gpt_oss.py
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
 _BLOCK = {  # Hugging Face module inside layer N -> llama.cpp's tensor inside blk.N
     "input_layernorm": "attn_norm",
