@@ -60,15 +60,13 @@ from pagoda.engine_core.layers.linear import Linear, weights_deferred
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.llama import LlamaForCausalLM
 from pagoda.engine_core.models.llama_layers import LlamaDecoderLayer
-from pagoda.engine_core.models.moe import experts_of, pack_experts_for_cpu
+from pagoda.engine_core.models.moe import experts_of, pack_experts_for_cpu, place_experts
 from pagoda.engine_core.parallel.distributed import building_expert_parallel, building_group, building_stage
 from pagoda.engine_core.parallel.sharding import (
     MXFP4_BLOCK,
     Span,
     check_model_splits,
     expert_row_unit,
-    split_experts,
-    split_rows,
 )
 from pagoda.engine_core.quantization.assembly import LinearAssembler
 from pagoda.kernels import ops
@@ -108,16 +106,11 @@ class GptOssMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, mxfp4: bool):
         super().__init__()
-        experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.tp = building_group()
-        self.expert_parallel = self.tp.parallel and building_expert_parallel()
-        self.expert_span, self.inter_span = Span(0, experts), Span(0, inter)
-        if self.expert_parallel:
-            self.expert_span = split_experts(experts, self.tp.rank, self.tp.world_size)
-        elif self.tp.parallel:
-            # (MXFP4: whole blocks of 32, so that the down projection's blocks are never cut)
-            unit = MXFP4_BLOCK if mxfp4 else 1
-            self.inter_span = split_rows(inter, self.tp.rank, self.tp.world_size, unit)
+        experts, hidden = cfg.num_experts, cfg.hidden_size
+        # (MXFP4: rows in whole blocks of 32, so that the down projection's blocks are never cut)
+        self.tp, self.expert_parallel, self.expert_span, self.inter_span = place_experts(
+            cfg, MXFP4_BLOCK if mxfp4 else 1
+        )
         local_experts, local_inter = self.expert_span.size, self.inter_span.size
         # (HF's router: top-k of the logits, softmax over those k; the weights rounded to the hidden dtype.
         # Expert parallel: every token routed over all experts, then only this rank's pairs computed.)

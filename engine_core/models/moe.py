@@ -55,7 +55,7 @@ from pagoda.engine_core.layers.linear import Linear, weights_deferred
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.llama import LlamaForCausalLM
 from pagoda.engine_core.models.llama_layers import LlamaMLP
-from pagoda.engine_core.parallel.distributed import building_expert_parallel, building_group
+from pagoda.engine_core.parallel.distributed import TPGroup, building_expert_parallel, building_group
 from pagoda.engine_core.parallel.sharding import Span, split_experts, split_rows
 from pagoda.engine_core.quantization.assembly import ExpertProjection
 from pagoda.kernels import ops
@@ -106,13 +106,7 @@ class MoEMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, weights_in_hidden_dtype: bool):
         super().__init__()
         experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.tp = building_group()
-        self.expert_parallel = self.tp.parallel and building_expert_parallel()
-        self.expert_span, self.inter_span = Span(0, experts), Span(0, inter)
-        if self.expert_parallel:
-            self.expert_span = split_experts(experts, self.tp.rank, self.tp.world_size)
-        elif self.tp.parallel:
-            self.inter_span = split_rows(inter, self.tp.rank, self.tp.world_size)
+        self.tp, self.expert_parallel, self.expert_span, self.inter_span = place_experts(cfg)
         local_experts, local_inter = self.expert_span.size, self.inter_span.size
         self.inter = inter  # (each expert's intermediate size in the checkpoint)
         # (norm_topk_prob is always True for Mixtral: engine_core/model_config.py)
@@ -223,6 +217,21 @@ class MoEMLP(nn.Module):
         # Under tensor parallel `out` is this rank's partial sum (its intermediate rows of every expert, or
         # its experts' pairs, plus its share of the shared expert): one all-reduce per layer adds them.
         return self.tp.all_reduce(out)
+
+
+def place_experts(cfg: ModelConfig, row_unit: int = 1) -> tuple[TPGroup, bool, Span, Span]:
+    """This rank's share of a MoE layer, as it is being built: (its tensor-parallel group, whether experts
+    are placed whole (expert parallel), the experts it holds, their intermediate rows it holds), the spans
+    in checkpoint coordinates. Without expert parallel the rows are split in units of `row_unit`."""
+    experts, inter = cfg.num_experts, cfg.moe_intermediate_size
+    tp = building_group()
+    expert_parallel = tp.parallel and building_expert_parallel()
+    expert_span, inter_span = Span(0, experts), Span(0, inter)
+    if expert_parallel:
+        expert_span = split_experts(experts, tp.rank, tp.world_size)
+    elif tp.parallel:
+        inter_span = split_rows(inter, tp.rank, tp.world_size, row_unit)
+    return tp, expert_parallel, expert_span, inter_span
 
 
 def pack_experts_for_cpu(mlp) -> bool:
