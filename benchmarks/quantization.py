@@ -9,7 +9,7 @@ int8|int4`, and the whole engine (with llama.cpp beside it where llama-cpp-pytho
 
 `engine` runs the offline engine on SmolLM2 in fp32, `--quantization int8`, `int4` and its Q4_1 GGUF
 served directly: weight memory, one stream's decode speed (512-token prompt, 256 greedy tokens:
-255 / (time for 256 - time for 1)) and 16 concurrent 128 -> 128 streams' output tok/s; llama.cpp decodes
+255 / (time for 256 - time for 1)), its time to first token (the time for 1, offline: the prefill) and 16 concurrent 128 -> 128 streams' output tok/s; llama.cpp decodes
 the same Q4_1 file and the fp32 weights with the same prompt (n_threads as --threads).
 
 `kernels` times, for each linear shape of one SmolLM2 layer and its LM head:
@@ -232,21 +232,26 @@ def bench_engine(threads: int, repeats: int, int8_activations: bool, llama_pytho
 
         run([single], 8)  # warm-up
         decode = max(255 / (run([single], 256) - run([single], 1)) for _ in range(repeats))
+        first = min(run([single], 1) for _ in range(repeats))  # (the 512-token prompt's prefill and one token)
         concurrent = max(16 * 128 / run(batch, 128) for _ in range(repeats))
         rows.append({"config": label, "weights_mib": llm.engine.runner.weight_bytes / 2**20,
-                     "decode_tok_s": decode, "c16_tok_s": concurrent})  # fmt: skip
+                     "decode_tok_s": decode, "ttft_ms": first * 1e3, "c16_tok_s": concurrent})  # fmt: skip
         del llm
         gc.collect()
     if llama_python:
         for label, path in (("llama.cpp Q4_1", gguf),):
             rows.append({"config": label, **_llama_cpp_decode(llama_python, path, single, threads, repeats)})
     base = rows[0]
-    print(f"{'config':>15} {'weights MiB':>12} {'decode tok/s':>13} {'vs fp32':>8} {'c16 tok/s':>10} {'vs fp32':>8}")
+    print(
+        f"{'config':>15} {'weights MiB':>12} {'decode tok/s':>13} {'vs fp32':>8} {'TTFT ms':>8} {'vs fp32':>8} "
+        f"{'c16 tok/s':>10} {'vs fp32':>8}"
+    )
     for row in rows:
-        c16 = row.get("c16_tok_s")
+        c16, ttft = row.get("c16_tok_s"), row.get("ttft_ms")
         print(
             f"{row['config']:>15} {row.get('weights_mib', float('nan')):>12.1f} {row['decode_tok_s']:>13.1f} "
             f"{row['decode_tok_s'] / base['decode_tok_s']:>7.2f}x "
+            + (f"{ttft:>8.1f} {ttft / base['ttft_ms']:>7.2f}x " if ttft else f"{'-':>8} {'':>8} ")
             + (f"{c16:>10.1f} {c16 / base['c16_tok_s']:>7.2f}x" if c16 else f"{'-':>10} {'':>8}")
         )
     return rows
