@@ -9,8 +9,9 @@ int8|int4`, and the whole engine (with llama.cpp beside it where llama-cpp-pytho
 
 `engine` runs the offline engine on SmolLM2 in fp32, `--quantization int8`, `int4` and its Q4_1 GGUF
 served directly: weight memory, one stream's decode speed (512-token prompt, 256 greedy tokens:
-255 / (time for 256 - time for 1)), its time to first token (the time for 1, offline: the prefill) and 16 concurrent 128 -> 128 streams' output tok/s; llama.cpp decodes
-the same Q4_1 file and the fp32 weights with the same prompt (n_threads as --threads).
+255 / (time for 256 - time for 1)), its time to first token (the time for 1, offline: the prefill) and
+16 concurrent 128 -> 128 streams' output tok/s; llama.cpp decodes the same Q4_1 file and the fp32 weights
+with the same prompt (n_threads as --threads).
 
 `kernels` times, for each linear shape of one SmolLM2 layer and its LM head:
 - fp32: the engine's own `Linear` with its weight packed by oneDNN (`pack_for_cpu`), what an unquantized
