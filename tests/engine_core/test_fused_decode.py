@@ -232,10 +232,11 @@ def _quantized_checkpoint(kind: str, tmp_path) -> tuple[str, dict]:
         "int4",
         "gguf-q4_1",
         "gguf-q8_0",
-        "gptq-tiny-qwen2-w4-g64",
-        "awq-tiny-mistral-g128",
-        "ct-tiny-mistral:w8a16-asym",
-        "ct-tiny-qwen2:w4a16-asym",
+        # (checkpoints made by the quantization tools' venvs, as the slow format tests make them)
+        pytest.param("gptq-tiny-qwen2-w4-g64", marks=pytest.mark.slow),
+        pytest.param("awq-tiny-mistral-g128", marks=pytest.mark.slow),
+        pytest.param("ct-tiny-mistral:w8a16-asym", marks=pytest.mark.slow),
+        pytest.param("ct-tiny-qwen2:w4a16-asym", marks=pytest.mark.slow),
     ],
 )
 def test_quantized_weights_decode_fused_as_the_layers_do(tmp_path, kind, int8_activations):
