@@ -66,8 +66,8 @@ from pagoda.engine_core.parallel.sharding import (
     MXFP4_BLOCK,
     Span,
     check_model_splits,
-    expert_row_unit,
 )
+from pagoda.engine_core.quantization import checkpoint_method_name
 from pagoda.engine_core.quantization.assembly import LinearAssembler
 from pagoda.kernels import ops
 from pagoda.kernels.mxfp4 import Mxfp4Experts
@@ -91,7 +91,7 @@ _OUR_KINDS = {"weight": "", "bias": "_bias", "blocks": ".blocks", "scales": ".sc
 
 def uses_mxfp4(cfg: ModelConfig) -> bool:
     """Whether the checkpoint stores its experts MXFP4 (its config's quantization_config says so)."""
-    return expert_row_unit(cfg) == MXFP4_BLOCK
+    return checkpoint_method_name(cfg.raw) == "mxfp4"
 
 
 class GptOssMLP(nn.Module):

@@ -190,19 +190,20 @@ class FusedDecoder:
             )
         )
         self.num_layers = len(layers)
-        # Every distinct quantized layout, for the workspace a batch needs (None: all float32 panels).
-        self._quantized = list(
-            {
-                (w.bits, w.in_features, w.group_size, w.num_groups): w
-                for t in layers
-                for w in (t.qkv, t.o, t.gate_up, t.down)
-                if isinstance(w, PackedWeight)
-            }.values()
-        )
+        # Every distinct quantized layout with the plan its projections were given (the settings of now: the
+        # C side follows those plans, so the workspace must too), for the workspace a batch needs.
+        layouts = {
+            (w.bits, w.in_features, w.group_size, w.num_groups): w
+            for t in layers
+            for w in (t.qkv, t.o, t.gate_up, t.down)
+            if isinstance(w, PackedWeight)
+        }
+        self._quantized = [(w, row_plan(lib, w)) for w in layouts.values()]
+        self._workspace_floats: dict[tuple[int, int], int] = {}  # (batch, threads) -> floats
         self._quantized_workspace = torch.empty(0)
         # From this batch on, a quantized projection takes a path the C decoder does not have (oneDNN tiles,
         # prefill sizes): such steps run layer by layer.
-        self.max_batch = min((row_plan(lib, w).tiles_from - 1 for w in self._quantized), default=None)
+        self.max_batch = min((plan.tiles_from - 1 for _, plan in self._quantized), default=None)
 
     @staticmethod
     def _check(shape: Shape, layers: list[LayerTensors], cos_sin: torch.Tensor) -> None:
@@ -294,7 +295,12 @@ class FusedDecoder:
         scratch = scratch_buffer(scratch_size(ctypes.byref(self._model), batch, max_blocks, attention_threads))
         quantized_workspace = None
         if self._quantized:  # (its own buffer: scratch_buffer's one is the scratch above)
-            floats = max(workspace_floats(self._lib, batch, w, threads) for w in self._quantized)
+            floats = self._workspace_floats.get((batch, threads))
+            if floats is None:
+                floats = max(
+                    workspace_floats(self._lib, plan.path(batch), batch, w, threads) for w, plan in self._quantized
+                )
+                self._workspace_floats[(batch, threads)] = floats
             if self._quantized_workspace.numel() < floats:
                 self._quantized_workspace = torch.empty(floats, dtype=torch.float32)
             quantized_workspace = self._quantized_workspace

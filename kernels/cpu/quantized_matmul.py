@@ -65,6 +65,14 @@ class RowPlan:
     batch_from: int
     tiles_from: int
 
+    def path(self, rows: int) -> str:
+        """ "fused", "batch", "int8" or "tiles"."""
+        if self.int8_from <= rows < self.int8_until:
+            return "int8"
+        if rows >= self.tiles_from:
+            return "tiles"
+        return "fused" if rows < self.batch_from else "batch"
+
 
 _NEVER = 1 << 62
 
@@ -80,17 +88,11 @@ def row_plan(lib, packed: PackedWeight) -> RowPlan:
 
 def path(lib, rows: int, packed: PackedWeight) -> str:
     """How `rows` input rows go through `packed` with `lib`: "fused", "batch", "int8" or "tiles"."""
-    plan = row_plan(lib, packed)
-    if plan.int8_from <= rows < plan.int8_until:
-        return "int8"
-    if rows >= plan.tiles_from:
-        return "tiles"
-    return "fused" if rows < plan.batch_from else "batch"
+    return row_plan(lib, packed).path(rows)
 
 
-def workspace_floats(lib, rows: int, packed: PackedWeight, threads: int) -> int:
-    """Floats of workspace `rows` input rows need through `packed` on the C paths ("fused", "batch", "int8")."""
-    way = path(lib, rows, packed)
+def workspace_floats(lib, way: str, rows: int, packed: PackedWeight, threads: int) -> int:
+    """Floats of workspace `rows` input rows need through `packed` on C path `way` ("fused", "batch", "int8")."""
     if way == "int8":
         return lib["quantized_q8_workspace"](
             rows, packed.padded_in_features, packed.num_groups, packed.group_size, packed.bits
@@ -165,7 +167,7 @@ def _quantized_linear(lib, x: torch.Tensor, packed: PackedWeight, bias: torch.Te
         0 if bias is None else bias.data_ptr(),
     ]
     sizes = [m, n, kp, packed.num_groups, packed.group_size, packed.bits, rows.stride(0), n]
-    workspace = scratch_buffer(workspace_floats(lib, m, packed, threads))
+    workspace = scratch_buffer(workspace_floats(lib, way, m, packed, threads))
     if way == "int8":  # workspace: per-row scales, per-group sums, then the int8 rows
         lib["quantized_linear_q8_f32"](
             rows.data_ptr(), *weight, out.data_ptr(), workspace.data_ptr(), *sizes, threads, mins_f32
