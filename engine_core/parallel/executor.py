@@ -167,6 +167,8 @@ class ParallelExecutor:
             self._workers_alive,
             self.ranks.address(0) if spans_machines else None,
         )
+        if self.ring is not None:  # (its readers attach before they join the groups)
+            self.ring.release_name()
 
     def _workers_alive(self) -> bool:
         return self.ranks.first_dead() is None

@@ -27,8 +27,9 @@ reader spins, then sleeps with a backoff capped at 1 ms. Both sides re-check eve
 other side's process is gone, so a dead peer gives a clear error instead of a hang.
 
 Cleanup: the writer owns the segment and the runtime files; close() (or garbage collection, or normal
-interpreter exit) unlinks them. The segment is registered with multiprocessing's resource tracker, which
-unlinks it if the writer is SIGKILLed; readers attach through /dev/shm without registering, so the
+interpreter exit) unlinks them. Once every reader has attached, release_name() unlinks the segment's name
+early, so nothing can leave it behind. Until then it is registered with multiprocessing's resource
+tracker, which unlinks it if the writer is SIGKILLed; readers attach through /dev/shm without registering, so the
 tracker never warns about a segment another process unlinked. No pickle: the spec is a msgspec Struct.
 """
 
@@ -281,6 +282,17 @@ class RingWriter:
                 status = "process gone" if process_gone(pid) else "closed its end" if state == _CLOSED else "alive"
                 words.append(f"reader {r} (pid {pid}, {status})")
         return ", ".join(words)
+
+    def release_name(self) -> None:
+        """Unlink the segment's name once every reader has attached (mapped it): the mappings live on, and
+        from here no death of any process, ours or the resource tracker's, can leave the segment behind.
+        (Ray's workers SIGKILL their children, the tracker among them, when they exit on their own.)"""
+        layout, control = self._layout, self._control
+        detached = [r for r in range(layout.num_readers) if control[layout.reader(r, _R_STATE)] == _DETACHED]
+        if detached:
+            raise ValueError(f"ring {self.spec.shm_name}: {self._describe(detached)}; its name is still needed")
+        with contextlib.suppress(FileNotFoundError):
+            self._res.shm.unlink()  # (and unregistered from the resource tracker)
 
     def close(self) -> None:
         """End the ring: readers get RingClosed once they have read everything written. Idempotent."""

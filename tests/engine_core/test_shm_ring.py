@@ -265,7 +265,11 @@ for seq in range(1, 4):
     writer.write([seq.to_bytes(8, "little")])
 sys.stdout.buffer.write(msgspec.msgpack.encode(writer.spec).hex().encode() + b"\\n")
 sys.stdout.flush()
-if sys.argv[2] == "wait":
+if sys.argv[2] == "release":  # once the test's reader has attached (it says so on stdin)
+    sys.stdin.readline()
+    writer.release_name()
+    print("released", flush=True)
+if sys.argv[2] in ("wait", "release"):
     time.sleep(600)
 """
 
@@ -275,6 +279,7 @@ def run_writer_process(runtime_dir: str, mode: str) -> tuple[subprocess.Popen, R
     process = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(WRITER_SCRIPT), runtime_dir, mode],
         cwd=ROOT,
+        stdin=subprocess.PIPE if mode == "release" else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
@@ -334,3 +339,39 @@ def test_in_process_contract(rings):
     writer.close()
     with pytest.raises(ValueError):
         writer.write([b"late"])
+
+
+def test_a_released_name_outlives_no_kill_even_of_the_resource_tracker(rings):
+    """Ray's workers SIGKILL their children when they exit on their own, the writer's resource tracker
+    among them: once every reader has attached, release_name() leaves nothing for the tracker to do."""
+    process, spec = run_writer_process(rings.dir, "release")
+    reader = RingReader(spec, 0)
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write(b"attached\n")
+    process.stdin.flush()
+    assert process.stdout.readline() == b"released\n"
+    assert not os.path.exists(f"/dev/shm/{spec.shm_name}")
+    assert [int.from_bytes(reader.read(timeout_s=60), "little") for _ in range(3)] == [1, 2, 3]  # (mapped still)
+    trackers = [int(pid) for pid in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+    for pid in [*trackers, process.pid]:
+        os.kill(pid, signal.SIGKILL)
+    process.wait()
+    reader.close()
+    assert not os.path.exists(f"/dev/shm/{spec.shm_name}")
+    for stream in (process.stdin, process.stdout, process.stderr):
+        stream.close()
+
+
+def test_the_name_is_kept_until_every_reader_has_attached(rings):
+    writer = rings.writer(2, slot_bytes=64, num_slots=2)
+    first = RingReader(writer.spec, 0)
+    with pytest.raises(ValueError, match=r"reader 1 \(never attached\); its name is still needed"):
+        writer.release_name()
+    assert os.path.exists(f"/dev/shm/{writer.spec.shm_name}")
+    second = RingReader(writer.spec, 1)
+    writer.release_name()
+    assert not os.path.exists(f"/dev/shm/{writer.spec.shm_name}")
+    writer.write([b"after"])
+    assert bytes(first.read(timeout_s=10)) == bytes(second.read(timeout_s=10)) == b"after"
+    first.close()
+    second.close()
