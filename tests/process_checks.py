@@ -46,6 +46,7 @@ def kill_9_leaves_nothing(server: PagodaServer, group_dirs: Path | None = None) 
     ]
     assert wait_until(lambda: server.runtime_dirs() == [], 1.0)
     assert not (server.tmp_path / "frontend.sock").exists()
-    assert [path for path in shm if os.path.exists(path)] == []
+    left = [path for path in shm if os.path.exists(path)]
+    assert left == [], f"shared memory left behind: {left}"
     if group_dirs is not None:
         assert [p.name for p in group_dirs.iterdir() if p.name.startswith("pagoda-tp-")] == []
