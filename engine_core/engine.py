@@ -136,9 +136,21 @@ class EngineCore:
         # pipeline parallel, finished in the step that starts it).
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
         self.kv_manager = KVCacheManager(
-            self.runner.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching
+            self.runner.num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            sliding_window=self.runner.kv_window,
         )
+        if self.runner.kv_window is not None:
+            logger.info(
+                "KV cache: every layer slides over %d tokens; a request's blocks are given back as they leave"
+                " its window",
+                self.runner.kv_window,
+            )
         capacity = self.kv_manager.pool.num_usable_blocks * config.block_size
+        window_blocks = self.kv_manager.window_blocks(config.max_num_batched_tokens)
+        if window_blocks is not None and window_blocks <= self.kv_manager.pool.num_usable_blocks:
+            capacity = self.model_cfg.max_position_embeddings  # (a request of any length holds its window's)
         self.max_model_len = self._max_model_len(capacity)
         self.scheduler = Scheduler(
             self.kv_manager,

@@ -4,6 +4,11 @@ A request's full blocks are published in the pool's prefix cache under their cha
 once the scheduler has scheduled their tokens. A new request first takes the longest run of cached
 blocks that matches its prompt (one more reference each, no compute) and computes only the rest;
 the last prompt token is always computed, because its logits are needed.
+
+Where every attention layer slides over the same window (Mistral, Phi-3), a request's blocks that lie
+wholly before the window of its next token are given back as it grows (published ones stay cached until
+evicted); the null block takes their place in its block table, which the attention kernels never read
+there, so a request holds at most its window's blocks plus the ones its next step writes.
 """
 
 from __future__ import annotations
@@ -18,10 +23,21 @@ from pagoda.engine_core.request import Request
 class KVCacheManager:
     """Gives each request the blocks its tokens need, on demand, and takes them back."""
 
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        watermark: float = 0.01,
+        enable_caching: bool = True,
+        sliding_window: int | None = None,
+    ):
+        """`sliding_window`: the window every layer's attention shares (None: some layer sees the whole
+        context, and a request keeps all its blocks)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
+        self._num_released: dict[str, int] = {}  # leading blocks of each request given back (window left)
         # Admission keeps a few blocks spare so running requests can grow without instant preemption.
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
         self._blocks_of: dict[str, list[KVCacheBlock]] = {}
@@ -78,11 +94,38 @@ class KVCacheManager:
             self.pool.touch(hit_blocks)
             blocks.extend(hit_blocks)
             self._num_cached_blocks[request.request_id] = len(blocks)
+        self._release_outside_window(request, request.num_computed_tokens + len(hit_blocks) * self.block_size)
         if needed:
             new_blocks = self.pool.allocate(needed)
             blocks.extend(new_blocks)
         request.block_ids = [b.block_id for b in blocks]
         return True
+
+    def _release_outside_window(self, request: Request, computed: int) -> None:
+        """Give back the blocks that no coming token of `request` reads: those wholly before the window of
+        the next token to compute (position `computed` sees keys from computed + 1 - window on)."""
+        if self.sliding_window is None:
+            return
+        blocks = self._blocks_of[request.request_id]
+        dead = min((computed + 1 - self.sliding_window) // self.block_size, len(blocks))
+        start = self._num_released.get(request.request_id, 0)
+        if dead <= start:
+            return
+        self.pool.release(blocks[start:dead])
+        blocks[start:dead] = [self.pool.null_block] * (dead - start)
+        self._num_released[request.request_id] = dead
+        request.block_ids = [b.block_id for b in blocks]
+
+    def window_blocks(self, step_tokens: int) -> int | None:
+        """The most blocks a request ever holds under the sliding window when a step computes at most
+        `step_tokens` of its tokens, whatever its length (None: no window, a request holds them all)."""
+        if self.sliding_window is None:
+            return None
+        return -(-(self.sliding_window - 1 + step_tokens) // self.block_size) + 1
+
+    def num_blocks_held(self, request: Request) -> int:
+        """The pool blocks `request` holds (its table's entries but the null block's)."""
+        return len(self._blocks_of.get(request.request_id, ())) - self._num_released.get(request.request_id, 0)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the request's blocks that its scheduled tokens now fill completely."""
@@ -95,7 +138,7 @@ class KVCacheManager:
         if full <= start:
             return
         hashes = self.block_hashes(request)
-        for index in range(start, full):
+        for index in range(max(start, self._num_released.get(request.request_id, 0)), full):
             self.pool.cache(blocks[index], hashes[index])
         self._num_cached_blocks[request.request_id] = full
 
@@ -113,7 +156,8 @@ class KVCacheManager:
         """Return a request's blocks, tail first, so a chain's later blocks are evicted before its head."""
         blocks = self._blocks_of.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        self.pool.release(list(reversed(blocks)))
+        released = self._num_released.pop(request.request_id, 0)  # (null blocks in their places)
+        self.pool.release(list(reversed(blocks[released:])))
         request.block_ids = []
 
     def reset_prefix_cache(self) -> int:

@@ -173,6 +173,7 @@ class ModelRunner:
             if draft_model is None
             else DraftModel(draft_model, model_dir, model_cfg, self.dtype, self.device, self.block_size)
         )
+        self.kv_window = self._shared_window()
         # Long prompts' rows as bulk rows, where the linears then compute them otherwise (AMX; float32 panels)
         self.bulk_prompts = self.dtype == torch.float32 and ops.bulk_rows_differ(self.device)
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
@@ -183,6 +184,24 @@ class ModelRunner:
         num_blocks = group.min_int(self._num_blocks())
         self.allocate_kv_cache(pipe.min_int(num_blocks) if pipe is not None else num_blocks)
         self._heads_owed: deque[tuple[LogitsRows, int]] = deque()  # a first-stage follower's steps (rows, tokens)
+
+    def _shared_window(self) -> int | None:
+        """The sliding window that every attention layer with K/V in the pool shares (the target's, and a
+        draft model's), or None where some layer sees the whole context: what lets the KV manager free the
+        blocks that have left a request's window. Each model declares its layers' windows; the layers it
+        built must agree."""
+        models = [self.model] + ([self.draft.model] if self.draft is not None else [])
+        windows: set[int | None] = set()
+        for model in models:
+            declared = model.attention_windows()
+            for index, attention in zip(model.layer_range, model.attention_layers(), strict=True):
+                if attention.sliding_window != declared[index]:
+                    raise RuntimeError(
+                        f"{type(model).__name__}: layer {index} attends with window {attention.sliding_window},"
+                        f" but the family declares {declared[index]}"
+                    )
+            windows |= set(declared)
+        return windows.pop() if len(windows) == 1 else None
 
     def _num_blocks(self) -> int:
         per_block = kv_bytes_per_block(

@@ -252,16 +252,21 @@ class GptOssForCausalLM(LlamaForCausalLM):
         check_model_splits(cfg, group.world_size, stage.count, building_expert_parallel())
         self.mxfp4 = uses_mxfp4(cfg)
         super().__init__(cfg, dtype, pooling)
-        # (no layer_types: HF's default, sliding in the even layers, full in the odd ones; indices are the
-        # model's, not this pipeline stage's)
-        kinds = cfg.layer_types or tuple("sliding_attention" if i % 2 == 0 else "full" for i in range(cfg.num_layers))
+        windows = self.attention_windows()
         for i in self.layer_range:
             attn = cast(LlamaDecoderLayer, self.layers[i]).self_attn.attn
-            attn.sliding_window = cfg.sliding_window if kinds[i] == "sliding_attention" else None
+            attn.sliding_window = windows[i]
             attn.sinks = nn.Parameter(torch.empty(attn.num_heads, dtype=dtype), requires_grad=False)
         # This rank's query heads, as its q projection holds them: the sinks it loads (one per head).
         attention = self.decoder_layers()[0].self_attn
         self.sink_heads = Span(attention.qkv_proj.out_spans[0].start // cfg.head_dim, attention.num_heads)
+
+    def attention_windows(self) -> list[int | None]:
+        # (no layer_types: HF's default, sliding in the even layers, full in the odd ones; indices are the
+        # model's, not this pipeline stage's)
+        cfg = self.cfg
+        kinds = cfg.layer_types or tuple("sliding_attention" if i % 2 == 0 else "full" for i in range(cfg.num_layers))
+        return [cfg.sliding_window if kind == "sliding_attention" else None for kind in kinds]
 
     def mlp_for(self, layer_index: int, dtype: torch.dtype) -> nn.Module:
         return GptOssMLP(self.cfg, dtype, self.mxfp4)

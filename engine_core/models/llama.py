@@ -95,6 +95,13 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         families, engine_core/models/moe.py, put a mixture of experts in some or all layers). Dense here."""
         return LlamaMLP(self.cfg, dtype)
 
+    def attention_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: it attends to the whole context), every layer of the model
+        and not just this pipeline stage's: the seat where a family declares its layers' attention kinds.
+        The KV manager frees a request's blocks that left the window only when every layer slides
+        (engine_core/kv_cache.py); the model runner checks that the layers it holds agree with this."""
+        return [self.cfg.sliding_window] * self.cfg.num_layers
+
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's layers."""
         # (cast: nn.ModuleList is not generic, its items are typed as any Module)

@@ -70,15 +70,17 @@ actions = st.lists(
     max_seqs=st.integers(1, 6),
     caching=st.booleans(),
     alphabet=st.integers(1, 3),
+    window=st.sampled_from([None, 1, 4, 9, 16]),
 )
-def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max_seqs, caching, alphabet):
+def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max_seqs, caching, alphabet, window):
     """Drive the real scheduler and block manager with random arrivals (prompts over a tiny alphabet, so
     prefixes are shared and cached blocks get hit and evicted), steps (every scheduled request that
     completes its prompt gets a token), aborts and cache resets. A block's ref count always equals the
-    number of running requests holding it, never negative; budgets hold; once everything finished or
+    number of running requests holding it, never negative; budgets hold; under a sliding window a
+    request holds only the blocks its window and its step's tokens cover; once everything finished or
     was aborted every block is free."""
     block_size = 4
-    manager = KVCacheManager(num_blocks, block_size, enable_caching=caching)
+    manager = KVCacheManager(num_blocks, block_size, enable_caching=caching, sliding_window=window)
     capacity = manager.pool.num_usable_blocks * block_size
     scheduler = Scheduler(manager, budget, max_seqs, max_model_len=capacity)
     next_id = 0
@@ -87,11 +89,16 @@ def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max
         out = scheduler.schedule()
         assert out.total_tokens <= budget and len(scheduler.running) <= max_seqs
         holders = Counter(b for r in scheduler.running for b in r.block_ids)
-        assert 0 not in holders
         for block in manager.pool.blocks[1:]:
             assert block.ref_cnt == holders.get(block.block_id, 0) >= 0
         for r in scheduler.running:
             assert len(r.block_ids) * block_size >= r.num_computed_tokens
+            assert manager.num_blocks_held(r) == sum(1 for b in r.block_ids if b != 0)
+            if window is None:
+                assert 0 not in r.block_ids
+        for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
+            if window is not None:  # (the step's first token sees keys from its position + 1 - window on)
+                assert manager.num_blocks_held(r) <= -(-(window - 1 + n) // block_size) + 1
         sampled = {r.request_id: [7] for r in out.requests if r.num_computed_tokens == r.num_tokens}
         scheduler.update_from_output(out, sampled)
         manager.pool.check_integrity()
