@@ -117,8 +117,12 @@ def _moe_fields(cfg: dict) -> dict:
 
 def _rope_parameters(cfg: dict) -> dict:
     """transformers 5 writes `rope_parameters: {rope_theta, rope_type, ...}`; older configs have a
-    top-level `rope_theta` and an optional `rope_scaling`. Read both into one dict."""
+    top-level `rope_theta` and an optional `rope_scaling`. Read both into one dict. Parameters per layer
+    type (Gemma 3's `{"full_attention": {...}, "sliding_attention": {...}}`): the full-attention layers'
+    (engine_core/models/gemma.py reads the sliding layers' own)."""
     params = dict(cfg.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
     if "rope_theta" not in params and "rope_theta" in cfg:
         params["rope_theta"] = cfg["rope_theta"]
     params.update(cfg.get("rope_scaling") or {})

@@ -7,8 +7,8 @@ Same contracts and signatures as `pagoda.kernels.torch_ref.attention`. Cache lay
 Both attention kernels are GQA-aware: one program serves every query head of one KV head, so each K/V
 tile is read once per group. Scores, softmax statistics and accumulators are fp32 (exp2 with log2(e)
 folded into the scale); outputs take the query's dtype. Attention logit soft-capping (Gemma 2: `softcap`,
-0 = off) caps each scaled score s to softcap * tanh(s / softcap) before the mask (`_soft_cap`). Tile sizes are fixed (no autotuning) and only
-long-stable `triton.language` APIs are used.
+0 = off) caps each scaled score s to softcap * tanh(s / softcap) before the mask (`_soft_cap`). Tile sizes
+are fixed (no autotuning) and only long-stable `triton.language` APIs are used.
 """
 
 from __future__ import annotations

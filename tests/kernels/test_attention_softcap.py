@@ -126,9 +126,7 @@ def test_softcap_with_sinks(monkeypatch, paged_libraries, varlen_libraries, vari
     query = torch.randn(2, 4, 32, generator=gen)
     sinks = torch.randn(4, generator=gen)
     args = (query, key_cache, value_cache, block_tables, torch.tensor(seq_lens), SCALE, 5)
-    out = _run(
-        monkeypatch, paged_libraries, _which(variant), "paged_decode_attention", *args, sinks=sinks, softcap=CAP
-    )
+    out = _run(monkeypatch, paged_libraries, _which(variant), "paged_decode_attention", *args, sinks=sinks, softcap=CAP)
     for b, n in enumerate(seq_lens):
         want = naive(query[b : b + 1], keys[b], values[b], n - 1, SCALE, CAP, 5, sinks)
         torch.testing.assert_close(out[b : b + 1].double(), want, atol=2e-5, rtol=1e-4)
