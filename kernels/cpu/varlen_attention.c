@@ -280,7 +280,8 @@ int varlen_attention_f32(const float *q, const float *k, const float *v, const i
 
 /* Causal attention of each sequence's last cu_seqlens[b+1] - cu_seqlens[b] tokens (q) to its seq_lens[b]
  * keys, all of which the caches hold already (this step's too). workspace: varlen_attention_workspace(
- * head_dim, max_len, num_threads) floats, max_len the most keys of a sequence; sinks: [num_heads] or NULL; softcap as above.
+ * head_dim, max_len, num_threads) floats, max_len the most keys of a sequence; sinks: [num_heads] or NULL;
+ * softcap as above.
  * Returns 0 (1: out of memory). */
 int paged_prefill_attention_f32(const float *q, const float *key_cache, const float *value_cache,
                                 const int64_t *block_tables, const int64_t *cu_seqlens, const int64_t *seq_lens,

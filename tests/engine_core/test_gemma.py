@@ -19,6 +19,7 @@ from pagoda.engine_core.models import model_class
 from pagoda.engine_core.sampling_params import SamplingParams
 from tests import tiny_models
 from tests.helpers import greedy_with_first_logprobs, hf_greedy, run_engine
+from tests.parallel_checks import compare_runs
 from tests.quantization_helpers import identical_count, write_dequantized_checkpoint
 
 NEW_TOKENS = 16
@@ -140,3 +141,15 @@ def test_int8_at_load_serves_its_own_dequantized_weights(saved, tmp_path):
     )
     want = _greedy(_engine(reference), _prompts())
     assert identical_count(tokens, want) >= len(want) - 1, (tokens, want)
+
+
+def test_tensor_parallel_matches_one_rank(saved):
+    """TP=2 over gloo (worker processes): each rank holds half the heads and half of GeGLU's gate and up rows,
+    the vocabulary split (the embedding scaled after its all-reduce, each slice of logits capped); tokens and
+    first-step logprobs as one rank's (tests/parallel_checks.py)."""
+    _, _, model_dir, _ = saved
+    runs = [
+        greedy_with_first_logprobs(model_dir, _prompts(), NEW_TOKENS, tensor_parallel_size=tp, num_kv_blocks=64)
+        for tp in (1, 2)
+    ]
+    compare_runs(runs, min_identical=len(LENGTHS) - 1)
