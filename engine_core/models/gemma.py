@@ -215,3 +215,42 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
                 params = {}
             self.local_rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, params or None)
         return cast(RotaryEmbedding, self.local_rotary)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text model of a Gemma 3 vision-language checkpoint: its config's `text_config` (ModelConfig), its
+    tensors under `language_model.model.` (what transformers writes, also in 5.x) or `model.language_model.`
+    (its in-memory names), the LM head (if stored) under `language_model.lm_head.` or `lm_head.`; the vision
+    tower's and projector's are skipped. Images are not supported."""
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], assembler: LinearAssembler | None = None
+    ) -> None:
+        super().load_weights(((self._text_name(n) or n, t) for n, t in weights), assembler)
+
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        text_name = self._text_name(name)
+        return None if text_name is None else super()._target(text_name)
+
+    def checkpoint_slices(self, name: str, assembled: bool) -> tuple[slice, ...] | None:
+        text_name = self._text_name(name)
+        return None if text_name is None else super().checkpoint_slices(text_name, assembled)
+
+    @staticmethod
+    def _text_name(name: str) -> str | None:
+        """The text model's name for a checkpoint tensor (as a Gemma3ForCausalLM checkpoint names it); None
+        for the vision tower's and the projector's."""
+        for prefix, ours in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                return ours + name.removeprefix(prefix)
+        if name.startswith(("model.", "lm_head.")) and not name.startswith(_VISION_PREFIXES):
+            return name  # (already a text model's name)
+        return None
+
+
+_TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")

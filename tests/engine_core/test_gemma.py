@@ -153,3 +153,29 @@ def test_tensor_parallel_matches_one_rank(saved):
         for tp in (1, 2)
     ]
     compare_runs(runs, min_identical=len(LENGTHS) - 1)
+
+
+def test_a_vision_language_checkpoint_serves_its_text_model(tmp_path):
+    """Gemma3ForConditionalGeneration (a tiny SigLIP tower around tests/tiny_models.py's gemma3): the config's
+    text_config and the tensors under language_model.; greedy tokens equal HF's own model's, given text."""
+    import transformers
+
+    text = {**tiny_models.COMMON, **tiny_models.ARCHITECTURES["gemma3"][1]}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=dict(vision, patch_size=14), mm_tokens_per_image=4
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf_model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in hf_model.named_parameters():  # (as tiny_models draws its Gemma)
+            if "language_model" in name and name.endswith("norm.weight"):
+                torch.nn.init.normal_(parameter, std=2.0)
+        torch.nn.init.normal_(hf_model.get_input_embeddings().weight, std=0.05)
+    hf_model.save_pretrained(tmp_path)
+    prompts = _prompts()[1:]
+    want = [hf_greedy(hf_model, p, NEW_TOKENS, stop_at_eos=False) for p in prompts]
+    engine = _engine(tmp_path)
+    assert engine.runner.model.cfg.num_layers == 4
+    assert _greedy(engine, prompts) == want
