@@ -179,3 +179,17 @@ def test_a_vision_language_checkpoint_serves_its_text_model(tmp_path):
     engine = _engine(tmp_path)
     assert engine.runner.model.cfg.num_layers == 4
     assert _greedy(engine, prompts) == want
+
+
+def test_decode_steps_run_layer_by_layer(saved):
+    """The fused CPU decoder computes Llama's layer: Gemma's decode steps never take it, even with every
+    layer's window alike (mixed windows alone would already keep the C decoder out)."""
+    from tests.engine_core.test_fused_decode import LayeredCheck
+
+    _, _, model_dir, _ = saved
+    engine = _engine(model_dir)
+    for attention in engine.runner.model.attention_layers():
+        attention.sliding_window = None
+    with LayeredCheck(engine.runner.model) as check:
+        _greedy(engine, _prompts())
+    assert check.calls == 0
