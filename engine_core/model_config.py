@@ -48,6 +48,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError(f"{model_dir}/config.json names no architecture")
+        if archs[0] in TEXT_OF_VISION_MODELS:
+            cfg = _text_config(cfg)
         num_heads = cfg["num_attention_heads"]
         rope = _rope_parameters(cfg)
         return cls(
@@ -85,6 +87,44 @@ class ModelConfig:
         )
 
 
+# Vision-language checkpoints served as their text model (engine_core/models/gemma.py): architecture -> the
+# defaults of its `text_config`, which configs saved by transformers 4 list only where they differ.
+TEXT_OF_VISION_MODELS = {
+    "Gemma3ForConditionalGeneration": dict(  # (transformers' Gemma3TextConfig defaults)
+        vocab_size=262208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        sliding_window_pattern=6,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def _text_config(cfg: dict) -> dict:
+    """A vision-language config's text model: its `text_config` over the family's defaults, under the
+    checkpoint's architecture (whose model class reads the text model's tensors alone)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{cfg['architectures'][0]}: config.json has no text_config")
+    merged = {**TEXT_OF_VISION_MODELS[cfg["architectures"][0]], **text, "architectures": cfg["architectures"]}
+    if "tie_word_embeddings" in cfg:
+        merged["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    if "eos_token_id" in cfg:
+        merged["eos_token_id"] = cfg["eos_token_id"]
+    return merged
+
+
 def _moe_fields(cfg: dict) -> dict:
     # (transformers 5 saves Qwen2/3-MoE's `num_experts` as `num_local_experts` too: its attribute map)
     # Other MoE families (OLMoE, PhiMoE, ...) read as dense here and are refused by the model registry.
@@ -117,8 +157,12 @@ def _moe_fields(cfg: dict) -> dict:
 
 def _rope_parameters(cfg: dict) -> dict:
     """transformers 5 writes `rope_parameters: {rope_theta, rope_type, ...}`; older configs have a
-    top-level `rope_theta` and an optional `rope_scaling`. Read both into one dict."""
+    top-level `rope_theta` and an optional `rope_scaling`. Read both into one dict. Parameters per layer
+    type (Gemma 3's `{"full_attention": {...}, "sliding_attention": {...}}`): the full-attention layers'
+    (engine_core/models/gemma.py reads the sliding layers' own)."""
     params = dict(cfg.get("rope_parameters") or {})
+    if isinstance(params.get("full_attention"), dict):
+        params = dict(params["full_attention"])
     if "rope_theta" not in params and "rope_theta" in cfg:
         params["rope_theta"] = cfg["rope_theta"]
     params.update(cfg.get("rope_scaling") or {})

@@ -159,6 +159,8 @@ def _dispatching(name: str) -> Callable:
 
 
 reshape_and_cache = _dispatching("reshape_and_cache")
+# The attention ops take keyword options that every implementation honours: `sinks` (gpt-oss's attention
+# sinks, [H]) and `softcap` (Gemma 2's attention logit soft-capping, 0 = off): kernels/torch_ref/attention.py.
 paged_decode_attention = _dispatching("paged_decode_attention")
 paged_prefill_attention = _dispatching("paged_prefill_attention")
 varlen_attention = _dispatching("varlen_attention")  # whole sequences, no cache: pooling models

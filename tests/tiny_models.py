@@ -10,6 +10,12 @@ gpt_oss is smaller (hidden 64, 4 layers, 2 of 4 experts, head_dim 32 so its MXFP
 its layers alternating between an 8-token sliding window and full attention, YaRN over an original
 context of 64 (factor 16), and its attention sinks, router and expert biases drawn large so they matter;
 `save_gpt_oss_mxfp4` rewrites its checkpoint with MXFP4 experts, as the released models store them.
+gemma2 and gemma3 are as small (tied embeddings, an 8-token sliding window; Gemma 2's layers alternating,
+Gemma 3's 5:1 pattern shortened to 2:1 with linear rope scaling on its full layers and its own base on the
+sliding ones), their soft-capping tight and their norms (HF draws them zero: its weights are 1 + w) drawn
+large, so that all of them matter; their tied embedding is drawn small (its rows scaled by sqrt(hidden) would
+otherwise outweigh the layers, and every prompt's tokens repeat its last); HF's eager attention (the one
+with soft-capping) is their reference.
 """
 
 from __future__ import annotations
@@ -99,7 +105,43 @@ ARCHITECTURES = {
             },
         ),
     ),
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=4.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
 }
+GEMMA = ("gemma2", "gemma3")
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # (the rest are dense)
 
 
@@ -109,7 +151,8 @@ def build(name: str, **overrides) -> transformers.PreTrainedModel:
     config_cls, extra = ARCHITECTURES[name]
     config = config_cls(**{**COMMON, **extra, **overrides})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    attention = {"attn_implementation": "eager"} if name in GEMMA else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention).eval()
     if name in ("qwen2", "qwen2_moe"):  # make sure the QKV biases matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
@@ -119,6 +162,11 @@ def build(name: str, **overrides) -> transformers.PreTrainedModel:
             torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
             torch.nn.init.normal_(layer.mlp.experts.gate_up_proj_bias, std=0.5)
             torch.nn.init.normal_(layer.mlp.experts.down_proj_bias, std=0.5)
+    if name in GEMMA:  # (HF draws the norms zero, so their 1 + w would be 1: make w matter)
+        for module_name, parameter in model.named_parameters():
+            if module_name.endswith("norm.weight"):
+                torch.nn.init.normal_(parameter, std=2.0)
+        torch.nn.init.normal_(model.model.embed_tokens.weight, std=0.05)
     return model
 
 

@@ -69,6 +69,9 @@ class Attention(nn.Module):
         # that has them sets a parameter [num_heads] here). None: plain softmax.
         self.sinks: nn.Parameter | None
         self.register_parameter("sinks", None)
+        # Attention logit soft-capping (Gemma 2): each scaled score s becomes softcap * tanh(s / softcap)
+        # before the mask and the softmax; 0: off. A family that caps sets it (and `scale`) per layer.
+        self.softcap = 0.0
         self.key_cache: torch.Tensor | None = None  # bound by the model runner
         self.value_cache: torch.Tensor | None = None
 
@@ -86,6 +89,7 @@ class Attention(nn.Module):
                 self.causal,
                 self.sliding_window if self.causal else None,
                 sinks=self.sinks,
+                softcap=self.softcap,
             )
         ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
         nd = meta.num_decodes  # one token each, so also the number of decode tokens
@@ -100,6 +104,7 @@ class Attention(nn.Module):
                 self.sliding_window,
                 meta.max_decode_seq_len,
                 sinks=self.sinks,
+                softcap=self.softcap,
             )
         out = torch.empty_like(q) if nd else None  # (a step of prompts alone returns the kernel's own output)
         if out is not None:
@@ -113,12 +118,21 @@ class Attention(nn.Module):
                 self.sliding_window,
                 meta.max_decode_seq_len,
                 sinks=self.sinks,
+                softcap=self.softcap,
             )
         if meta.prefills_from_start and q.device.type == "cpu":
             # The compiled C kernel reads this step's k/v rows in place: 3.6x faster than gathering the
             # cache for torch's attention (512-token prompt, SmolLM2's heads, one thread; docs/decode-speed.md).
             prefill = ops.varlen_attention(
-                q[nd:], k[nd:], v[nd:], meta.query_start_loc, self.scale, True, self.sliding_window, sinks=self.sinks
+                q[nd:],
+                k[nd:],
+                v[nd:],
+                meta.query_start_loc,
+                self.scale,
+                True,
+                self.sliding_window,
+                sinks=self.sinks,
+                softcap=self.softcap,
             )
         else:
             prefill = ops.paged_prefill_attention(
@@ -131,6 +145,7 @@ class Attention(nn.Module):
                 self.scale,
                 self.sliding_window,
                 sinks=self.sinks,
+                softcap=self.softcap,
             )
         if out is None:
             return prefill

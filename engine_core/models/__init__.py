@@ -8,6 +8,7 @@ import torch
 
 from pagoda.engine_core.layers.attention import Attention, VarlenMetadata
 from pagoda.engine_core.models.bert import BertModel
+from pagoda.engine_core.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from pagoda.engine_core.models.gpt_oss import GptOssForCausalLM
 from pagoda.engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pagoda.engine_core.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -26,6 +27,10 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,  # (engine_core/models/gpt_oss.py)
+    # Gemma's layer (engine_core/models/gemma.py)
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # (its text model only)
 }
 # Encoders: pooling models only (bidirectional attention, no LM head).
 ENCODER_REGISTRY: dict[str, type[BertModel]] = {"BertModel": BertModel}

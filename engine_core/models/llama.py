@@ -82,13 +82,16 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
                 )
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, self.qk_norm, rotary, self.mlp_for(i, dtype))
-            if i in self.layer_range
-            else MissingLayer()
+            self.decoder_layer(i, dtype, rotary) if i in self.layer_range else MissingLayer()
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if self.stage.is_last else None
         self.fused_decode = FusedDecodeSeat()  # (CPU decode steps: every layer in one C call)
+
+    def decoder_layer(self, layer_index: int, dtype: torch.dtype, rotary: RotaryEmbedding) -> LlamaDecoderLayer:
+        """Layer `layer_index`: the seat where a family builds its own kind of decoder layer (Gemma's four
+        norms and per-layer attention, engine_core/models/gemma.py). `rotary`: the model's shared table."""
+        return LlamaDecoderLayer(self.cfg, dtype, self.qk_norm, rotary, self.mlp_for(layer_index, dtype))
 
     def mlp_for(self, layer_index: int, dtype: torch.dtype) -> nn.Module:
         """Layer `layer_index`'s MLP: the seat where a family declares each layer's MLP kind (the MoE

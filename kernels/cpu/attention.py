@@ -2,8 +2,8 @@
 paged KV cache, whole sequences without a cache, and prefill chunks over the paged cache.
 
 Attention sinks (gpt-oss: `sinks` [H], a logit per query head that joins each softmax's denominator) go to
-the C kernels as one more pointer (NULL without); a decode over a float16 cache with sinks runs the torch
-reference."""
+the C kernels as one more pointer (NULL without), attention logit soft-capping (Gemma 2: `softcap`, 0 = off)
+as one more float; a decode over a float16 cache with either runs the torch reference."""
 
 from __future__ import annotations
 
@@ -29,14 +29,14 @@ def _decode_attention_function(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    sinks: bool = False,
+    options: bool = False,
 ) -> Callable[..., None] | None:
-    """The C paged decode attention for this query and cache (K and V alike), with attention sinks if
-    `sinks`, or None (the torch reference's case)."""
+    """The C paged decode attention for this query and cache (K and V alike), taking attention sinks and
+    soft-capping if `options`, or None (the torch reference's case)."""
     if lib is None or query.dtype != torch.float32 or value_cache.dtype != key_cache.dtype:
         return None
-    if sinks:
-        return lib["paged_decode_attention_sinks_f32"] if key_cache.dtype == torch.float32 else None
+    if options:
+        return lib["paged_decode_attention_options_f32"] if key_cache.dtype == torch.float32 else None
     if key_cache.dtype == torch.float32:
         return lib["paged_decode_attention_f32"]
     if key_cache.dtype == torch.float16 and query.shape[-1] % 8 == 0:  # (the C code's condition)
@@ -55,17 +55,28 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     *,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as `pagoda.kernels.torch_ref.attention.paged_decode_attention` (float32 queries, CPU; a
     float32 or float16 cache)."""
     lib = load()
-    function = _decode_attention_function(lib, query, key_cache, value_cache, sinks is not None)
+    options = sinks is not None or bool(softcap)
+    function = _decode_attention_function(lib, query, key_cache, value_cache, options)
     contiguous = key_cache.is_contiguous() and value_cache.is_contiguous()
     if function is None or not contiguous or not _sinks_usable(sinks):
         from pagoda.kernels.torch_ref.attention import paged_decode_attention as reference
 
         return reference(
-            query, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window, max_seq_len, sinks=sinks
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            sliding_window,
+            max_seq_len,
+            sinks=sinks,
+            softcap=softcap,
         )
     batch, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -80,7 +91,7 @@ def paged_decode_attention(
     assert lib is not None
     workspace_size = cast(Callable[..., int], lib["paged_decode_attention_workspace"])  # (restype int64)
     workspace = scratch_buffer(workspace_size(num_heads, max_len, threads))
-    extra = () if sinks is None else (_sinks_pointer(sinks),)
+    extra = (_sinks_pointer(sinks), softcap) if options else ()
     function(
         query.data_ptr(),
         key_cache.data_ptr(),
@@ -122,13 +133,16 @@ def varlen_attention(
     sliding_window: int | None = None,
     *,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as `pagoda.kernels.torch_ref.attention.varlen_attention` (float32, CPU)."""
     lib = load()
     if lib is None or not all(rows_contiguous(x) for x in (query, key, value)) or not _sinks_usable(sinks):
         from pagoda.kernels.torch_ref.attention import varlen_attention as reference
 
-        return reference(query, key, value, query_start_loc, scale, causal, sliding_window, sinks=sinks)
+        return reference(
+            query, key, value, query_start_loc, scale, causal, sliding_window, sinks=sinks, softcap=softcap
+        )
     if sliding_window is not None and not causal:
         raise ValueError("a sliding window applies to causal attention only")
     tokens, num_heads, head_dim = query.shape
@@ -161,6 +175,7 @@ def varlen_attention(
         scale,
         threads,
         _sinks_pointer(sinks),
+        softcap,
     )
     if failed:
         raise MemoryError("varlen attention: no memory for its job table")
@@ -201,6 +216,7 @@ def paged_prefill_attention(
     sliding_window: int | None = None,
     *,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Same contract as `pagoda.kernels.torch_ref.attention.paged_prefill_attention` (float32 queries and caches,
     CPU; other caches go to the reference)."""
@@ -219,6 +235,7 @@ def paged_prefill_attention(
             scale,
             sliding_window,
             sinks=sinks,
+            softcap=softcap,
         )
     tokens, num_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -253,6 +270,7 @@ def paged_prefill_attention(
         scale,
         threads,
         _sinks_pointer(sinks),
+        softcap,
     )
     if failed:
         raise MemoryError("paged prefill attention: no memory for its job table")

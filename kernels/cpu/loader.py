@@ -59,12 +59,13 @@ _LIBRARIES = {
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "paged_decode_attention_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],
-    "paged_decode_attention_sinks_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64, _POINTER],
+    "paged_decode_attention_options_f32": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64, _POINTER, _F32],
     "paged_decode_attention_f16kv": [_POINTER] * 7 + [_I64] * 8 + [_F32, _I64],  # only where the CPU has F16C
     "paged_decode_attention_workspace": [_I64] * 3,
-    "varlen_attention_f32": [_POINTER] * 6 + [_I64] * 10 + [_F32, _I64, _POINTER],  # (last: sinks or NULL)
+    # (last: sinks or NULL, softcap or 0)
+    "varlen_attention_f32": [_POINTER] * 6 + [_I64] * 10 + [_F32, _I64, _POINTER, _F32],
     "varlen_attention_workspace": [_I64] * 3,
-    "paged_prefill_attention_f32": [_POINTER] * 8 + [_I64] * 9 + [_F32, _I64, _POINTER],
+    "paged_prefill_attention_f32": [_POINTER] * 8 + [_I64] * 9 + [_F32, _I64, _POINTER, _F32],
     "rotary_embedding_f32": [_POINTER] * 4 + [_I64] * 8,
     "reshape_and_cache_f32": [_POINTER] * 5 + [_I64] * 4,
     "reshape_and_cache_f16kv": [_POINTER] * 5 + [_I64] * 4,

@@ -21,6 +21,9 @@
  * Attention sinks (gpt-oss; paged_decode_attention_sinks_f32): a logit per query head that joins each
  * softmax's maximum and denominator and attends to nothing. The passes are unchanged; the sink enters
  * where a head's output is normalised (`normaliser`).
+ *
+ * Attention logit soft-capping (Gemma 2; the same entry, `softcap` > 0): each scaled score s becomes
+ * softcap * tanh(s / softcap) before the softmax (`cap_scores`, between the two passes).
  */
 #include <float.h>
 #include <math.h>
@@ -39,7 +42,15 @@ typedef struct {
     int64_t first_seq, last_seq; /* the range of sequences to run */
     int64_t kv_half, element;    /* a float16 cache (vector path only); the cache's bytes per element */
     const float *sinks;          /* [num_heads] attention sinks, or NULL */
+    float softcap;               /* attention logit soft-capping, or 0 */
 } Job;
+
+/* s[0:n] -> softcap * tanh(s / softcap), where the Job soft-caps its scores. */
+static inline void cap_scores(const Job *j, float *s, int64_t n) {
+    if (j->softcap <= 0.f) return;
+    const float cap = j->softcap, inverse = 1.f / j->softcap;
+    for (int64_t t = 0; t < n; t++) s[t] = cap * tanhf(s[t] * inverse);
+}
 
 /* What head h's unnormalised output (the sum over its keys of e^(s_t - max) v_t, where the e^(s_t - max)
  * add up to `sum`) is multiplied by: 1 / sum, or with a sink the softmax's denominator grown by e^sink,
@@ -268,7 +279,10 @@ static inline __attribute__((always_inline)) void attend_part(const Job *j, int6
             _mm256_storeu_ps(scores + h * stride + t, _mm256_mul_ps(sum_each(acc), scale));
         }
     }
-    for (int64_t h = 0; h < heads; h++) maxes[h] = exponentials(scores + h * stride, n, sums + h);
+    for (int64_t h = 0; h < heads; h++) {
+        cap_scores(j, scores + h * stride, n);
+        maxes[h] = exponentials(scores + h * stride, n, sums + h);
+    }
     /* pass 2: out_h += sum_t p[h][t] * v_t over chunks of 32 tokens (their V rows stay in L1 while every
      * head uses them): three heads of a group x 32 dimensions at a time in registers, or (head sizes that
      * are not a multiple of 32) one head x 64 dimensions */
@@ -408,6 +422,7 @@ static void run_sequences(const Job *j, float *scores) {
         /* softmax per query head */
         for (int64_t h = 0; h < heads; h++) {
             float *s = scores + h * j->max_len, m = -FLT_MAX, sum = 0.f;
+            cap_scores(j, s, n);
             for (int64_t t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
             for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
             const float inv = normaliser(j, h, m, sum);
@@ -439,11 +454,12 @@ int64_t paged_decode_attention_workspace(int64_t num_heads, int64_t max_len, int
 static int attention(const float *q, const void *k_cache, const void *v_cache, const int64_t *block_tables,
                      const int64_t *seq_lens, float *out, float *workspace, int64_t batch, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_len,
-                     int64_t window, float scale, int64_t num_threads, int64_t kv_half, const float *sinks) {
+                     int64_t window, float scale, int64_t num_threads, int64_t kv_half, const float *sinks,
+                     float softcap) {
     if (num_threads < 1) num_threads = 1;
     const Job job = {q, k_cache, v_cache, block_tables, seq_lens, out,
                      batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks, max_len, window, scale,
-                     0, batch, kv_half, kv_half ? 2 : 4, sinks};
+                     0, batch, kv_half, kv_half ? 2 : 4, sinks, softcap};
 #ifdef HAVE_VECTOR_PATH
     if (head_dim % 8 == 0 && batch < num_threads) {
         const int64_t parts = (num_threads + batch - 1) / batch;
@@ -480,18 +496,20 @@ int paged_decode_attention_f32(const float *q, const float *k_cache, const float
                                int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_len,
                                int64_t window, float scale, int64_t num_threads) {
     return attention(q, k_cache, v_cache, block_tables, seq_lens, out, workspace, batch, num_heads, num_kv_heads,
-                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 0, NULL);
+                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 0, NULL, 0.f);
 }
 
-/* paged_decode_attention_f32 with attention sinks: `sinks` [num_heads] (the fused decoder calls the one
- * above, whose signature it holds). Returns 0. */
-int paged_decode_attention_sinks_f32(const float *q, const float *k_cache, const float *v_cache,
-                                     const int64_t *block_tables, const int64_t *seq_lens, float *out,
-                                     float *workspace, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                                     int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_len,
-                                     int64_t window, float scale, int64_t num_threads, const float *sinks) {
+/* paged_decode_attention_f32 with its options: attention sinks `sinks` [num_heads] (or NULL) and logit
+ * soft-capping `softcap` (or 0). (The fused decoder calls the one above, whose signature it holds.)
+ * Returns 0. */
+int paged_decode_attention_options_f32(const float *q, const float *k_cache, const float *v_cache,
+                                       const int64_t *block_tables, const int64_t *seq_lens, float *out,
+                                       float *workspace, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+                                       int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t max_len,
+                                       int64_t window, float scale, int64_t num_threads, const float *sinks,
+                                       float softcap) {
     return attention(q, k_cache, v_cache, block_tables, seq_lens, out, workspace, batch, num_heads, num_kv_heads,
-                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 0, sinks);
+                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 0, sinks, softcap);
 }
 
 #if defined(HAVE_VECTOR_PATH) && defined(__F16C__)
@@ -504,6 +522,6 @@ int paged_decode_attention_f16kv(const float *q, const uint16_t *k_cache, const 
                                  int64_t num_threads) {
     if (head_dim % 8) return 1;
     return attention(q, k_cache, v_cache, block_tables, seq_lens, out, workspace, batch, num_heads, num_kv_heads,
-                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 1, NULL);
+                     head_dim, block_size, max_blocks, max_len, window, scale, num_threads, 1, NULL, 0.f);
 }
 #endif

@@ -24,6 +24,8 @@
  * with a mask): see docs/decode-speed.md.
  * Attention sinks (gpt-oss; `sinks` [H], or NULL): a logit per query head that starts each row's maximum
  * and adds its e^(sink - max) to the row's denominator, attending to nothing.
+ * Attention logit soft-capping (Gemma 2; `softcap` > 0, else 0): each row's scaled scores s become
+ * softcap * tanh(s / softcap) before its softmax.
  * Built and loaded at run time by kernels/cpu/__init__.py.
  */
 #include <float.h>
@@ -47,6 +49,7 @@ typedef struct {
     const int64_t *block_tables, *seq_lens; /* NULL unless paged */
     int64_t block_size, max_blocks;
     const float *sinks; /* [num_heads], or NULL */
+    float softcap;      /* attention logit soft-capping, or 0 */
 } Args;
 
 /* Key j of sequence `seq` (its row in k/v, or its slot in the cache); an offset in k/v rows. */
@@ -182,6 +185,10 @@ static void run_job(const Args *a, int64_t seq, int64_t kv_head, int64_t r0, int
                 first[r] = (a->window > 0 && i - a->window + 1 > 0) ? i - a->window + 1 : 0;
                 last[r] = a->causal ? i + 1 : len;
                 float *s = scores + r * ld, m = a->sinks != NULL ? a->sinks[h] : -FLT_MAX, sum = 0.f;
+                if (a->softcap > 0.f) {
+                    const float cap = a->softcap, inverse = 1.f / a->softcap;
+                    for (int64_t j = first[r]; j < last[r]; j++) s[j] = cap * tanhf(s[j] * inverse);
+                }
                 for (int64_t j = first[r]; j < last[r]; j++) m = s[j] > m ? s[j] : m;
 #pragma omp simd reduction(+ : sum)
                 for (int64_t j = first[r]; j < last[r]; j++) {
@@ -258,31 +265,35 @@ static int run_jobs(const Args *a, float *workspace, int64_t num_seqs, int64_t m
 }
 
 /* workspace: varlen_attention_workspace(head_dim, max_len, num_threads) floats, max_len the longest
- * sequence; sinks: [num_heads] or NULL. Returns 0 (1: out of memory). */
+ * sequence; sinks: [num_heads] or NULL; softcap: > 0 to soft-cap the scores, else 0. Returns 0 (1: out of memory). */
 int varlen_attention_f32(const float *q, const float *k, const float *v, const int64_t *cu_seqlens, float *out,
                          float *workspace, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t stride_q, int64_t stride_k, int64_t stride_v, int64_t max_len,
-                         int64_t causal, int64_t window, float scale, int64_t num_threads, const float *sinks) {
+                         int64_t causal, int64_t window, float scale, int64_t num_threads, const float *sinks,
+                         float softcap) {
     const Args a = {.q = q, .k = k, .v = v, .cu = cu_seqlens, .out = out, .num_heads = num_heads,
                     .num_kv_heads = num_kv_heads, .head_dim = head_dim, .stride_q = stride_q, .stride_k = stride_k,
-                    .stride_v = stride_v, .causal = causal, .window = window, .scale = scale, .sinks = sinks};
+                    .stride_v = stride_v, .causal = causal, .window = window, .scale = scale, .sinks = sinks,
+                    .softcap = softcap};
     return run_jobs(&a, workspace, num_seqs, max_len, num_threads);
 }
 
 /* Causal attention of each sequence's last cu_seqlens[b+1] - cu_seqlens[b] tokens (q) to its seq_lens[b]
  * keys, all of which the caches hold already (this step's too). workspace: varlen_attention_workspace(
- * head_dim, max_len, num_threads) floats, max_len the most keys of a sequence; sinks: [num_heads] or NULL.
+ * head_dim, max_len, num_threads) floats, max_len the most keys of a sequence; sinks: [num_heads] or NULL;
+ * softcap as above.
  * Returns 0 (1: out of memory). */
 int paged_prefill_attention_f32(const float *q, const float *key_cache, const float *value_cache,
                                 const int64_t *block_tables, const int64_t *cu_seqlens, const int64_t *seq_lens,
                                 float *out, float *workspace, int64_t num_seqs, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, int64_t stride_q, int64_t block_size,
                                 int64_t max_blocks, int64_t max_len, int64_t window, float scale,
-                                int64_t num_threads, const float *sinks) {
+                                int64_t num_threads, const float *sinks, float softcap) {
     const int64_t slot = num_kv_heads * head_dim; /* (the caches' row stride) */
     const Args a = {.q = q, .k = key_cache, .v = value_cache, .cu = cu_seqlens, .out = out, .num_heads = num_heads,
                     .num_kv_heads = num_kv_heads, .head_dim = head_dim, .stride_q = stride_q, .stride_k = slot,
                     .stride_v = slot, .causal = 1, .window = window, .scale = scale, .block_tables = block_tables,
-                    .seq_lens = seq_lens, .block_size = block_size, .max_blocks = max_blocks, .sinks = sinks};
+                    .seq_lens = seq_lens, .block_size = block_size, .max_blocks = max_blocks, .sinks = sinks,
+                    .softcap = softcap};
     return run_jobs(&a, workspace, num_seqs, max_len, num_threads);
 }

@@ -7,6 +7,9 @@ to it when written and read back in the queries' dtype.
 
 `sinks` (optional, `[H]`): a learned logit per query head that joins each row's softmax denominator and
 attends to nothing (gpt-oss's attention sinks): the row's weights then sum to less than one.
+
+`softcap` (optional, 0 = off): attention logit soft-capping (Gemma 2): each scaled score s becomes
+softcap * tanh(s / softcap) before the mask and the softmax, as Hugging Face's eager attention does.
 """
 
 from __future__ import annotations
@@ -64,19 +67,25 @@ def _sdpa(
     scale: float,
     sinks: torch.Tensor | None,
     causal: bool = False,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of `q` `[B, H, Q, D]` over `k` / `v` `[B, Hkv, L, D]` under the boolean `mask` (broadcast
-    to `[B, H, Q, L]`; None: all keys, or causal if `causal`). Without sinks torch's fused kernel; with them
-    the scores are written out (as HF's eager gpt-oss attention), since the fused kernel has no sink."""
-    if sinks is None:
+    to `[B, H, Q, L]`; None: all keys, or causal if `causal`). Without sinks or soft-capping torch's fused
+    kernel; with either the scores are written out (as HF's eager gpt-oss and Gemma 2 attention), since the
+    fused kernel has neither."""
+    if sinks is None and not softcap:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal:
         mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
     probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]  # (the sink's share dropped)
     return torch.matmul(probs.to(v.dtype), v)
@@ -94,10 +103,11 @@ def paged_decode_attention(
     *,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence: `query` `[B, H, D]` attends to the sequence's first `seq_lens[b]`
     cached tokens (its own K/V already written). Returns `[B, H, D]` (written into `out` if given).
-    `sinks`: see the module docstring.
+    `sinks`, `softcap`: see the module docstring.
     Batched, no per-sequence loop. `max_seq_len` (= max(seq_lens)) saves a device sync when the caller knows it."""
     batch, num_heads, head_dim = query.shape
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
@@ -107,7 +117,9 @@ def paged_decode_attention(
     # Rows past a sequence's end are never-written cache memory: zero them, or NaN there poisons the sum.
     hidden = ~mask[:, :, :, None]  # [B, 1, L, 1], broadcast over kv heads and head_dim
     keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
-    result = _sdpa(query[:, :, None, :], keys, values, mask[:, None], scale, sinks).view(batch, num_heads, head_dim)
+    result = _sdpa(query[:, :, None, :], keys, values, mask[:, None], scale, sinks, softcap=softcap).view(
+        batch, num_heads, head_dim
+    )
     if out is None:
         return result
     out.copy_(result)
@@ -126,13 +138,14 @@ def paged_prefill_attention(
     *,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention for a variable-length batch of query chunks over a paged prefix.
 
     Sequence b owns query rows `query_start_loc[b]:query_start_loc[b+1]`, which are its last tokens:
     positions `seq_lens[b] - q_len .. seq_lens[b] - 1`. All of its K/V (prefix + the new tokens) are
-    already in the cache. `query` `[T, H, D]` -> `[T, H, D]` (written into `out` if given). `sinks`: see
-    the module docstring.
+    already in the cache. `query` `[T, H, D]` -> `[T, H, D]` (written into `out` if given). `sinks`,
+    `softcap`: see the module docstring.
     """
     out = torch.empty_like(query) if out is None else out
     starts = query_start_loc.tolist()
@@ -145,11 +158,11 @@ def paged_prefill_attention(
         values = _gather_sequences(value_cache, block_tables[b : b + 1], seq_len, query.dtype).transpose(1, 2)
         q = query[None, start:end].transpose(1, 2)
         if q_len == seq_len and sliding_window is None:
-            o = _sdpa(q, keys, values, None, scale, sinks, causal=True)
+            o = _sdpa(q, keys, values, None, scale, sinks, causal=True, softcap=softcap)
         else:
             query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
             mask = _key_mask(query_pos, seq_lens[b : b + 1], seq_len, sliding_window)[:, None]
-            o = _sdpa(q, keys, values, mask, scale, sinks)
+            o = _sdpa(q, keys, values, mask, scale, sinks, softcap=softcap)
         out[start:end] = o[0].transpose(0, 1)
     return out
 
@@ -165,6 +178,7 @@ def varlen_attention(
     *,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention within each sequence of a variable-length batch, with no KV cache: the whole sequence is
     in the batch (pooling models run every prompt whole, in one step).
@@ -172,8 +186,8 @@ def varlen_attention(
     Sequence b owns rows `query_start_loc[b]:query_start_loc[b+1]` of `query` `[T, H, D]` and of `key` /
     `value` `[T, Hkv, D]` (H a multiple of Hkv). `causal`: row i sees the keys at rows <= i of its sequence
     (within `sliding_window` of it, if given); else every key of its sequence (an encoder's bidirectional
-    attention; a window is refused). Returns `[T, H, D]` (written into `out` if given). `sinks`: see the
-    module docstring.
+    attention; a window is refused). Returns `[T, H, D]` (written into `out` if given). `sinks`,
+    `softcap`: see the module docstring.
     """
     if sliding_window is not None and not causal:
         raise ValueError("a sliding window applies to causal attention only")
@@ -188,10 +202,10 @@ def varlen_attention(
         k = key[None, start:end].transpose(1, 2)
         v = value[None, start:end].transpose(1, 2)
         if sliding_window is None or end - start <= sliding_window:
-            o = _sdpa(q, k, v, None, scale, sinks, causal=causal)
+            o = _sdpa(q, k, v, None, scale, sinks, causal=causal, softcap=softcap)
         else:
             pos = torch.arange(end - start, device=query.device)
             mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
-            o = _sdpa(q, k, v, mask, scale, sinks)
+            o = _sdpa(q, k, v, mask, scale, sinks, softcap=softcap)
         out[start:end] = o[0].transpose(0, 1)
     return out

@@ -6,8 +6,9 @@ Same contracts and signatures as `pagoda.kernels.torch_ref.attention`. Cache lay
 
 Both attention kernels are GQA-aware: one program serves every query head of one KV head, so each K/V
 tile is read once per group. Scores, softmax statistics and accumulators are fp32 (exp2 with log2(e)
-folded into the scale); outputs take the query's dtype. Tile sizes are fixed (no autotuning) and only
-long-stable `triton.language` APIs are used.
+folded into the scale); outputs take the query's dtype. Attention logit soft-capping (Gemma 2: `softcap`,
+0 = off) caps each scaled score s to softcap * tanh(s / softcap) before the mask (`_soft_cap`). Tile sizes
+are fixed (no autotuning) and only long-stable `triton.language` APIs are used.
 """
 
 from __future__ import annotations
@@ -165,6 +166,18 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _soft_cap(s, cap):
+    """cap * tanh(s / cap) (scores and cap both log2-scaled: the same as capping before the scaling), with
+    tanh(x) = 2 sigmoid(2x) - 1 (`triton.language` has no tanh of its own)."""
+    return cap * (2.0 * tl.sigmoid(2.0 * s / cap) - 1.0)
+
+
+def _softcap_arguments(softcap: float) -> dict:
+    """The kernels' soft-capping arguments: the cap log2-scaled like the scores, and whether to apply it."""
+    return {"softcap": softcap * _LOG2E if softcap else 1.0, "SOFTCAP": bool(softcap)}
+
+
+@triton.jit
 def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Fold one tile of log2-scaled scores `s` (masked entries -inf) and its values into the running
     row max `m_i`, row sum `l_i` and unnormalised output `acc`."""
@@ -203,12 +216,14 @@ def _decode_split_kernel(
     num_heads,
     num_splits,
     head_dim,
+    softcap,
     GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Program (sequence, kv head, split): the GROUP query heads of one KV head over this split's share
     of the sequence's visible key tiles; writes partial (max, sum, acc) per head, neutral if no work."""
@@ -255,6 +270,8 @@ def _decode_split_kernel(
             BLOCK_SIZE,
         )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
         s = tl.where(visible[None, :], s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
@@ -318,6 +335,7 @@ def paged_decode_attention(
     *,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One query token per sequence: `query` `[B, H, D]` attends to the sequence's first `seq_lens[b]`
     cached tokens (its own K/V already written). Returns `[B, H, D]` (into `out` if given).
@@ -338,6 +356,7 @@ def paged_decode_attention(
             max_seq_len,
             out=out,
             sinks=sinks,
+            softcap=softcap,
         )
     query, out, shape = _attention_inputs(query, key_cache, value_cache, out)
     batch, num_heads, head_dim, block_size, num_kv_heads, group = shape
@@ -372,6 +391,7 @@ def paged_decode_attention(
         head_dim,
         GROUP=group,
         BLOCK_SIZE=block_size,
+        **_softcap_arguments(softcap),
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -420,6 +440,7 @@ def _prefill_kernel(
     qk_scale,
     window,
     head_dim,
+    softcap,
     GROUP: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr,
@@ -427,6 +448,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Program (query tile, kv head): TOKENS_PER_TILE query tokens x the GROUP heads of one KV head, packed
     as rows (token-major), flash-attention over the key tiles that some row can see."""
@@ -477,6 +499,8 @@ def _prefill_kernel(
             BLOCK_SIZE,
         )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
         visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
@@ -501,6 +525,7 @@ def paged_prefill_attention(
     *,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention for a variable-length batch of query chunks over a paged prefix.
 
@@ -522,6 +547,7 @@ def paged_prefill_attention(
             sliding_window,
             out=out,
             sinks=sinks,
+            softcap=softcap,
         )
     query, out, shape = _attention_inputs(query, key_cache, value_cache, out)
     _num_tokens, _num_heads, head_dim, block_size, num_kv_heads, group = shape
@@ -564,6 +590,7 @@ def paged_prefill_attention(
         head_dim,
         GROUP=group,
         BLOCK_SIZE=block_size,
+        **_softcap_arguments(softcap),
         TOKENS_PER_TILE=tokens_per_tile,
         BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 128 else 32,

@@ -13,7 +13,15 @@ import torch
 
 import triton
 import triton.language as tl
-from pagoda.kernels.triton.attention import _LOG2E, _NO_WINDOW, _NUM_WARPS, _dot_precision, _online_softmax_step
+from pagoda.kernels.triton.attention import (
+    _LOG2E,
+    _NO_WINDOW,
+    _NUM_WARPS,
+    _dot_precision,
+    _online_softmax_step,
+    _soft_cap,
+    _softcap_arguments,
+)
 
 
 @triton.jit
@@ -36,6 +44,8 @@ def _varlen_kernel(
     qk_scale,
     window,
     head_dim,
+    softcap,
+    SOFTCAP: tl.constexpr,
     CAUSAL: tl.constexpr,
     GROUP: tl.constexpr,
     TOKENS_PER_TILE: tl.constexpr,
@@ -84,6 +94,8 @@ def _varlen_kernel(
         k = tl.load(k_ptr + rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + rows[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            s = _soft_cap(s, softcap)
         visible = in_range[None, :] & row_mask[:, None]
         if CAUSAL:
             visible = visible & (pos[None, :] <= token[:, None]) & (pos[None, :] > token[:, None] - window)
@@ -109,6 +121,7 @@ def varlen_attention(
     *,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention within each whole sequence of a varlen batch (see the torch reference). Reads
     `query_start_loc` on the host to size the grid (a sync: pooling steps run eagerly)."""
@@ -116,7 +129,7 @@ def varlen_attention(
         from pagoda.kernels.torch_ref import attention as reference
 
         return reference.varlen_attention(
-            query, key, value, query_start_loc, scale, causal, sliding_window, out=out, sinks=sinks
+            query, key, value, query_start_loc, scale, causal, sliding_window, out=out, sinks=sinks, softcap=softcap
         )
     if sliding_window is not None and not causal:
         raise ValueError("a sliding window applies to causal attention only")
@@ -162,6 +175,7 @@ def varlen_attention(
         scale * _LOG2E,
         sliding_window or _NO_WINDOW,
         head_dim,
+        **_softcap_arguments(softcap),
         CAUSAL=causal,
         GROUP=group,
         TOKENS_PER_TILE=tokens_per_tile,
