@@ -159,11 +159,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.final_softcap = float(cfg.raw.get("final_logit_softcapping") or 0.0)
         self.fused_decode.enabled = False  # (the C decoder runs the Llama layer, not Gemma's)
 
+    def attention_windows(self) -> list[int | None]:
+        return [self.cfg.sliding_window if kind == "sliding_attention" else None for kind in self.kinds]
+
     def decoder_layer(self, layer_index: int, dtype: torch.dtype, rotary: RotaryEmbedding) -> LlamaDecoderLayer:
-        sliding = self.kinds[layer_index] == "sliding_attention"
-        if sliding:
+        window = self.attention_windows()[layer_index]
+        if window is not None:
             rotary = self.sliding_rotary(rotary)
-        window = self.cfg.sliding_window if sliding else None
         return GemmaDecoderLayer(self.cfg, dtype, self.qk_norm, rotary, window)
 
     def sliding_rotary(self, rotary: RotaryEmbedding) -> RotaryEmbedding:
