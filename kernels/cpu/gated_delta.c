@@ -1,7 +1,7 @@
 /* Gated DeltaNet (Qwen3.5/3.6, Qwen3-Next) on the CPU, float32: the causal depthwise conv1d over q/k/v's
  * channels and the gated delta rule, over a varlen batch of new tokens whose per-sequence states live in
- * pools, read and updated in place at each sequence's slot. Contracts and layouts are the torch reference's
- * (kernels/torch_ref/gated_delta.py).
+ * pools, read and updated in place at each sequence's slot; and the layer's gating and gated output norm.
+ * Contracts and layouts are the torch reference's (kernels/torch_ref/gated_delta.py).
  *
  * The delta rule runs token by token (the recurrent form) for prefill too: a decode step is the hot path,
  * and with one sequence's 64 KB head state staying in L2 across its tokens, the recurrent form costs two
@@ -120,5 +120,35 @@ void causal_conv1d_f32(const float *x, const float *weight, const float *bias, f
             const float *row = source < history ? state + source * c : xs + (source - history) * x_stride;
             memmove(state + r * c, row, count * sizeof(float));
         }
+    }
+}
+
+/* The layer's gating: g [T, h] = -exp(a_log) * softplus(a + dt_bias) (torch's softplus: linear above 20) and
+ * beta [T, h] = sigmoid(b), from a, b [T, h] whose rows are a_stride, b_stride floats apart. */
+void gdn_gating_f32(const float *a, const float *b, const float *a_log, const float *dt_bias, float *g, float *beta,
+                    int64_t tokens, int64_t heads, int64_t a_stride, int64_t b_stride) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float x = a[t * a_stride + h] + dt_bias[h];
+            const float softplus = x > 20.0f ? x : log1pf(expf(x));
+            g[t * heads + h] = -expf(a_log[h]) * softplus;
+            beta[t * heads + h] = 1.0f / (1.0f + expf(-b[t * b_stride + h]));
+        }
+}
+
+/* out [rows, n] (contiguous) = weight * x / sqrt(mean(x^2) + eps) * silu(gate): the output norm gated by z,
+ * x and gate [rows, n] with rows x_stride, gate_stride floats apart. */
+void rms_norm_gated_f32(const float *x, const float *gate, const float *weight, float *out, int64_t rows, int64_t n,
+                        int64_t x_stride, int64_t gate_stride, float eps, int64_t threads) {
+    if (threads > rows) threads = rows;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride, *zr = gate + r * gate_stride;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];
+        const float inverse = 1.0f / sqrtf(sum / (float)n + eps);
+        for (int64_t i = 0; i < n; i++)
+            out[r * n + i] = weight[i] * (xr[i] * inverse) * (zr[i] / (1.0f + expf(-zr[i])));
     }
 }

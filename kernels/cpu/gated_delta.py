@@ -42,6 +42,8 @@ def _gated_delta_rule(lib, query, key, value, g, beta, states, cu_seqlens, state
     tokens, key_heads, key_dim = key.shape
     value_heads, value_dim = value.shape[1:]
     g, beta = (x.to(torch.float32).contiguous() for x in (g, beta))
+    # (held in locals: a converted copy must outlive the call, not just its data_ptr())
+    cu_seqlens, state_slots = as_int64(cu_seqlens), as_int64(state_slots)
     out = torch.empty(value.shape, dtype=torch.float32)
     batch = state_slots.shape[0]
     work = tokens * value_heads * key_dim * value_dim
@@ -52,8 +54,8 @@ def _gated_delta_rule(lib, query, key, value, g, beta, states, cu_seqlens, state
         g.data_ptr(),
         beta.data_ptr(),
         states.data_ptr(),
-        as_int64(cu_seqlens).data_ptr(),
-        as_int64(state_slots).data_ptr(),
+        cu_seqlens.data_ptr(),
+        state_slots.data_ptr(),
         out.data_ptr(),
         batch,
         key_heads,
@@ -100,13 +102,14 @@ def _causal_conv1d(lib, x, weight, bias, conv_states, cu_seqlens, state_slots, a
     tokens, channels = x.shape
     out = torch.empty(tokens, channels, dtype=torch.float32)
     width = weight.shape[1]
+    cu_seqlens, state_slots = as_int64(cu_seqlens), as_int64(state_slots)  # (locals: they outlive the call)
     lib["causal_conv1d_f32"](
         x.data_ptr(),
         weight.data_ptr(),
         None if bias is None else bias.data_ptr(),
         conv_states.data_ptr(),
-        as_int64(cu_seqlens).data_ptr(),
-        as_int64(state_slots).data_ptr(),
+        cu_seqlens.data_ptr(),
+        state_slots.data_ptr(),
         out.data_ptr(),
         state_slots.shape[0],
         channels,
@@ -115,4 +118,57 @@ def _causal_conv1d(lib, x, weight, bias, conv_states, cu_seqlens, state_slots, a
         int(activation == "silu"),
         torch.get_num_threads() if tokens * channels * width >= THREADED_WORK else 1,
     )
+    return out
+
+
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `pagoda.kernels.torch_ref.gated_delta.gdn_gating` (float32: g and beta both float32)."""
+    lib = load()
+    usable = (
+        lib is not None
+        and all(t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1 for t in (a, b))
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (a_log, dt_bias))
+    )
+    if not usable:
+        from pagoda.kernels.torch_ref.gated_delta import gdn_gating as reference
+
+        return reference(a, b, a_log, dt_bias)
+    return _gdn_gating(lib, a, b, a_log, dt_bias)
+
+
+def _gdn_gating(lib, a, b, a_log, dt_bias):
+    g, beta = torch.empty(a.shape), torch.empty(a.shape)
+    lib["gdn_gating_f32"](
+        a.data_ptr(), b.data_ptr(), a_log.data_ptr(), dt_bias.data_ptr(), g.data_ptr(), beta.data_ptr(),
+        a.shape[0], a.shape[1], a.stride(0), b.stride(0),
+    )  # fmt: skip
+    return g, beta
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as `pagoda.kernels.torch_ref.gated_delta.rms_norm_gated`, for float32 rows `[R, n]`."""
+    lib = load()
+    usable = (
+        lib is not None
+        and all(t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1 for t in (x, gate))
+        and x.shape == gate.shape
+        and weight.dtype == torch.float32
+        and weight.is_contiguous()
+    )
+    if not usable:
+        from pagoda.kernels.torch_ref.gated_delta import rms_norm_gated as reference
+
+        return reference(x, gate, weight, eps)
+    return _rms_norm_gated(lib, x, gate, weight, eps)
+
+
+def _rms_norm_gated(lib, x, gate, weight, eps):
+    rows, n = x.shape
+    out = torch.empty(rows, n)
+    lib["rms_norm_gated_f32"](
+        x.data_ptr(), gate.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n, x.stride(0), gate.stride(0), eps,
+        torch.get_num_threads() if rows * n >= THREADED_WORK else 1,
+    )  # fmt: skip
     return out

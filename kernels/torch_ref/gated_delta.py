@@ -146,7 +146,7 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def _sequences(cu_seqlens: torch.Tensor, state_slots: torch.Tensor):
     """(start, end, slot) of each sequence, as Python ints (the reference loops on the host)."""
     bounds, slots = cu_seqlens.tolist(), state_slots.tolist()
-    return zip(bounds[:-1], bounds[1:], slots)
+    return zip(bounds[:-1], bounds[1:], slots, strict=True)
 
 
 def _prepared(query, key, value, g, beta, state_dtype):
