@@ -1,7 +1,8 @@
 """Gated DeltaNet's ops (Qwen3.5/3.6's linear attention): the torch reference against Hugging Face's own
 functions (transformers' qwen3_5 modeling), its chunked form against its recurrent form in float64, and the C
-kernel (every instruction-set build this machine runs) and the Triton kernel (the interpreter on the CPU)
-against the reference in float32.
+kernel (every instruction-set build this machine runs) and the Triton kernel (the interpreter on the CPU,
+compiled where there is a GPU) against the reference in float32. HF's delta-rule functions compute in float32
+whatever they are given, so the reference meets them in float32; its conv1d meets HF's in float64.
 
 Batches are varlen: lengths of one token (decode), a chunk's edges (63, 64, 65: the reference's chunks are 64
 tokens), more than two chunks, and an empty sequence. q, k and v are strided views of one fused tensor, as
@@ -21,6 +22,7 @@ from pagoda.kernels import ops
 from pagoda.kernels.cpu import gated_delta as cpu_gated_delta
 from pagoda.kernels.torch_ref import gated_delta as ref
 from tests.kernels import isa_variants
+from tests.kernels.devices import DEVICE
 
 LENS = [1, 63, 0, 64, 65, 1, 150]
 F32 = dict(atol=2e-5, rtol=2e-4)
@@ -69,18 +71,33 @@ def make_states(batch: Batch, dtype=torch.float32, seed: int = 0) -> torch.Tenso
     return (0.3 * torch.randn(slots, value_heads, batch.key.shape[2], value_dim, generator=gen)).to(dtype)
 
 
+def _on_device(fn):
+    """`fn` run on DEVICE (the GPU where there is one, else the interpreter on the CPU): the arguments moved
+    there, the states it updates copied back, its output brought back to the CPU."""
+
+    def call(*args, **kwargs):
+        moved = [arg.to(DEVICE) if isinstance(arg, torch.Tensor) else arg for arg in args]
+        out = fn(*moved, **kwargs)
+        for arg, there in zip(args, moved, strict=True):
+            if there is not arg:
+                arg.copy_(there)
+        return out.cpu()
+
+    return call
+
+
 def _triton_rule():
     pytest.importorskip("triton")
     from pagoda.kernels.triton import gated_delta
 
-    return gated_delta.gated_delta_rule
+    return _on_device(gated_delta.gated_delta_rule)
 
 
 def _triton_conv():
     pytest.importorskip("triton")
     from pagoda.kernels.triton import gated_delta
 
-    return gated_delta.causal_conv1d
+    return _on_device(gated_delta.causal_conv1d)
 
 
 RULES = {
