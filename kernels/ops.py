@@ -197,7 +197,8 @@ causal_conv1d = _dispatching("causal_conv1d")
 # state_slots, use_qk_l2norm=True) -> [T, Hv, Dv]
 gated_delta_rule = _dispatching("gated_delta_rule")
 gdn_gating = _dispatching("gdn_gating")  # (a, b [T, Hv], A_log, dt_bias [Hv]) -> (g float32, beta)
-rms_norm_gated = _dispatching("rms_norm_gated")  # (x [R, Dv], gate [R, Dv], weight [Dv], eps) -> [R, Dv]
+# (x, gate [R, Dv] or [T, Hv, Dv], weight [Dv], eps) -> x's shape
+rms_norm_gated = _dispatching("rms_norm_gated")
 
 
 def embedding_rows(

@@ -148,12 +148,13 @@ def _gdn_gating(lib, a, b, a_log, dt_bias):
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Same contract as `pagoda.kernels.torch_ref.gated_delta.rms_norm_gated`, for float32 rows `[R, n]`."""
+    """Same contract as `pagoda.kernels.torch_ref.gated_delta.rms_norm_gated`, for float32 rows `[R, n]` or heads
+    `[T, H, n]` (a token's heads adjacent, any token stride: z may be a view of a fused projection)."""
     lib = load()
     usable = (
         lib is not None
-        and all(t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1 for t in (x, gate))
         and x.shape == gate.shape
+        and all(_heads_adjacent(t) for t in (x, gate))
         and weight.dtype == torch.float32
         and weight.is_contiguous()
     )
@@ -164,11 +165,16 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return _rms_norm_gated(lib, x, gate, weight, eps)
 
 
+def _heads_adjacent(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and ((x.dim() == 2 and x.stride(1) == 1) or (x.dim() == 3 and rows_contiguous(x)))
+
+
 def _rms_norm_gated(lib, x, gate, weight, eps):
-    rows, n = x.shape
-    out = torch.empty(rows, n)
+    tokens, n = x.shape[0], x.shape[-1]
+    heads = 1 if x.dim() == 2 else x.shape[1]
+    out = torch.empty(x.shape)
     lib["rms_norm_gated_f32"](
-        x.data_ptr(), gate.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, n, x.stride(0), gate.stride(0), eps,
-        torch.get_num_threads() if rows * n >= THREADED_WORK else 1,
+        x.data_ptr(), gate.data_ptr(), weight.data_ptr(), out.data_ptr(), tokens, heads, n, x.stride(0),
+        gate.stride(0), eps, torch.get_num_threads() if x.numel() >= THREADED_WORK else 1,
     )  # fmt: skip
     return out

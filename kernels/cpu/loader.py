@@ -89,7 +89,7 @@ _SIGNATURES = {
     "gated_delta_rule_f32": [_POINTER] * 9 + [_I64] * 10,
     "causal_conv1d_f32": [_POINTER] * 7 + [_I64] * 6,
     "gdn_gating_f32": [_POINTER] * 6 + [_I64] * 4,
-    "rms_norm_gated_f32": [_POINTER] * 4 + [_I64] * 4 + [_F32, _I64],
+    "rms_norm_gated_f32": [_POINTER] * 4 + [_I64] * 5 + [_F32, _I64],
     "decode_layers_f32": [_POINTER, _POINTER, _I64, _POINTER],
     "decoder_scratch_floats": [_POINTER, _I64, _I64, _I64],
 }

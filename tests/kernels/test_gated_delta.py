@@ -289,6 +289,11 @@ def test_gating_and_gated_norm_match_hf():
     torch.testing.assert_close(ref.rms_norm_gated(x, z, norm.weight.detach(), 1e-6), expected, atol=0, rtol=0)
     ours = cpu_gated_delta.rms_norm_gated(x, z, norm.weight.detach(), 1e-6)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    # [T, Hv, Dv] with z a view of a fused projection (a token stride of its own), as the layer has it
+    fused_z = torch.randn(tokens, heads * dim + 7, generator=gen)
+    z_heads, x_heads = fused_z[:, : heads * dim].view(tokens, heads, dim), x.view(tokens, heads, dim)
+    expected = norm(x_heads, z_heads).detach()
+    torch.testing.assert_close(ops.rms_norm_gated(x_heads, z_heads, norm.weight.detach(), 1e-6), expected, **F32)
     bf16 = (x.bfloat16(), z.bfloat16(), norm.weight.detach().bfloat16())
     torch.testing.assert_close(ref.rms_norm_gated(*bf16, 1e-6), norm.bfloat16()(*bf16[:2]).detach(), atol=0, rtol=0)
 
@@ -339,5 +344,7 @@ def test_other_instruction_sets_agree(variant_libraries, variant):
     for ours, theirs in zip(cpu_gated_delta._gdn_gating(lib, a, b, a_log, dt_bias), expected, strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     x, z, w = torch.randn(7, 128, generator=gen), torch.randn(7, 128, generator=gen), torch.randn(128, generator=gen)
-    ours = cpu_gated_delta._rms_norm_gated(lib, x, z, w, 1e-6)
-    torch.testing.assert_close(ours, ref.rms_norm_gated(x, z, w, 1e-6), atol=1e-5, rtol=1e-5)
+    for x_rows, z_rows in ((x, z), (x.view(7, 4, 32), z.view(7, 4, 32))):
+        ours = cpu_gated_delta._rms_norm_gated(lib, x_rows, z_rows, w[:32] if x_rows.dim() == 3 else w, 1e-6)
+        expected = ref.rms_norm_gated(x_rows, z_rows, w[:32] if x_rows.dim() == 3 else w, 1e-6)
+        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
