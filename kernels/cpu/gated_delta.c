@@ -12,9 +12,22 @@
  * The inner loops run along Dv, contiguous, which GCC vectorizes at the build's width (-march=native, or
  * whatever the ISA variants allow). Work items are (sequence, value head), spread over the threads.
  * Built and loaded at run time by kernels/cpu/loader.py. */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+#include "layer_math.h" /* (rms_norm_row, and exp_clamped where there is AVX2) */
+
+/* y[i] = silu(z[i]) * (scale ? scale[i] : 1); y may be z or scale. */
+static void silu_into(const float *z, const float *scale, float *y, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(z + i);
+        const __m256 e = exp_clamped(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        __m256 silu = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        if (scale) silu = _mm256_mul_ps(silu, _mm256_loadu_ps(scale + i));
+        _mm256_storeu_ps(y + i, silu);
+    }
+#endif
+    for (; i < n; i++) y[i] = z[i] / (1.0f + expf(-z[i])) * (scale ? scale[i] : 1.0f);
+}
 
 /* x * rsqrt(sum(x^2) + 1e-6) * scale (HF's l2norm, then the query's 1/sqrt(Dk)). */
 static void l2_normalized(const float *x, float *out, int64_t n, int normalize, float scale) {
@@ -110,8 +123,7 @@ void causal_conv1d_f32(const float *x, const float *weight, const float *bias, f
                 const float *w = weight + first * width + j;
                 for (int64_t ch = 0; ch < count; ch++) o[ch] += w[ch * width] * row[ch];
             }
-            if (silu)
-                for (int64_t ch = 0; ch < count; ch++) o[ch] = o[ch] / (1.0f + expf(-o[ch]));
+            if (silu) silu_into(o, NULL, o, count);
         }
         /* The new state: the window's rows length .. length + history - 1, in ascending order (a row read from
          * the old state lies after the one written, so it is read before being overwritten). */
@@ -136,19 +148,18 @@ void gdn_gating_f32(const float *a, const float *b, const float *a_log, const fl
         }
 }
 
-/* out [rows, n] (contiguous) = weight * x / sqrt(mean(x^2) + eps) * silu(gate): the output norm gated by z,
- * x and gate [rows, n] with rows x_stride, gate_stride floats apart. */
-void rms_norm_gated_f32(const float *x, const float *gate, const float *weight, float *out, int64_t rows, int64_t n,
-                        int64_t x_stride, int64_t gate_stride, float eps, int64_t threads) {
+/* out [tokens, heads, n] (contiguous) = weight * x / sqrt(mean(x^2) + eps) * silu(gate) over each row of n (the
+ * norm as the decoder's own, layer_math.h): the output norm gated by z. x and gate [tokens, heads, n] with a
+ * token's heads adjacent and tokens x_stride, gate_stride floats apart (z may be a view of a fused projection). */
+void rms_norm_gated_f32(const float *x, const float *gate, const float *weight, float *out, int64_t tokens,
+                        int64_t heads, int64_t n, int64_t x_stride, int64_t gate_stride, float eps, int64_t threads) {
+    const int64_t rows = tokens * heads;
     if (threads > rows) threads = rows;
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * x_stride, *zr = gate + r * gate_stride;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; i++) sum += xr[i] * xr[i];
-        const float inverse = 1.0f / sqrtf(sum / (float)n + eps);
-        for (int64_t i = 0; i < n; i++)
-            out[r * n + i] = weight[i] * (xr[i] * inverse) * (zr[i] / (1.0f + expf(-zr[i])));
+        const int64_t t = r / heads, h = r % heads;
+        rms_norm_row(x + t * x_stride + h * n, weight, out + r * n, n, eps);
+        silu_into(gate + t * gate_stride + h * n, out + r * n, out + r * n, n);
     }
 }
