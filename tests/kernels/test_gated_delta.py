@@ -12,6 +12,7 @@ slots are out of order, and the pool has slots nobody names, which must stay exa
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -348,3 +349,79 @@ def test_other_instruction_sets_agree(variant_libraries, variant):
         ours = cpu_gated_delta._rms_norm_gated(lib, x_rows, z_rows, w[:32] if x_rows.dim() == 3 else w, 1e-6)
         expected = ref.rms_norm_gated(x_rows, z_rows, w[:32] if x_rows.dim() == 3 else w, 1e-6)
         torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+def _hf_layer() -> hf.Qwen3_5GatedDeltaNet:
+    config = hf.Qwen3_5TextConfig(
+        hidden_size=64,
+        num_hidden_layers=4,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=4,
+    )
+    torch.manual_seed(13)
+    layer = hf.Qwen3_5GatedDeltaNet(config, layer_idx=0).eval()
+    with torch.no_grad():
+        layer.dt_bias.normal_()
+        layer.norm.weight.normal_()
+    return layer
+
+
+def _layer_from_ops(layer, hidden, conv_states, states, cu_seqlens, state_slots, pick) -> torch.Tensor:
+    """HF's Qwen3_5GatedDeltaNet.forward as a model layer calls the ops: one varlen batch, states in pools."""
+    tokens = hidden.shape[0]
+    key_size = layer.num_k_heads * layer.head_k_dim
+    mixed = torch.nn.functional.linear(hidden, layer.in_proj_qkv.weight)
+    z = torch.nn.functional.linear(hidden, layer.in_proj_z.weight).view(tokens, layer.num_v_heads, layer.head_v_dim)
+    b = torch.nn.functional.linear(hidden, layer.in_proj_b.weight)
+    a = torch.nn.functional.linear(hidden, layer.in_proj_a.weight)
+    weight = layer.conv1d.weight.squeeze(1)
+    qkv = pick("causal_conv1d")(mixed, weight, layer.conv1d.bias, conv_states, cu_seqlens, state_slots, "silu")
+    query = qkv[:, :key_size].view(tokens, layer.num_k_heads, layer.head_k_dim)
+    key = qkv[:, key_size : 2 * key_size].view(tokens, layer.num_k_heads, layer.head_k_dim)
+    value = qkv[:, 2 * key_size :].view(tokens, layer.num_v_heads, layer.head_v_dim)
+    g, beta = pick("gdn_gating")(a, b, layer.A_log, layer.dt_bias)
+    out = pick("gated_delta_rule")(query, key, value, g, beta, states, cu_seqlens, state_slots)
+    out = pick("rms_norm_gated")(out, z, layer.norm.weight, layer.norm.variance_epsilon)
+    return torch.nn.functional.linear(out.reshape(tokens, -1), layer.out_proj.weight)
+
+
+@pytest.mark.parametrize("kind", ["reference", "dispatched"])
+@torch.no_grad()
+def test_a_layer_built_from_the_ops_is_hf_layer(kind):
+    """HF's whole linear-attention layer on each prompt alone (no cache: zero states) against the ops on a
+    varlen batch of the prompts: once whole, once as a prefill of a prefix then decode steps of one token."""
+    pick = (lambda name: ops._TORCH[name]) if kind == "reference" else (lambda name: getattr(ops, name))
+    layer = _hf_layer()
+    lens, prefix = [1, 70, 5], [1, 66, 2]
+    gen = torch.Generator().manual_seed(14)
+    hidden = torch.randn(sum(lens), 64, generator=gen)
+    cu_seqlens = torch.tensor([0, *lens]).cumsum(0)
+    expected = torch.cat([layer(hidden[None, s:e])[0] for s, e in itertools.pairwise(cu_seqlens.tolist())])
+
+    conv_dim = layer.conv1d.weight.shape[0]
+    slots = torch.tensor([2, 0, 3])
+
+    def pools() -> tuple[torch.Tensor, torch.Tensor]:
+        conv_states = torch.zeros(4, layer.conv_kernel_size - 1, conv_dim)
+        return conv_states, torch.zeros(4, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
+
+    whole = _layer_from_ops(layer, hidden, *pools(), cu_seqlens, slots, pick)
+    torch.testing.assert_close(whole, expected, atol=1e-5, rtol=1e-4)
+
+    conv_states, states = pools()
+    out = torch.full_like(expected, float("nan"))
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(cu_seqlens[:-1].tolist(), prefix, strict=True)])
+    out[rows] = _layer_from_ops(
+        layer, hidden[rows], conv_states, states, torch.tensor([0, *prefix]).cumsum(0), slots, pick
+    )
+    for step in range(max(lens)):
+        live = [i for i in range(len(lens)) if prefix[i] + step < lens[i]]
+        if not live:
+            break
+        token_rows = torch.tensor([cu_seqlens[i] + prefix[i] + step for i in live])
+        step_cu = torch.arange(len(live) + 1)
+        out[token_rows] = _layer_from_ops(layer, hidden[token_rows], conv_states, states, step_cu, slots[live], pick)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
