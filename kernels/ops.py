@@ -76,9 +76,8 @@ _CPU_COMPILED = {
 }
 # Ops with no Triton kernel, for which a CUDA tensor gets the reference: the panel linear (a CUDA linear
 # keeps its plain weight for cuBLAS and never holds panels), the greedy argmax (torch's own CUDA
-# reduction does it well), MXFP4's dequantization (torch's lookup and ldexp on the GPU), and Gated DeltaNet's
-# gating and gated output norm (a few small element-wise torch ops each; a Triton kernel is yet to be written).
-_CPU_ONLY = {"panel_linear", "argmax_rows", "mxfp4_dequantize", "gdn_gating", "rms_norm_gated"}
+# reduction does it well), and MXFP4's dequantization (torch's lookup and ldexp on the GPU).
+_CPU_ONLY = {"panel_linear", "argmax_rows", "mxfp4_dequantize"}
 # Ops whose torch reference reads values on the host (the fused MoE loops over the experts the tokens
 # chose; Gated DeltaNet's conv1d and delta rule loop over the sequences), which a CUDA graph cannot capture;
 # their kernels read nothing there.

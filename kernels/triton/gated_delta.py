@@ -6,6 +6,7 @@ The delta rule runs token by token (the recurrent form) for decode and prefill a
 the sequence's tokens, so the state is read and written once per call. Math in float32.
 The conv1d: one program per (sequence, block of channels) walks the sequence's tokens, reading the window from
 the state or the new tokens, then shifts the state. Neither reads anything on the host.
+The gating and the gated output norm are one element-wise pass each, rounding where the reference rounds.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 import triton
 import triton.language as tl
+from pagoda.kernels.triton.layers import _round
 
 _BLOCK_V = 32
 _BLOCK_CHANNELS = 128
@@ -236,4 +238,69 @@ def causal_conv1d(
         WIDTH=weight.shape[1],
         BLOCK=_BLOCK_CHANNELS,
     )
+    return out
+
+
+@triton.jit
+def _gating_kernel(
+    a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, heads, stride_at, stride_bt, BLOCK: tl.constexpr
+):
+    token = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK)
+    mask = h < heads
+    x = tl.load(a_ptr + token * stride_at + h, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(dt_bias_ptr + h, mask=mask, other=0.0).to(tl.float32)
+    # torch's softplus: x itself above 20; log1p(e^x) as e^x where that is what log1p would give
+    softplus = tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
+    g = -tl.exp(tl.load(a_log_ptr + h, mask=mask, other=0.0).to(tl.float32)) * softplus
+    tl.store(g_ptr + token * heads + h, g, mask=mask)
+    b = tl.load(b_ptr + token * stride_bt + h, mask=mask, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + token * heads + h, (1.0 / (1.0 + tl.exp(-b))).to(beta_ptr.dtype.element_ty), mask=mask)
+
+
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `pagoda.kernels.torch_ref.gated_delta.gdn_gating` (a, b with unit stride along heads)."""
+    tokens, heads = a.shape
+    g = torch.empty(tokens, heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty(tokens, heads, dtype=b.dtype, device=b.device)
+    if tokens:
+        _gating_kernel[(tokens,)](
+            a, b, a_log, dt_bias, g, beta, heads, a.stride(0), b.stride(0), BLOCK=triton.next_power_of_2(heads)
+        )
+    return g, beta
+
+
+@triton.jit
+def _rms_norm_gated_kernel(
+    x_ptr, gate_ptr, weight_ptr, out_ptr, heads, n, stride_xt, stride_zt, eps, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)  # (token row // heads, head row % heads)
+    token, head = row // heads, row % heads
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + token * stride_xt + head * n + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(gate_ptr + token * stride_zt + head * n + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # The reference's rounding points: the norm rounded to x's dtype, times the weight in that dtype, times
+    # silu(z) in float32, rounded at the end.
+    normed = _round(x * tl.rsqrt(tl.sum(x * x, axis=0) / n + eps), dtype)
+    y = _round(w * normed, dtype) * (z / (1.0 + tl.exp(-z)))
+    tl.store(out_ptr + row * n + cols, y.to(dtype), mask=mask)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as `pagoda.kernels.torch_ref.gated_delta.rms_norm_gated`, for rows `[R, n]` or heads
+    `[T, H, n]` (a token's heads adjacent, any token stride) of x and gate."""
+    n = x.shape[-1]
+    heads = 1 if x.dim() == 2 else x.shape[1]
+    for t in (x, gate):
+        assert t.dim() in (2, 3) and t.stride(-1) == 1 and (t.dim() == 2 or t.stride(1) == n), "heads adjacent"
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel():
+        _rms_norm_gated_kernel[(x.shape[0] * heads,)](
+            x, gate, weight, out, heads, n, x.stride(0), gate.stride(0), eps, BLOCK=triton.next_power_of_2(n)
+        )
     return out

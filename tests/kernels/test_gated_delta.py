@@ -82,7 +82,7 @@ def _on_device(fn):
         for arg, there in zip(args, moved, strict=True):
             if there is not arg:
                 arg.copy_(there)
-        return out.cpu()
+        return tuple(t.cpu() for t in out) if isinstance(out, tuple) else out.cpu()
 
     return call
 
@@ -297,6 +297,32 @@ def test_gating_and_gated_norm_match_hf():
     torch.testing.assert_close(ops.rms_norm_gated(x_heads, z_heads, norm.weight.detach(), 1e-6), expected, **F32)
     bf16 = (x.bfloat16(), z.bfloat16(), norm.weight.detach().bfloat16())
     torch.testing.assert_close(ref.rms_norm_gated(*bf16, 1e-6), norm.bfloat16()(*bf16[:2]).detach(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_gating_and_gated_norm_match_the_reference(dtype):
+    """fp32 closely; bf16 within an ulp or two (the interpreter truncates where the GPU rounds)."""
+    pytest.importorskip("triton")
+    from pagoda.kernels.triton import gated_delta as triton_gated_delta
+
+    tolerance = F32 if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    gen = torch.Generator().manual_seed(15)
+    tokens, heads, dim = 5, 6, 40  # (neither a power of two)
+    fused = (torch.randn(tokens, 2 * heads + 3, generator=gen) * 8).to(dtype)  # (softplus past 20 and below -15)
+    a, b = fused[:, :heads], fused[:, heads : 2 * heads]
+    a_log, dt_bias = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen).to(dtype)
+    g, beta = _on_device(triton_gated_delta.gdn_gating)(a, b, a_log, dt_bias)
+    expected_g, expected_beta = ref.gdn_gating(a, b, a_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    torch.testing.assert_close(g, expected_g, **F32)
+    torch.testing.assert_close(beta, expected_beta, **tolerance)
+
+    x = torch.randn(tokens, heads, dim, generator=gen).to(dtype)
+    z = torch.randn(tokens, heads * dim + 7, generator=gen).to(dtype)[:, : heads * dim].view(tokens, heads, dim)
+    weight = torch.randn(dim, generator=gen).to(dtype)
+    for x_rows, z_rows in ((x, z), (x.view(-1, dim), z.reshape(-1, dim))):
+        out = _on_device(triton_gated_delta.rms_norm_gated)(x_rows, z_rows, weight, 1e-6)
+        torch.testing.assert_close(out, ref.rms_norm_gated(x_rows, z_rows, weight, 1e-6), **tolerance)
 
 
 def test_dispatch_picks_the_c_kernels_on_the_cpu():
