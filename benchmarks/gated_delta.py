@@ -6,7 +6,9 @@ One step is what a layer runs between its projections: the gating (g, beta from 
 over q/k/v's channels with its state, the delta rule with its state (each sequence its own slot in a pool, so
 batch 16 moves 16 x 2 MiB of state per layer), and the gated output norm. The C kernels run the delta rule
 token by token also in prefill, where the reference runs HF's chunked form: the prefill line says what
-that costs. Each line prints both times and reference / kernel. Times are medians; compare within one run.
+that costs. Each line prints both times, reference / kernel, and the kernel's state traffic (each sequence's
+state read and written once) per second, to set against the machine's memory bandwidth. Times are medians;
+compare within one run.
 
     python -m benchmarks.gated_delta                    # CPU: C kernels (CUDA: Triton) against the reference
     python -m benchmarks.gated_delta --iterations 3     # a smoke run
@@ -78,7 +80,7 @@ def layer_step(lengths: list[int], device: torch.device, pick: Callable[[str], C
         key = qkv[:, key_size : 2 * key_size].view(tokens, key_heads, key_dim)
         value = qkv[:, 2 * key_size :].view(tokens, value_heads, value_dim)
         out = pick("gated_delta_rule")(query, key, value, g, beta, states, cu_seqlens, slots)
-        return pick("rms_norm_gated")(out.view(-1, value_dim), z.view(-1, value_dim), norm_weight, 1e-6)
+        return pick("rms_norm_gated")(out, z.view(tokens, value_heads, value_dim), norm_weight, 1e-6)
 
     return step
 
@@ -94,13 +96,18 @@ def main() -> None:
     print(f"device {device.type}, threads {torch.get_num_threads()}, ops: {kinds}")
     workloads = [("decode, batch 1", [1], args.iterations), ("decode, batch 16", [1] * 16, args.iterations)]
     workloads.append((f"prefill, {args.prompt} tokens", [args.prompt], max(1, args.iterations // 50)))
-    print(f"{'one layer':<24} {'reference ms':>13} {kernel_kind + ' ms':>9} {'ratio':>7}")
+    config = Qwen3_5TextConfig()
+    state_bytes = 4 * config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    print(f"{'one layer':<24} {'reference ms':>13} {kernel_kind + ' ms':>9} {'ratio':>7} {'state GB/s':>11}")
     for label, lengths, iterations in workloads:
         reference = median_seconds(layer_step(lengths, device, lambda name: _TORCH[name]), device, iterations)
         kernel = median_seconds(
             layer_step(lengths, device, lambda name: implementation(name, device)), device, iterations
         )
-        print(f"{label:<24} {reference * 1e3:>13.3f} {kernel * 1e3:>9.3f} {reference / kernel:>6.2f}x")
+        bandwidth = 2 * state_bytes * len(lengths) / kernel / 1e9  # (each sequence's state read and written once)
+        print(
+            f"{label:<24} {reference * 1e3:>13.3f} {kernel * 1e3:>9.3f} {reference / kernel:>6.2f}x {bandwidth:>11.1f}"
+        )
 
 
 if __name__ == "__main__":

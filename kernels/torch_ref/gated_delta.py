@@ -20,6 +20,9 @@ been handed out starts from a zeroed state (the caller zeroes it, as HF starts f
 
 Math is float32, as HF's (which casts q, k, v, g and beta to float32 and keeps its states in float32); states
 given in float64 make the whole computation float64, which the tests use to compare the two forms closely.
+HF keeps its conv state as [C, K - 1] per sequence (time last): ours is its transpose.
+
+The kernels (kernels/cpu/gated_delta.c, kernels/triton/gated_delta.py) run the recurrent form for prompts too.
 """
 
 from __future__ import annotations
