@@ -38,7 +38,8 @@ step() { echo; echo "== $1"; }
 if wanted tests; then
     step "kernel tests on the GPU"
     timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_triton_attention.py \
-        tests/kernels/test_triton_layers.py tests/kernels/test_varlen_attention.py 2>&1 | tail -5
+        tests/kernels/test_triton_layers.py tests/kernels/test_varlen_attention.py tests/kernels/test_gated_delta.py \
+        2>&1 | tail -5
     echo "tests exit $?" >"$OUT/tests.txt"
 fi
 if wanted kernels; then

@@ -29,6 +29,7 @@ from pagoda.kernels.fp8 import Fp8Weight as Fp8Weight  # (re-exported, like Pack
 from pagoda.kernels.panels import PanelWeight as PanelWeight
 from pagoda.kernels.quantized import PackedWeight as PackedWeight  # (re-exported: the model layers hold one)
 from pagoda.kernels.torch_ref import attention as _attn
+from pagoda.kernels.torch_ref import gated_delta as _gated_delta
 from pagoda.kernels.torch_ref import layers as _layers
 from pagoda.kernels.torch_ref import moe as _moe
 from pagoda.kernels.torch_ref import sampling as _sampling
@@ -48,6 +49,10 @@ _TORCH: dict[str, Callable] = {
     "argmax_rows": _sampling.argmax_rows,
     "fused_moe": _moe.fused_moe,
     "mxfp4_dequantize": _mxfp4.dequantize,
+    "causal_conv1d": _gated_delta.causal_conv1d,
+    "gated_delta_rule": _gated_delta.gated_delta_rule,
+    "gdn_gating": _gated_delta.gdn_gating,
+    "rms_norm_gated": _gated_delta.rms_norm_gated,
 }
 _CUDA_NATIVE: dict[str, Callable] = {"fp8_linear": _fp8.scaled_mm_linear}  # torch's cuBLASLt FP8 GEMM
 _CPU_COMPILED = {
@@ -64,14 +69,19 @@ _CPU_COMPILED = {
     "argmax_rows",
     "fused_moe",  # (experts packed at load, ExpertPanels or PackedExperts, or Mxfp4Experts; plain ones: the reference)
     "mxfp4_dequantize",
+    "causal_conv1d",
+    "gated_delta_rule",
+    "gdn_gating",
+    "rms_norm_gated",
 }
 # Ops with no Triton kernel, for which a CUDA tensor gets the reference: the panel linear (a CUDA linear
 # keeps its plain weight for cuBLAS and never holds panels), the greedy argmax (torch's own CUDA
 # reduction does it well), and MXFP4's dequantization (torch's lookup and ldexp on the GPU).
 _CPU_ONLY = {"panel_linear", "argmax_rows", "mxfp4_dequantize"}
 # Ops whose torch reference reads values on the host (the fused MoE loops over the experts the tokens
-# chose), which a CUDA graph cannot capture; their kernels read nothing there.
-_HOST_READS = {"fused_moe"}
+# chose; Gated DeltaNet's conv1d and delta rule loop over the sequences), which a CUDA graph cannot capture;
+# their kernels read nothing there.
+_HOST_READS = {"fused_moe", "causal_conv1d", "gated_delta_rule"}
 _enabled = {"cpu": True, "cuda": True}  # compiled C kernels on the CPU, Triton on CUDA
 
 
@@ -98,9 +108,9 @@ def configure(
 
 
 def _triton(name: str) -> Callable:
-    from pagoda.kernels.triton import attention, layers, moe, quantized, varlen_attention
+    from pagoda.kernels.triton import attention, gated_delta, layers, moe, quantized, varlen_attention
 
-    for module in (attention, varlen_attention, layers, quantized, moe):
+    for module in (attention, varlen_attention, layers, quantized, moe, gated_delta):
         if hasattr(module, name):
             return getattr(module, name)
     raise AttributeError(f"no Triton kernel named {name}")
@@ -179,6 +189,17 @@ argmax_rows = _dispatching("argmax_rows")  # (logits [B, V]) -> [B] int64: greed
 fused_moe = _dispatching("fused_moe")
 # (blocks uint8 [..., G, 16], scales uint8 [..., G], dtype) -> [..., G * 32]: MXFP4 experts, kernels/mxfp4.py
 mxfp4_dequantize = _dispatching("mxfp4_dequantize")
+# Gated DeltaNet (Qwen3.5/3.6's linear-attention layers), kernels/torch_ref/gated_delta.py for the contracts:
+# varlen batches (cu_seqlens [B + 1]) whose per-sequence conv and recurrent states live in pools, read and
+# updated in place at state_slots [B]. On the CPU kernels/cpu/gated_delta.c, on CUDA kernels/triton/gated_delta.py.
+# (x [T, C], weight [C, K], bias, conv_states [slots, K - 1, C], cu_seqlens, state_slots, activation) -> [T, C]
+causal_conv1d = _dispatching("causal_conv1d")
+# (q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv], states [slots, Hv, Dk, Dv] float32, cu_seqlens,
+# state_slots, use_qk_l2norm=True) -> [T, Hv, Dv]
+gated_delta_rule = _dispatching("gated_delta_rule")
+gdn_gating = _dispatching("gdn_gating")  # (a, b [T, Hv], A_log, dt_bias [Hv]) -> (g float32, beta)
+# (x, gate [R, Dv] or [T, Hv, Dv], weight [Dv], eps) -> x's shape
+rms_norm_gated = _dispatching("rms_norm_gated")
 
 
 def embedding_rows(

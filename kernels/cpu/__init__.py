@@ -9,6 +9,7 @@ each op's Python side in the module of its kind:
 - moe.py: the fused mixture-of-experts (float32 experts in panels, or quantized);
 - argmax.py: the greedy pick;
 - mxfp4.py: MXFP4 expert weights to float32 (gpt-oss);
+- gated_delta.py: Gated DeltaNet's conv1d, delta rule, gating and gated norm (Qwen3.5's linear attention);
 - decoder.py: a decode step's decoder layers as one C call.
 
 `pagoda.kernels.ops` dispatches to the ops by name from here and sets `settings`.
@@ -20,6 +21,10 @@ from pagoda.kernels.cpu.attention import paged_prefill_attention as paged_prefil
 from pagoda.kernels.cpu.attention import varlen_attention as varlen_attention
 from pagoda.kernels.cpu.elementwise import reshape_and_cache as reshape_and_cache
 from pagoda.kernels.cpu.elementwise import rotary_embedding as rotary_embedding
+from pagoda.kernels.cpu.gated_delta import causal_conv1d as causal_conv1d
+from pagoda.kernels.cpu.gated_delta import gated_delta_rule as gated_delta_rule
+from pagoda.kernels.cpu.gated_delta import gdn_gating as gdn_gating
+from pagoda.kernels.cpu.gated_delta import rms_norm_gated as rms_norm_gated
 from pagoda.kernels.cpu.layer_ops import fused_add_rms_norm as fused_add_rms_norm
 from pagoda.kernels.cpu.layer_ops import rms_norm as rms_norm
 from pagoda.kernels.cpu.layer_ops import silu_and_mul as silu_and_mul

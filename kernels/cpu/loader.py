@@ -54,6 +54,7 @@ _LIBRARIES = {
     "argmax": ["-fopenmp"],
     "moe": ["-fopenmp"],
     "mxfp4": ["-fopenmp"],
+    "gated_delta": [*_FAST_MATH, "-fopenmp"],  # (the delta rule's sums may be reassociated, as attention's)
     "decoder": ["-fopenmp"],  # (calls the others' kernels through pointers: its own flags are its own ops')
 }
 _POINTER, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -86,6 +87,10 @@ _SIGNATURES = {
     "moe_mxfp4_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 9 + [_I64] * 3,
     "moe_workspace": [_I64] * 9,
     "mxfp4_dequantize_f32": [_POINTER] * 3 + [_I64] * 2,
+    "gated_delta_rule_f32": [_POINTER] * 9 + [_I64] * 10,
+    "causal_conv1d_f32": [_POINTER] * 7 + [_I64] * 6,
+    "gdn_gating_f32": [_POINTER] * 6 + [_I64] * 4,
+    "rms_norm_gated_f32": [_POINTER] * 4 + [_I64] * 5 + [_F32, _I64],
     "decode_layers_f32": [_POINTER, _POINTER, _I64, _POINTER],
     "decoder_scratch_floats": [_POINTER, _I64, _I64, _I64],
 }
