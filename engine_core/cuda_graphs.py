@@ -58,7 +58,9 @@ class DecodeGraphs:
         block_size: int,
         device: torch.device,
         capture: bool,
+        num_groups: int = 1,
     ):
+        """`num_groups`: the KV groups' count (engine_core/kv_groups.py), each with its own block table."""
         self.model = model
         self.sizes = capture_sizes(max_num_seqs)
         self.block_size = block_size
@@ -67,10 +69,11 @@ class DecodeGraphs:
         n = self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)  # pad rows write slot 0: the null block
+        # Pad rows write slot 0 of every group: the null block.
+        self.slot_mapping = torch.zeros(num_groups, n, dtype=torch.int64, device=device)
         # Pad rows: one token, in the null block's first slot.
         self.seq_lens = torch.ones(n, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(num_groups, n, self.max_blocks_per_seq, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # captured size -> the graph's output hidden states
         self.pool: tuple[int, int] | None = None  # the graphs' memory pool, from capture_all
@@ -84,11 +87,11 @@ class DecodeGraphs:
 
     def _metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=self.slot_mapping[:, :size],
             num_decodes=size,
             seq_lens=self.seq_lens[:size],
             max_decode_seq_len=self.max_blocks_per_seq * self.block_size,  # constant: no data-dependent shape
-            block_tables=self.block_tables[:size],
+            block_tables=self.block_tables[:, :size],
             query_start_loc=self.seq_lens[:0],
         )
 
@@ -125,7 +128,7 @@ class DecodeGraphs:
         positions: np.ndarray,
         slot_mapping: np.ndarray,
         seq_lens: np.ndarray,
-        block_ids: list[list[int]],
+        block_ids: list[list[list[int]]],
     ) -> torch.Tensor:
         """Hidden states `[B, hidden]` for a decode batch of B <= max size (one token per sequence)."""
         batch = len(input_ids)
@@ -134,12 +137,13 @@ class DecodeGraphs:
             raise ValueError(f"a decode batch of {batch} exceeds the largest graph size, {self.sizes[-1]}")
         self.input_ids[:batch].copy_(torch.from_numpy(input_ids))
         self.positions[:batch].copy_(torch.from_numpy(positions))
-        self.slot_mapping[:batch].copy_(torch.from_numpy(slot_mapping))
+        self.slot_mapping[:, :batch].copy_(torch.from_numpy(slot_mapping))
         self.seq_lens[:batch].copy_(torch.from_numpy(seq_lens))
-        table = np.zeros((batch, self.max_blocks_per_seq), dtype=np.int64)
-        for row, ids in enumerate(block_ids):
-            table[row, : len(ids)] = ids
-        self.block_tables[:batch].copy_(torch.from_numpy(table))
+        table = np.zeros((self.block_tables.shape[0], batch, self.max_blocks_per_seq), dtype=np.int64)
+        for row, tables in enumerate(block_ids):
+            for group, ids in enumerate(tables):
+                table[group, row, : len(ids)] = ids
+        self.block_tables[:, :batch].copy_(torch.from_numpy(table))
         self._pad_rows(batch, size)
         if size in self.graphs:
             self.graphs[size].replay()
@@ -152,6 +156,6 @@ class DecodeGraphs:
         if start < end:
             self.input_ids[start:end] = 0
             self.positions[start:end] = 0
-            self.slot_mapping[start:end] = 0
+            self.slot_mapping[:, start:end] = 0
             self.seq_lens[start:end] = 1
-            self.block_tables[start:end] = 0
+            self.block_tables[:, start:end] = 0

@@ -139,18 +139,16 @@ class EngineCore:
             self.runner.num_blocks,
             config.block_size,
             enable_caching=config.enable_prefix_caching,
-            sliding_window=self.runner.kv_window,
+            windows=self.runner.kv_layout.windows,
         )
-        if self.runner.kv_window is not None:
+        if any(self.runner.kv_layout.windows):
             logger.info(
-                "KV cache: every layer slides over %d tokens; a request's blocks are given back as they leave"
-                " its window",
-                self.runner.kv_window,
+                "KV groups: %s; sliding groups give a request's blocks back as they leave its window",
+                self.runner.kv_layout.describe(),
             )
-        capacity = self.kv_manager.pool.num_usable_blocks * config.block_size
-        window_blocks = self.kv_manager.window_blocks(config.max_num_batched_tokens)
-        if window_blocks is not None and window_blocks <= self.kv_manager.pool.num_usable_blocks:
-            capacity = self.model_cfg.max_position_embeddings  # (a request of any length holds its window's)
+        capacity = self.kv_manager.token_capacity(config.max_num_batched_tokens)
+        if capacity is None:  # (every group slides: a request of any length holds its windows' blocks)
+            capacity = self.model_cfg.max_position_embeddings
         self.max_model_len = self._max_model_len(capacity)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -186,15 +184,15 @@ class EngineCore:
         # (an offline `LLM` dropped without close() would otherwise keep them until the interpreter exits).
         self._close_structured = weakref.finalize(self, self.structured.close)
         self.ended_early: list[RequestRejected | RequestFailed] = []  # see take_ended
+        full_length = self.kv_manager.blocks_for(self.max_model_len, config.max_num_batched_tokens)
         logger.info(
-            "KV cache: %d blocks of %d tokens = %d tokens, %s; max concurrency at full context "
-            "length (%d): %.2fx; model %s loaded in %.1fs",
+            "KV cache: %d blocks of %d tokens, %s; max concurrency at full context length (%d): %.2fx;"
+            " model %s loaded in %.1fs",
             self.kv_manager.pool.num_usable_blocks,
             config.block_size,
-            capacity,
             str(self.runner.kv_cache_dtype).removeprefix("torch."),
             self.max_model_len,
-            capacity / self.max_model_len,
+            self.kv_manager.pool.num_usable_blocks / full_length,
             self.model_cfg.architecture,
             time.monotonic() - started,
         )

@@ -51,7 +51,7 @@ def profile_step(runner, num_tokens: int) -> None:
     block_size = runner.block_size
     runner.allocate_kv_cache(-(-num_tokens // block_size) + 1)
     request = Request("__profile__", [0] * num_tokens, SamplingParams(max_tokens=1))
-    request.block_ids = list(range(1, runner.num_blocks))
+    request.block_ids = [list(range(1, runner.num_blocks))] * len(runner.kv_layout.groups)  # (the same, unread)
     request.num_computed_tokens = num_tokens
     step: StepInputs = prepare_step([request], [num_tokens], block_size)
     with torch.inference_mode():

@@ -1,14 +1,17 @@
-"""Per-request block tables on top of the block pool, with automatic prefix caching.
+"""Per-request block tables on top of the block pool, one per KV group, with automatic prefix caching.
 
-A request's full blocks are published in the pool's prefix cache under their chained content hash
-once the scheduler has scheduled their tokens. A new request first takes the longest run of cached
-blocks that matches its prompt (one more reference each, no compute) and computes only the rest;
-the last prompt token is always computed, because its logits are needed.
+The model's layers share the pool in groups by attention kind (engine_core/kv_groups.py). A request has
+a block table per group, all as long as its tokens need; a sliding-window group gives back the blocks
+that lie wholly before the window of the request's next token as it grows, and the null block takes their
+place in its table (the attention kernels never read there). So a sliding group holds at most its
+window's blocks plus the ones the next step writes, while a full-attention group keeps them all.
 
-Where every attention layer slides over the same window (Mistral, Phi-3), a request's blocks that lie
-wholly before the window of its next token are given back as it grows (published ones stay cached until
-evicted); the null block takes their place in its block table, which the attention kernels never read
-there, so a request holds at most its window's blocks plus the ones its next step writes.
+A request's full blocks are published in the pool's prefix cache under their chained content hash (and
+their group) once the scheduler has scheduled their tokens. A new request first takes the longest run
+of cached blocks that matches its prompt and that every group can resume from: full groups need every
+block before the resume point, sliding groups only those of the window before it. It takes them (one
+more reference each, no compute) and computes only the rest; the last prompt token is always computed,
+because its logits are needed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pagoda.engine_core.request import Request
 
 
 class KVCacheManager:
-    """Gives each request the blocks its tokens need, on demand, and takes them back."""
+    """Gives each request the blocks its tokens need, in every group, on demand, and takes them back."""
 
     def __init__(
         self,
@@ -29,39 +32,71 @@ class KVCacheManager:
         block_size: int,
         watermark: float = 0.01,
         enable_caching: bool = True,
-        sliding_window: int | None = None,
+        windows: Sequence[int | None] = (None,),
     ):
-        """`sliding_window`: the window every layer's attention shares (None: some layer sees the whole
-        context, and a request keeps all its blocks)."""
+        """`windows`: each KV group's sliding window (None: full attention); one full group by default."""
+        if len(windows) > 255:
+            raise ValueError(f"{len(windows)} KV groups: at most 255")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_caching = enable_caching
-        self.sliding_window = sliding_window
-        self._num_released: dict[str, int] = {}  # leading blocks of each request given back (window left)
+        self.windows = tuple(windows)
         # Admission keeps a few blocks spare so running requests can grow without instant preemption.
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
-        self._blocks_of: dict[str, list[KVCacheBlock]] = {}
+        self._blocks_of: dict[str, list[list[KVCacheBlock]]] = {}  # [group][block index]
         self._num_cached_blocks: dict[str, int] = {}  # blocks of each request already published
+        self._num_released: dict[str, list[int]] = {}  # per group: leading blocks looked at for release
         self.prefix_cache_queries = 0  # prompt tokens looked up, cumulative
         self.prefix_cache_hits = 0  # of which found cached
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     def block_hashes(self, request: Request) -> list[bytes]:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
         return request.block_hashes
 
-    def computed_blocks(self, request: Request) -> list[KVCacheBlock]:
-        """The longest run of cached blocks matching the start of a request that has none yet,
-        leaving at least its last token to compute (none for a request that must compute them all)."""
+    def computed_blocks(self, request: Request) -> list[list[KVCacheBlock]]:
+        """The longest run of cached blocks matching the start of a request that has none yet, leaving at
+        least its last token to compute: per block index, the block of each group (the null block where a
+        sliding group does not need it). Empty for a request that must compute them all."""
         if not self.enable_caching or not request.reads_prefix_cache:
             return []
-        limit = (request.num_tokens - 1) // self.block_size
-        found = []
-        for block_hash in self.block_hashes(request)[:limit]:
-            block = self.pool.lookup(block_hash)
-            if block is None:
-                break
-            found.append(block)
-        return found
+        hashes = self.block_hashes(request)[: (request.num_tokens - 1) // self.block_size]
+        found = [[self.pool.lookup(_key(h, g)) for h in hashes] for g in range(self.num_groups)]
+        resume = len(hashes)
+        for g, window in enumerate(self.windows):
+            if window is None:
+                resume = min(resume, next((i for i, block in enumerate(found[g]) if block is None), resume))
+        while resume > 0 and not self._windows_cached(found, resume):
+            resume -= 1
+        hits = []
+        for index in range(resume):
+            row = []
+            for g in range(self.num_groups):
+                block = found[g][index]
+                row.append(block if block is not None and self._needed(g, index, resume) else self.pool.null_block)
+            hits.append(row)
+        return hits
+
+    def _needed(self, group: int, index: int, resume: int) -> bool:
+        """Whether block `index` of `group` is read by the token at position resume x block size."""
+        return index >= self._first_in_window(group, resume * self.block_size)
+
+    def _first_in_window(self, group: int, position: int) -> int:
+        """The first block of `group` that the token at `position` reads (it sees keys from position + 1 -
+        window on; everything in a full group)."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, (position + 1 - window) // self.block_size)
+
+    def _windows_cached(self, found: list[list[KVCacheBlock | None]], resume: int) -> bool:
+        for g, window in enumerate(self.windows):
+            if window is not None:
+                first = self._first_in_window(g, resume * self.block_size)
+                if any(block is None for block in found[g][first:resume]):
+                    return False
+        return True
 
     def head_hash(self, request: Request) -> bytes | None:
         """The hash of the request's first block, if it has a full one (and caching is on)."""
@@ -75,96 +110,150 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit_tokens
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
+        """New blocks, over all groups, for `num_new_tokens` more tokens after `num_hit_blocks` hits."""
         total_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
-        have = len(self._blocks_of.get(request.request_id, ())) + num_hit_blocks
-        return max(0, -(-total_tokens // self.block_size) - have)
+        tables = self._blocks_of.get(request.request_id)
+        have = (len(tables[0]) if tables else 0) + num_hit_blocks
+        return max(0, -(-total_tokens // self.block_size) - have) * self.num_groups
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, admitting: bool = False, hit_blocks: Sequence[KVCacheBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        admitting: bool = False,
+        hit_blocks: Sequence[Sequence[KVCacheBlock]] = (),
     ) -> bool:
         """Make room for `num_new_tokens` more tokens of `request` (after taking `hit_blocks`, cached
-        blocks that hold its next tokens); False, with nothing taken, if they don't fit."""
+        blocks that hold its next tokens, as `computed_blocks` gives them); False, with nothing taken,
+        if they don't fit (a running request's blocks that left its windows are given back all the same)."""
+        if request.request_id in self._blocks_of:  # (first: what it gives back may make the room)
+            self._release_outside_windows(request, request.num_computed_tokens)
         needed = self.num_blocks_needed(request, num_new_tokens, len(hit_blocks))
         reserve = self.watermark_blocks if admitting else 0
-        hits_in_free_queue = sum(1 for b in hit_blocks if b.ref_cnt == 0)  # taking them uses free blocks
+        null = self.pool.null_block
+        taken = [block for row in hit_blocks for block in row if block is not null]
+        hits_in_free_queue = sum(1 for b in taken if b.ref_cnt == 0)  # taking them uses free blocks
         if needed + hits_in_free_queue + reserve > self.pool.num_free_blocks:
             return False
-        blocks = self._blocks_of.setdefault(request.request_id, [])
+        tables = self._blocks_of.setdefault(request.request_id, [[] for _ in self.windows])
+        released = self._num_released.setdefault(request.request_id, [0] * self.num_groups)
         if hit_blocks:
-            self.pool.touch(hit_blocks)
-            blocks.extend(hit_blocks)
-            self._num_cached_blocks[request.request_id] = len(blocks)
-        self._release_outside_window(request, request.num_computed_tokens + len(hit_blocks) * self.block_size)
-        if needed:
-            new_blocks = self.pool.allocate(needed)
-            blocks.extend(new_blocks)
-        request.block_ids = [b.block_id for b in blocks]
+            self.pool.touch(taken)
+            for g, table in enumerate(tables):
+                table.extend(row[g] for row in hit_blocks)
+                # (a sliding group's hits start with null blocks: nothing there to give back)
+                released[g] = next((i for i, block in enumerate(table) if block is not null), len(table))
+            self._num_cached_blocks[request.request_id] = len(tables[0])
+        self._release_outside_windows(request, request.num_computed_tokens + len(hit_blocks) * self.block_size)
+        per_group = needed // self.num_groups
+        if per_group:
+            for table in tables:
+                table.extend(self.pool.allocate(per_group))
+        self._set_block_ids(request)
         return True
 
-    def _release_outside_window(self, request: Request, computed: int) -> None:
-        """Give back the blocks that no coming token of `request` reads: those wholly before the window of
-        the next token to compute (position `computed` sees keys from computed + 1 - window on)."""
-        if self.sliding_window is None:
-            return
-        blocks = self._blocks_of[request.request_id]
-        dead = min((computed + 1 - self.sliding_window) // self.block_size, len(blocks))
-        start = self._num_released.get(request.request_id, 0)
-        if dead <= start:
-            return
-        self.pool.release(blocks[start:dead])
-        blocks[start:dead] = [self.pool.null_block] * (dead - start)
-        self._num_released[request.request_id] = dead
-        request.block_ids = [b.block_id for b in blocks]
+    def _release_outside_windows(self, request: Request, computed: int) -> None:
+        """Give back the blocks of the sliding groups that no coming token of `request` reads: those
+        wholly before the window of the next token to compute (the one at position `computed`)."""
+        tables, released = self._blocks_of[request.request_id], self._num_released[request.request_id]
+        for g, window in enumerate(self.windows):
+            if window is None:
+                continue
+            table = tables[g]
+            dead = min(self._first_in_window(g, computed), len(table))
+            if dead <= released[g]:
+                continue
+            self.pool.release([block for block in table[released[g] : dead] if block is not self.pool.null_block])
+            table[released[g] : dead] = [self.pool.null_block] * (dead - released[g])
+            released[g] = dead
+
+    def _set_block_ids(self, request: Request) -> None:
+        request.block_ids = [[block.block_id for block in table] for table in self._blocks_of[request.request_id]]
 
     def window_blocks(self, step_tokens: int) -> int | None:
-        """The most blocks a request ever holds under the sliding window when a step computes at most
-        `step_tokens` of its tokens, whatever its length (None: no window, a request holds them all)."""
-        if self.sliding_window is None:
+        """The most blocks a request ever holds, whatever its length, when a step computes at most
+        `step_tokens` of its tokens; None where a full-attention group keeps them all."""
+        if None in self.windows:
             return None
-        return -(-(self.sliding_window - 1 + step_tokens) // self.block_size) + 1
+        return sum(-(-(window - 1 + step_tokens) // self.block_size) + 1 for window in self.windows if window)
+
+    def blocks_for(self, tokens: int, step_tokens: int) -> int:
+        """The most blocks a request of `tokens` tokens holds, over all groups."""
+        table = -(-tokens // self.block_size)
+        return sum(
+            table if w is None else min(table, -(-(w - 1 + step_tokens) // self.block_size) + 1) for w in self.windows
+        )
+
+    def token_capacity(self, step_tokens: int) -> int | None:
+        """The longest request the pool holds alone, a whole number of blocks (None: any length, where
+        every group slides and their windows fit)."""
+        usable = self.pool.num_usable_blocks
+        if None not in self.windows and self.blocks_for(1 << 40, step_tokens) <= usable:
+            return None
+        low, high = 0, usable  # (table lengths: a request holding `low` blocks per group fits)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.blocks_for(mid * self.block_size, step_tokens) <= usable:
+                low = mid
+            else:
+                high = mid - 1
+        return low * self.block_size
 
     def num_blocks_held(self, request: Request) -> int:
-        """The pool blocks `request` holds (its table's entries but the null block's)."""
-        return len(self._blocks_of.get(request.request_id, ())) - self._num_released.get(request.request_id, 0)
+        """The pool blocks `request` holds, over all groups (its tables' entries but the null block's)."""
+        null = self.pool.null_block
+        return sum(1 for table in self._blocks_of.get(request.request_id, ()) for b in table if b is not null)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Publish the request's blocks that its scheduled tokens now fill completely."""
         if not self.enable_caching:
             return
-        blocks = self._blocks_of.get(request.request_id, [])
+        tables = self._blocks_of.get(request.request_id)
+        if not tables:
+            return
         # (Proposed tokens being verified are computed but not the request's yet: not theirs to publish.)
-        full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(blocks))
+        full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(tables[0]))
         start = self._num_cached_blocks.get(request.request_id, 0)
         if full <= start:
             return
         hashes = self.block_hashes(request)
-        for index in range(max(start, self._num_released.get(request.request_id, 0)), full):
-            self.pool.cache(blocks[index], hashes[index])
+        for g, table in enumerate(tables):
+            for index in range(start, full):
+                if table[index] is not self.pool.null_block:
+                    self.pool.cache(table[index], _key(hashes[index], g))
         self._num_cached_blocks[request.request_id] = full
 
     def trim(self, request: Request) -> None:
         """Return the blocks past the request's tokens (taken for proposals it rejected); they were never
         published, since only blocks full of the request's own tokens are."""
-        blocks = self._blocks_of.get(request.request_id, [])
+        tables = self._blocks_of.get(request.request_id)
         keep = -(-request.num_tokens // self.block_size)
-        if len(blocks) > keep:
-            self.pool.release(list(reversed(blocks[keep:])))
-            del blocks[keep:]
-            request.block_ids = [b.block_id for b in blocks]
+        if not tables or len(tables[0]) <= keep:
+            return
+        for table in tables:
+            self.pool.release(list(reversed(table[keep:])))
+            del table[keep:]
+        self._set_block_ids(request)
 
     def free(self, request: Request) -> None:
         """Return a request's blocks, tail first, so a chain's later blocks are evicted before its head."""
-        blocks = self._blocks_of.pop(request.request_id, [])
+        tables = self._blocks_of.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
-        released = self._num_released.pop(request.request_id, 0)  # (null blocks in their places)
-        self.pool.release(list(reversed(blocks[released:])))
+        self._num_released.pop(request.request_id, None)
+        for table in tables:
+            self.pool.release([block for block in reversed(table) if block is not self.pool.null_block])
         request.block_ids = []
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the number of blocks that were cached."""
-        self._num_cached_blocks = {rid: len(blocks) for rid, blocks in self._blocks_of.items()}
+        self._num_cached_blocks = {rid: len(tables[0]) for rid, tables in self._blocks_of.items()}
         return self.pool.reset_cache()
 
     @property
     def num_owned_requests(self) -> int:
         return len(self._blocks_of)
+
+
+def _key(block_hash: bytes, group: int) -> bytes:
+    """A block's prefix-cache key: its content hash, and for every group but the first, the group."""
+    return block_hash if group == 0 else block_hash + bytes((group,))

@@ -31,6 +31,7 @@ from pagoda.engine_core.config import EngineConfig, resolve_dtype, resolve_kv_ca
 from pagoda.engine_core.cuda_graphs import DecodeGraphs, model_capturable
 from pagoda.engine_core.environment import configure_kernels
 from pagoda.engine_core.gpu_memory import profile_gpu_memory
+from pagoda.engine_core.kv_groups import KVLayout, plan_layout
 from pagoda.engine_core.kv_prefault import KVPoolPrefault, prefault
 from pagoda.engine_core.layers.attention import AttentionMetadata
 from pagoda.engine_core.loader import load_model, weight_bytes
@@ -77,7 +78,7 @@ def kv_bytes_per_block(
     model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int, num_layers: int
 ) -> int:
     """Bytes one block takes in a rank's KV pool, which holds `num_kv_heads` heads of `num_layers`
-    layers (its pipeline stage's)."""
+    layers (its pipeline stage's; with several KV groups, the largest group's)."""
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * model_cfg.head_dim * element
 
@@ -173,7 +174,7 @@ class ModelRunner:
             if draft_model is None
             else DraftModel(draft_model, model_dir, model_cfg, self.dtype, self.device, self.block_size)
         )
-        self.kv_window = self._shared_window()
+        self.kv_layout = self._plan_kv_layout()
         # Long prompts' rows as bulk rows, where the linears then compute them otherwise (AMX; float32 panels)
         self.bulk_prompts = self.dtype == torch.float32 and ops.bulk_rows_differ(self.device)
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
@@ -185,13 +186,12 @@ class ModelRunner:
         self.allocate_kv_cache(pipe.min_int(num_blocks) if pipe is not None else num_blocks)
         self._heads_owed: deque[tuple[LogitsRows, int]] = deque()  # a first-stage follower's steps (rows, tokens)
 
-    def _shared_window(self) -> int | None:
-        """The sliding window that every attention layer with K/V in the pool shares (the target's, and a
-        draft model's), or None where some layer sees the whole context: what lets the KV manager free the
-        blocks that have left a request's window. Each model declares its layers' windows; the layers it
-        built must agree."""
+    def _plan_kv_layout(self) -> KVLayout:
+        """The KV groups of this rank's layers (engine_core/kv_groups.py), from the windows the model
+        declares for its layers (which the layers it built must agree with). A pipeline stage, or a model
+        with a draft (whose K/V lives in blocks of the same ids), keeps one group; there every layer's
+        window, the draft's too, must be the same for the group to slide."""
         models = [self.model] + ([self.draft.model] if self.draft is not None else [])
-        windows: set[int | None] = set()
         for model in models:
             declared = model.attention_windows()
             for index, attention in zip(model.layer_range, model.attention_layers(), strict=True):
@@ -200,12 +200,15 @@ class ModelRunner:
                         f"{type(model).__name__}: layer {index} attends with window {attention.sliding_window},"
                         f" but the family declares {declared[index]}"
                     )
-            windows |= set(declared)
-        return windows.pop() if len(windows) == 1 else None
+        windows = self.model.attention_windows()
+        if self.draft is not None and set(self.draft.model.attention_windows()) != set(windows):
+            windows = [None] * len(windows)  # (the draft attends otherwise: every block is kept)
+        split = self.pipe is None and self.draft is None
+        return plan_layout(windows, self.model.layer_range, split)
 
     def _num_blocks(self) -> int:
         per_block = kv_bytes_per_block(
-            self.model_cfg, self.block_size, self.kv_cache_dtype, self.num_kv_heads, self.num_layers
+            self.model_cfg, self.block_size, self.kv_cache_dtype, self.num_kv_heads, self.kv_layout.slots
         )
         if self.draft is not None:  # every block exists in both pools
             per_block += self.draft.kv_bytes_per_block()
@@ -241,18 +244,20 @@ class ModelRunner:
         return budget // per_block
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One key and one value tensor per layer, bound into the attention layers."""
+        """One key and one value tensor per layer slot of a block (engine_core/kv_groups.py), bound into the
+        attention layers with their KV group."""
         cfg = self.model_cfg
         self.release_kv_cache()
         self.num_blocks = num_blocks
-        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
+        shape = (self.kv_layout.slots, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         # torch.empty: nothing is written up front; on the CPU a background thread maps the pages before
         # blocks need them (engine_core/kv_prefault.py), instead of a page fault at a block's first write.
         self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
         self.kv_prefault = prefault(self.kv_cache)
-        for layer_index, attn in enumerate(self.model.attention_layers()):
-            attn.key_cache = self.kv_cache[layer_index, 0]
-            attn.value_cache = self.kv_cache[layer_index, 1]
+        for layer_index, attn in zip(self.model.layer_range, self.model.attention_layers(), strict=True):
+            attn.kv_group, slot = self.kv_layout.place(layer_index)
+            attn.key_cache = self.kv_cache[slot, 0]
+            attn.value_cache = self.kv_cache[slot, 1]
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
 
@@ -277,7 +282,13 @@ class ModelRunner:
         """Route pure-decode steps through persistent buffers, replaying captured CUDA graphs when
         `capture` (CUDA only); with capture=False the same path runs eager (how the CPU tests use it)."""
         self.decode_graphs = DecodeGraphs(
-            self.model, self.config.max_num_seqs, max_model_len, self.block_size, self.device, capture
+            self.model,
+            self.config.max_num_seqs,
+            max_model_len,
+            self.block_size,
+            self.device,
+            capture,
+            len(self.kv_layout.groups),
         )
         if capture:
             self.decode_graphs.capture_all()
@@ -495,7 +506,7 @@ def _attention_rows(step: StepInputs) -> tuple[np.ndarray, np.ndarray, int, np.n
     num_tokens = int(counts.sum())
     last_row = np.repeat(np.cumsum(counts) - 1, counts)  # each token's sequence's last row
     seq_lens = np.repeat(step.seq_lens, counts) - (last_row - np.arange(num_tokens))
-    block_tables = np.repeat(step.block_tables, counts, axis=0)
+    block_tables = np.repeat(step.block_tables, counts, axis=1)
     return seq_lens, block_tables, num_tokens, np.zeros(1, dtype=np.int64)
 
 

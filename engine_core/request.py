@@ -61,7 +61,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
+        self.block_ids: list[list[int]] = []  # per KV group (engine_core/kv_groups.py), its block table
         self.status = RequestStatus.WAITING
         self.cache_salt = cache_salt  # only requests with the same salt share cached prefix blocks
         self.block_hashes: list[bytes] = []  # of its full blocks, filled in by the KV cache manager

@@ -16,9 +16,9 @@ class StepInputs:
 
     token_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [G, T]: each token's cache slot in each KV group's blocks
     seq_lens: np.ndarray  # [B]
-    block_tables: np.ndarray  # [B, max blocks of any sequence in the step]
+    block_tables: np.ndarray  # [G, B, max blocks of any sequence in the step]: one table per KV group
     num_decodes: int
     query_start_loc: np.ndarray  # [P+1] over the prefill sequences
     last_token_index: list[int]  # [B] row of each sequence's last token in the flat batch
@@ -38,8 +38,7 @@ def prepare_step(
     token_ids = np.empty(total, dtype=np.int64)
     positions = np.empty(total, dtype=np.int64)
     seq_lens = np.empty(len(requests), dtype=np.int64)
-    max_blocks = max(len(r.block_ids) for r in requests)
-    block_tables = np.zeros((len(requests), max_blocks), dtype=np.int64)
+    block_tables = _block_tables(requests)
     offset = 0
     for i, (request, n) in enumerate(zip(requests, counts, strict=True)):
         end = request.num_computed_tokens  # already advanced by the scheduler
@@ -49,10 +48,9 @@ def prepare_step(
         token_ids[offset : offset + n] = tokens[start:end]
         positions[offset : offset + n] = np.arange(start, end)
         seq_lens[i] = end
-        block_tables[i, : len(request.block_ids)] = request.block_ids
         offset += n
     row_of_token = np.repeat(np.arange(len(requests)), counts)
-    slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    slot_mapping = block_tables[:, row_of_token, positions // block_size] * block_size + positions % block_size
     first_bulk = len(counts) - bulk_requests
     num_decodes = sum(1 for n in counts[:first_bulk] if n == 1)  # (they come first; bulk chunks are longer)
     prefill_counts = np.asarray(counts[num_decodes:], dtype=np.int64)
@@ -73,19 +71,27 @@ def prepare_decode_step(
     requests: list[Request], token_ids: list[int], positions: list[int], block_size: int
 ) -> StepInputs:
     """The flat inputs of a step that computes one token per request (a batch of decodes)."""
-    max_blocks = max(len(r.block_ids) for r in requests)
-    block_tables = np.zeros((len(requests), max_blocks), dtype=np.int64)
-    for i, request in enumerate(requests):
-        block_tables[i, : len(request.block_ids)] = request.block_ids
+    block_tables = _block_tables(requests)
     position = np.asarray(positions, dtype=np.int64)
     rows = np.arange(len(requests))
     return StepInputs(
         np.asarray(token_ids, dtype=np.int64),
         position,
-        block_tables[rows, position // block_size] * block_size + position % block_size,
+        block_tables[:, rows, position // block_size] * block_size + position % block_size,
         position + 1,
         block_tables,
         num_decodes=len(requests),
         query_start_loc=np.zeros(1, dtype=np.int64),
         last_token_index=rows.tolist(),
     )
+
+
+def _block_tables(requests: list[Request]) -> np.ndarray:
+    """[G, B, max blocks]: each request's table in each KV group (zero-padded: the null block)."""
+    num_groups = len(requests[0].block_ids)
+    max_blocks = max(len(r.block_ids[0]) for r in requests)
+    tables = np.zeros((num_groups, len(requests), max_blocks), dtype=np.int64)
+    for i, request in enumerate(requests):
+        for group, ids in enumerate(request.block_ids):
+            tables[group, i, : len(ids)] = ids
+    return tables

@@ -21,11 +21,11 @@ from pagoda.kernels import ops
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    slot_mapping: torch.Tensor  # [G, T] int64: cache slot of each new token, in each KV group's blocks
     num_decodes: int  # the first `num_decodes` sequences (and tokens) are single-token decodes
     seq_lens: torch.Tensor  # [B] int64: context length after this step
     max_decode_seq_len: int  # max(seq_lens) over the decode sequences (0 if none)
-    block_tables: torch.Tensor  # [B, max_blocks] int64
+    block_tables: torch.Tensor  # [G, B, max_blocks] int64: each KV group's (engine_core/kv_groups.py)
     query_start_loc: torch.Tensor  # [B+1] int64, for the prefill sequences (relative to them)
     # Every prefill sequence starts at position 0 (no cached prefix, not a later chunk): its K/V are all
     # in this step's k/v, so attention needs no gather from the cache.
@@ -74,6 +74,7 @@ class Attention(nn.Module):
         self.softcap = 0.0
         self.key_cache: torch.Tensor | None = None  # bound by the model runner
         self.value_cache: torch.Tensor | None = None
+        self.kv_group = 0  # whose block tables and slots it uses (engine_core/kv_groups.py), bound with them
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | VarlenMetadata
@@ -91,14 +92,15 @@ class Attention(nn.Module):
                 sinks=self.sinks,
                 softcap=self.softcap,
             )
-        ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, meta.slot_mapping)
+        slot_mapping, block_tables = meta.slot_mapping[self.kv_group], meta.block_tables[self.kv_group]
+        ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, slot_mapping)
         nd = meta.num_decodes  # one token each, so also the number of decode tokens
         if nd == q.shape[0]:
             return ops.paged_decode_attention(
                 q,
                 self.key_cache,
                 self.value_cache,
-                meta.block_tables,
+                block_tables,
                 meta.seq_lens,
                 self.scale,
                 self.sliding_window,
@@ -112,7 +114,7 @@ class Attention(nn.Module):
                 q[:nd],
                 self.key_cache,
                 self.value_cache,
-                meta.block_tables[:nd],
+                block_tables[:nd],
                 meta.seq_lens[:nd],
                 self.scale,
                 self.sliding_window,
@@ -139,7 +141,7 @@ class Attention(nn.Module):
                 q[nd:],
                 self.key_cache,
                 self.value_cache,
-                meta.block_tables[nd:],
+                block_tables[nd:],
                 meta.query_start_loc,
                 meta.seq_lens[nd:],
                 self.scale,

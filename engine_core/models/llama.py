@@ -154,8 +154,8 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
                 positions,
                 hidden,
                 residual,
-                meta.slot_mapping,
-                meta.block_tables,
+                meta.slot_mapping[0],  # (one KV group: its layers' windows are all the same)
+                meta.block_tables[0],
                 meta.seq_lens,
                 meta.max_decode_seq_len,
             )

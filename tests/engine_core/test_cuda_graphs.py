@@ -164,14 +164,13 @@ def test_pad_rows_point_at_the_null_block_after_a_larger_batch(default_model_dir
     def decode(batch: int):
         rows = np.arange(batch)
         blocks = [[1 + 2 * row, 2 + 2 * row] for row in rows]  # 20 tokens each: second block partly used
-        return graphs.run(
-            rows + 5, np.full(batch, 19), np.array([b[1] * 16 + 3 for b in blocks]), np.full(batch, 20), blocks
-        )
+        slots = np.array([[b[1] * 16 + 3 for b in blocks]])  # (one KV group)
+        return graphs.run(rows + 5, np.full(batch, 19), slots, np.full(batch, 20), [[b] for b in blocks])
 
     assert decode(8).shape[0] == 8
     out = decode(3)
     assert out.shape[0] == 3 and torch.isfinite(out).all()
-    slots, seq_lens, tables = seen[-1]
+    slots, seq_lens, tables = (seen[-1][0][0], seen[-1][1], seen[-1][2][0])  # (group 0's slots and tables)
     assert len(slots) == 4  # padded to the captured size 4
     assert slots[3] == 0 and seq_lens[3] == 1 and (tables[3] == 0).all()
     assert slots[:3].tolist() == [2 * 16 + 3, 4 * 16 + 3, 6 * 16 + 3]

@@ -33,7 +33,7 @@ def _prompts(lengths: list[int]) -> list[list[int]]:
 def test_a_conversation_8x_the_window_holds_the_window_and_one_block(mistral):
     hf_model, path = mistral
     engine = EngineCore(EngineConfig(model=str(path), block_size=BLOCK, max_num_batched_tokens=32, num_kv_blocks=64))
-    assert engine.kv_manager.sliding_window == WINDOW
+    assert engine.kv_manager.windows == (WINDOW,)
     prompt = _prompts([8 * WINDOW])[0]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     engine.add_request("talk", prompt, params)
@@ -44,7 +44,7 @@ def test_a_conversation_8x_the_window_holds_the_window_and_one_block(mistral):
             tokens += out.new_token_ids
         if not request.status.finished:
             held = engine.kv_manager.num_blocks_held(request)
-            most_held, table = max(most_held, held), len(request.block_ids)
+            most_held, table = max(most_held, held), len(request.block_ids[0])
             if request.num_computed_tokens > request.num_prompt_tokens:  # decoding: one token a step
                 assert held <= WINDOW // BLOCK + 1, (request.num_computed_tokens, held)
         engine.check_integrity()
@@ -78,9 +78,28 @@ def test_greedy_equals_hf_under_prefix_caching_and_preemption(mistral):
     assert run_engine(tight, prompts, params) == expected
 
 
-def test_a_model_with_full_attention_layers_keeps_every_block(tmp_path):
-    """gpt-oss alternates sliding and full layers: its requests keep all their blocks."""
-    model = tiny_models.build("gpt_oss")
-    model.save_pretrained(tmp_path / "gpt_oss")
-    engine = EngineCore(EngineConfig(model=str(tmp_path / "gpt_oss"), block_size=BLOCK, num_kv_blocks=32))
-    assert engine.kv_manager.sliding_window is None
+def test_sliding_and_full_layers_each_hold_what_they_read(tmp_path):
+    """gpt-oss alternates 8-token sliding and full layers: two KV groups, each block id holding two layers'
+    K/V (half of what one group of all four would take). The full group keeps every block of a request,
+    the sliding one its window's; tokens stay HF's."""
+    hf_model = tiny_models.build("gpt_oss")
+    hf_model.save_pretrained(tmp_path / "gpt_oss")
+    window = hf_model.config.sliding_window
+    engine = EngineCore(
+        EngineConfig(model=str(tmp_path / "gpt_oss"), block_size=BLOCK, max_num_batched_tokens=16, num_kv_blocks=64)
+    )
+    assert engine.kv_manager.windows == (window, None)
+    assert engine.runner.kv_cache is not None and engine.runner.kv_cache.shape[0] == 2  # (slots per block)
+    prompt = _prompts([6 * BLOCK + 3])[0]
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    request = engine.scheduler.requests["r"]
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        if not request.status.finished and request.num_computed_tokens > request.num_prompt_tokens:
+            sliding, full = request.block_ids
+            assert 0 not in full and len(full) == -(-request.num_computed_tokens // BLOCK)
+            assert sum(1 for b in sliding if b != 0) <= -(-window // BLOCK) + 1
+        engine.check_integrity()
+    assert tokens == hf_greedy(hf_model, prompt, 20, stop_at_eos=False)

@@ -21,7 +21,7 @@ def _request(name: str, prompt: int, computed: int, outputs: int = 0) -> Request
     for t in range(outputs):
         request.append_token(7 + t)
     request.num_computed_tokens = computed
-    request.block_ids = list(range(-(-(prompt + outputs) // BLOCK)))
+    request.block_ids = [list(range(-(-(prompt + outputs) // BLOCK)))]
     return request
 
 

@@ -1,0 +1,67 @@
+"""How a model's layers share the KV pool: groups of layers by attention kind (vLLM's hybrid allocator).
+
+Each group has its own block table per request. Full-attention groups keep every block; a sliding-window
+group gives back the blocks that have left a request's window (engine_core/kv_cache.py). All groups draw
+block ids from one pool: a block id is owned by one group at a time, and holds the K/V of that group's
+layers, one layer per slot. So the pool's tensor is [slots, 2, blocks, ...] with as many slots as the
+largest group has layers, and layer l of a group keeps its K/V in slot l.
+
+For the slots to be used well, the groups are equal in size: a kind with n layers splits into groups of
+the smallest kind's count (Gemma 3's 5:1 pattern over 24 layers gives five sliding groups of 4 and one
+full group of 4; gpt-oss's 12 + 12 gives one of each). A model whose layers are all of one kind is one
+group, as before. So is a pipeline stage's or a model with a draft: the stages' layers would leave slots
+empty, and a draft's K/V lives in blocks of the same ids; both keep every layer's blocks (one group,
+sliding only where every layer slides alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    window: int | None  # the sliding window of its layers (None: full attention)
+    layers: tuple[int, ...]  # the model's layer indices, in slot order
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    groups: tuple[KVGroup, ...]
+    slots: int  # layers' K/V per block id: the pool tensor's first dimension
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(group.window for group in self.groups)
+
+    def place(self, layer: int) -> tuple[int, int]:
+        """(group, slot) of layer `layer` (a model layer index)."""
+        for g, group in enumerate(self.groups):
+            if layer in group.layers:
+                return g, group.layers.index(layer)
+        raise KeyError(f"layer {layer} is in no KV group")
+
+    def describe(self) -> str:
+        kinds = []
+        for group in self.groups:
+            kind = "full" if group.window is None else f"sliding {group.window}"
+            kinds.append(f"{kind} ({len(group.layers)} layers)")
+        return ", ".join(kinds)
+
+
+def plan_layout(windows: list[int | None], layers: range, split: bool) -> KVLayout:
+    """The groups of the layers in `layers` (this rank's), given every model layer's window. `split=False`
+    (pipeline stages, a draft model): one group of them all, sliding only where every layer slides alike."""
+    held = list(layers)
+    kinds = list(dict.fromkeys(windows[i] for i in held))  # (in the order of their first layer)
+    if not split or len(kinds) == 1:
+        shared = set(windows)
+        window = shared.pop() if len(shared) == 1 else None
+        return KVLayout((KVGroup(window, tuple(held)),), len(held))
+    by_kind = {kind: [i for i in held if windows[i] == kind] for kind in kinds}
+    size = min(len(members) for members in by_kind.values())
+    groups = []
+    for kind, members in by_kind.items():
+        for start in range(0, len(members), size):
+            groups.append(KVGroup(kind, tuple(members[start : start + size])))
+    return KVLayout(tuple(groups), size)
