@@ -30,31 +30,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagoda.engine_core.layers.attention import AttentionMetadata, VarlenMetadata
 from pagoda.engine_core.layers.rotary import RotaryEmbedding
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.llama import LlamaForCausalLM
-from pagoda.engine_core.models.llama_layers import LlamaDecoderLayer, LlamaMLP, _bulk_after
+from pagoda.engine_core.models.llama_layers import LlamaDecoderLayer, LlamaMLP, RMSNorm, _bulk_after
 from pagoda.engine_core.quantization.assembly import LinearAssembler
 from pagoda.kernels import ops
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")  # (HF's names for the tanh approximation)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """HF's Gemma RMSNorm: x / rms(x) * (1 + w), computed in float32 and rounded to x's dtype once. `weight`
     holds 1 + w in float32 (`GemmaForCausalLM.load_weights` adds the one)."""
 
     def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32), requires_grad=False)
-        self.eps = eps
+        super().__init__(size, eps, torch.float32)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with `residual` (norm(x + residual), x + residual), as Llama's RMSNorm."""
@@ -139,6 +135,7 @@ def _layer_kinds(cfg: ModelConfig, sliding_every: int) -> tuple[str, ...]:
 class Gemma2ForCausalLM(LlamaForCausalLM):
     qk_norm = False
     sliding_every = 2  # (HF's Gemma2Config default: sliding, full, sliding, ...)
+    embed_scale: torch.Tensor  # (a buffer: sqrt(hidden_size) in the weights' dtype)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pooling: bool = False):
         activation = cfg.raw.get("hidden_activation") or cfg.raw.get("hidden_act") or "gelu_pytorch_tanh"
@@ -216,7 +213,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
             if params.get("rope_type", "default") == "default":
                 params = {}
             self.local_rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta, params or None)
-        return cast(RotaryEmbedding, self.local_rotary)
+        return self.local_rotary
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):

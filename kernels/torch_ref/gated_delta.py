@@ -56,7 +56,9 @@ def causal_conv1d(
         if length == 0:
             continue
         window = torch.cat([conv_states[slot].to(compute), x[start:end].to(compute)])  # [K - 1 + L, C]
-        result = sum(window[j : j + length] * w[j] for j in range(width))
+        result = window[:length] * w[0]
+        for j in range(1, width):
+            result = result + window[j : j + length] * w[j]
         if bias is not None:
             result = result + bias.to(compute)
         if activation == "silu":
@@ -92,7 +94,8 @@ def gated_delta_rule(
         slots = torch.tensor([slot for _, slot in single], device=value.device)
         q, k, v, gt, bt = _prepared(query[tokens], key[tokens], value[tokens], g[tokens], beta[tokens], states.dtype)
         state = states[slots].to(q.dtype)
-        o = _recurrent(*(x[:, :, None] for x in (q, k, v, gt, bt)), state, use_qk_l2norm)
+        q, k, v, gt, bt = (x[:, :, None] for x in (q, k, v, gt, bt))
+        o = _recurrent(q, k, v, gt, bt, state, use_qk_l2norm)
         out[tokens] = o[:, :, 0].to(out.dtype)
         states[slots] = state.to(states.dtype)
     for start, end, slot in sequences:
@@ -100,7 +103,8 @@ def gated_delta_rule(
             rows = slice(start, end)
             q, k, v, gt, bt = _prepared(query[rows], key[rows], value[rows], g[rows], beta[rows], states.dtype)
             state = states[slot : slot + 1].to(q.dtype)
-            o = _chunked(*(x.transpose(0, 1)[None] for x in (q, k, v, gt, bt)), state, use_qk_l2norm)
+            q, k, v, gt, bt = (x.transpose(0, 1)[None] for x in (q, k, v, gt, bt))
+            o = _chunked(q, k, v, gt, bt, state, use_qk_l2norm)
             out[rows] = o[0].transpose(0, 1).to(out.dtype)
             states[slot] = state[0].to(states.dtype)
     return out
@@ -124,7 +128,8 @@ def gated_delta_rule_recurrent(
             rows = slice(start, end)
             q, k, v, gt, bt = _prepared(query[rows], key[rows], value[rows], g[rows], beta[rows], states.dtype)
             state = states[slot : slot + 1].to(q.dtype)
-            o = _recurrent(*(x.transpose(0, 1)[None] for x in (q, k, v, gt, bt)), state, use_qk_l2norm)
+            q, k, v, gt, bt = (x.transpose(0, 1)[None] for x in (q, k, v, gt, bt))
+            o = _recurrent(q, k, v, gt, bt, state, use_qk_l2norm)
             out[rows] = o[0].transpose(0, 1).to(out.dtype)
             states[slot] = state[0].to(states.dtype)
     return out
