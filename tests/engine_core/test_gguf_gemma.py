@@ -26,6 +26,7 @@ from pagoda.engine_core.gguf_gemma import NORMS_INCLUDE_ONE, config_fields, end_
 from pagoda.engine_core.loader import load_model, resolve_model
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.sampling_params import SamplingParams
+from pagoda.engine_core.tokenizer import load_tokenizer
 from tests import tiny_models
 from tests.engine_core.gguf_files import float32_dir, write_gguf
 from tests.helpers import greedy_with_first_logprobs, hf_greedy, run_engine
@@ -306,6 +307,43 @@ def test_the_27b_models_scale_attention_by_hidden_over_heads(arch, layers, scala
     config = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": 32, "head_dim": 256}
     meta = {"general.architecture": arch, f"{arch}.attention.sliding_window": 4096}
     assert config_fields(Path("x.gguf"), meta, {**config, "rope_theta": 1e6})["query_pre_attn_scalar"] == scalar
+
+
+def _sentencepiece_metadata() -> dict:
+    """A Gemma-like sentencepiece vocabulary (`llama` model, as Gemma's files hold theirs) of VOCAB tokens: its
+    control tokens first, a few pieces, then unused ones (user-defined, as in Gemma's)."""
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "\u2581", "h", "e", "l", "o"]
+    pieces += ["w", "r", "d", "\u2581h", "he", "ll", "\u2581he", "llo", "\u2581hello", "\u2581w", "or", "\u2581wor"]
+    pieces += ["ld", "\u2581world"]
+    tokens = pieces + [f"<unused{i}>" for i in range(VOCAB - len(pieces))]
+    types = [3, 3, 3, 2, 3, 3] + [1] * (len(pieces) - 6) + [4] * (VOCAB - len(pieces))  # (control, unknown, ...)
+    u32, array = GGUFValueType.UINT32, GGUFValueType.ARRAY
+    return {
+        "tokenizer.ggml.model": ("llama", GGUFValueType.STRING),
+        "tokenizer.ggml.tokens": (tokens, array),
+        "tokenizer.ggml.scores": ([0.0] * VOCAB, array),
+        "tokenizer.ggml.token_type": (types, array),
+        "tokenizer.ggml.bos_token_id": (2, u32),
+        "tokenizer.ggml.eos_token_id": (1, u32),
+        "tokenizer.ggml.unknown_token_id": (3, u32),
+        "tokenizer.ggml.padding_token_id": (0, u32),
+        "tokenizer.ggml.add_bos_token": (True, GGUFValueType.BOOL),
+        "tokenizer.ggml.add_space_prefix": (False, GGUFValueType.BOOL),
+    }
+
+
+def test_a_sentencepiece_vocabulary_reads_as_gemmas(tmp_path, family):
+    """A Gemma file's own kind of tokenizer: transformers' Gemma reading of it (BOS first, no space prefix,
+    control tokens whole); generation ends on <eos> and <end_of_turn>."""
+    name, hf_model = family
+    meta = {k: v for k, v in _metadata(hf_model, name, _PATTERN[name]).items() if not k.startswith("tokenizer.")}
+    path = tmp_path / f"{name}-spm.gguf"
+    write_gguf(path, None, _tensors(hf_model), meta | _sentencepiece_metadata())
+    cfg = ModelConfig.from_dir(resolve_model(str(path)))
+    assert cfg.eos_token_ids == {1, 5}
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.encode("hello world") == [2, 15, 18, 24]  # (<bos> he llo \u2581world)
+    assert tokenizer.encode("<start_of_turn>hello<end_of_turn>") == [2, 4, 15, 18, 5]
 
 
 def test_generation_ends_on_gemmas_end_of_turn():
