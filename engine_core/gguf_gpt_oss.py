@@ -128,7 +128,7 @@ def config_fields(path: Path, meta: dict, config: dict) -> dict:
         raise ValueError(f"{path}: GGUF metadata lacks {exc.args[0]!r}") from None
     # (the experts' width: HF's intermediate_size; the converter writes it as both lengths)
     fields["intermediate_size"] = int(meta.get(p + "expert_feed_forward_length") or config["intermediate_size"])
-    fields["layer_types"] = _layer_types(path, meta.get(p + "attention.sliding_window_pattern"), layers)
+    fields["layer_types"] = layer_types(path, meta.get(p + "attention.sliding_window_pattern"), layers, period=2)
     base_swa = meta.get(p + "rope.freq_base_swa")
     if base_swa is not None and float(base_swa) != config["rope_theta"]:
         raise ValueError(
@@ -140,15 +140,16 @@ def config_fields(path: Path, meta: dict, config: dict) -> dict:
     return fields
 
 
-def _layer_types(path: Path, pattern, layers: int) -> list[str]:
-    """Each layer's attention kind, as llama.cpp decides it: a period n (2 where the file says nothing)
-    makes layer i sliding when i % n < n - 1 (0: every layer), a list of booleans names the sliding layers."""
+def layer_types(path: Path, pattern, layers: int, period: int) -> list[str]:
+    """Each layer's attention kind, as llama.cpp decides it: a period n (`period` where the file says nothing)
+    makes layer i sliding when i % n < n - 1 (0: every layer), a list of booleans names the sliding layers.
+    (Gemma's files use it too: engine_core/gguf_gemma.py.)"""
     if isinstance(pattern, list):
         if len(pattern) != layers:
             raise ValueError(f"{path}: attention.sliding_window_pattern names {len(pattern)} layers, not {layers}")
         sliding = [bool(s) for s in pattern]
     else:
-        period = 2 if pattern is None else int(pattern)
+        period = period if pattern is None else int(pattern)
         sliding = [period == 0 or i % period < period - 1 for i in range(layers)]
     return ["sliding_attention" if s else "full_attention" for s in sliding]
 

@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagoda.engine_core import gguf_gpt_oss
+from pagoda.engine_core import gguf_gemma, gguf_gpt_oss
 from pagoda.engine_core.environment import cache_root
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     # gpt-oss: names, metadata and MXFP4 experts of its own (engine_core/gguf_gpt_oss.py)
     "gpt-oss": gguf_gpt_oss.ARCHITECTURE,
+    # Gemma 2 / 3: names, metadata and norms of their own (engine_core/gguf_gemma.py)
+    **gguf_gemma.ARCHITECTURES,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # Whether the top-k routing weights are renormalised (Hugging Face's norm_topk_prob) where the file does
@@ -154,7 +156,7 @@ def read_gguf(path: Path) -> GGUFModel:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))} "
             "(Llama 2/3, Mistral, Mixtral, SmolLM2, TinyLlama, Qwen2 / Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, "
-            "gpt-oss)"
+            "gpt-oss, Gemma 2, Gemma 3)"
         )
     names = {t.name for t in reader.tensors}
     config = _model_config(path, meta, reader, names)
@@ -179,9 +181,10 @@ def write_model_files(model: GGUFModel, out_dir: Path, quantization_config: bool
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     if config["model_type"] == gguf_gpt_oss.ARCHITECTURE[1]:  # (the file names one; gpt-oss ends on three)
-        tokens = model.reader.fields.get("tokenizer.ggml.tokens")  # type: ignore[attr-defined]
-        vocabulary = tokens.contents() if tokens is not None else []
-        generation["eos_token_id"] = gguf_gpt_oss.end_token_ids(vocabulary, config["eos_token_id"])
+        generation["eos_token_id"] = gguf_gpt_oss.end_token_ids(_vocabulary(model.reader), config["eos_token_id"])
+    elif config["model_type"] in gguf_gemma.MODEL_TYPES:  # (and on <end_of_turn>, the end of a chat turn)
+        eot = _tokenizer_id(model.reader, "eot_token_id")
+        generation["eos_token_id"] = gguf_gemma.end_token_ids(_vocabulary(model.reader), config["eos_token_id"], eot)
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     _save_tokenizer(model.path, out_dir, config["model_type"])
 
@@ -251,6 +254,11 @@ def _field_value(field):
         return None
 
 
+def _vocabulary(reader) -> list[str]:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return tokens.contents() if tokens is not None else []
+
+
 def _tokenizer_id(reader, key: str) -> int | None:
     field = reader.fields.get(f"tokenizer.ggml.{key}")
     return None if field is None else int(field.contents())
@@ -309,6 +317,8 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
             "torch_dtype": "float32",
         }
     )
+    if arch in gguf_gemma.ARCHITECTURES:  # (its activation, attention scale, soft-capping, windows, norms)
+        config.update(gguf_gemma.config_fields(path, meta, config))
     return config
 
 
@@ -359,7 +369,12 @@ def _hf_name(gguf_name: str) -> str | None:
 
 def _tensor(path: Path, t, config: dict) -> GGUFTensor:
     gpt_oss = config["model_type"] == gguf_gpt_oss.ARCHITECTURE[1]
-    hf_name = gguf_gpt_oss.hf_name(t.name) if gpt_oss else _hf_name(t.name)
+    if gpt_oss:
+        hf_name = gguf_gpt_oss.hf_name(t.name)
+    elif config["model_type"] in gguf_gemma.MODEL_TYPES:
+        hf_name = gguf_gemma.hf_name(t.name)
+    else:
+        hf_name = _hf_name(t.name)
     if hf_name is None:
         raise ValueError(f"{path}: tensor {t.name!r} has no place in a {config['architectures'][0]}")
     type_name = t.tensor_type.name

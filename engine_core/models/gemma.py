@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
+from pagoda.engine_core.gguf_gemma import NORMS_INCLUDE_ONE
 from pagoda.engine_core.layers.attention import AttentionMetadata, VarlenMetadata
 from pagoda.engine_core.layers.rotary import RotaryEmbedding
 from pagoda.engine_core.model_config import ModelConfig
@@ -185,10 +186,12 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         super().load_weights(self._in_our_layout(weights), assembler)
 
     def _in_our_layout(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Norm weights as 1 + w in float32 (`GemmaRMSNorm`); the rest as they are."""
+        """Norm weights as 1 + w in float32 (`GemmaRMSNorm`); the rest as they are. A GGUF file's norms hold
+        1 + w already (config.json's NORMS_INCLUDE_ONE: engine_core/gguf_gemma.py says why they load as stored)."""
+        include_one = bool(self.cfg.raw.get(NORMS_INCLUDE_ONE))
         for name, tensor in weights:
             if name.endswith("norm.weight"):
-                tensor = tensor.float() + 1.0
+                tensor = tensor.float() if include_one else tensor.float() + 1.0
             yield name, tensor
 
 

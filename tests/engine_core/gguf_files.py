@@ -21,15 +21,17 @@ TEST_MODELS = "test-models-gguf"  # under cache_root()
 
 def write_gguf(
     path: Path,
-    source: GGUFReader,
+    source: GGUFReader | None,
     tensors: list[tuple[str, np.ndarray, GGMLQuantizationType]],
     overrides: dict[str, tuple[object, GGUFValueType]] | None = None,
 ) -> None:
-    """A GGUF file at `path` with `source`'s metadata (some keys replaced by `overrides`) and `tensors`
-    (name, array rows first, type to store it as)."""
+    """A GGUF file at `path` with `source`'s metadata (some keys replaced by `overrides`; no source: the
+    overrides alone, general.architecture among them) and `tensors` (name, array rows first, type to store it as)."""
     overrides = dict(overrides or {})
-    writer = GGUFWriter(str(path), str(source.fields["general.architecture"].contents()))
-    for name, field in source.fields.items():
+    fields = source.fields if source is not None else {}
+    arch = overrides.pop("general.architecture")[0] if source is None else fields["general.architecture"].contents()
+    writer = GGUFWriter(str(path), str(arch))
+    for name, field in fields.items():
         if name.startswith("GGUF."):
             continue  # the header's own counts, written by the writer
         value_type = field.types[0]
