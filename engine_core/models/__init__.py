@@ -11,6 +11,7 @@ from pagoda.engine_core.models.bert import BertModel
 from pagoda.engine_core.models.gpt_oss import GptOssForCausalLM
 from pagoda.engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pagoda.engine_core.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from pagoda.engine_core.models.phi3 import Phi3ForCausalLM
 from pagoda.engine_core.pooling.config import ENCODER_ARCHITECTURES
 
 # Every generative architecture is LlamaForCausalLM or a subclass; its methods (forward, compute_logits,
@@ -26,6 +27,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,  # (engine_core/models/gpt_oss.py)
+    "Phi3ForCausalLM": Phi3ForCausalLM,  # fused checkpoint projections, LongRoPE (engine_core/models/phi3.py)
 }
 # Encoders: pooling models only (bidirectional attention, no LM head).
 ENCODER_REGISTRY: dict[str, type[BertModel]] = {"BertModel": BertModel}
