@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagoda.engine_core import gguf_gpt_oss
+from pagoda.engine_core import gguf_gpt_oss, gguf_phi3
 from pagoda.engine_core.environment import cache_root
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     # gpt-oss: names, metadata and MXFP4 experts of its own (engine_core/gguf_gpt_oss.py)
     "gpt-oss": gguf_gpt_oss.ARCHITECTURE,
+    # Phi-3: fused attn_qkv and ffn_up, LongRoPE factor tensors (engine_core/gguf_phi3.py)
+    "phi3": gguf_phi3.ARCHITECTURE,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # Whether the top-k routing weights are renormalised (Hugging Face's norm_topk_prob) where the file does
@@ -88,6 +90,7 @@ _LINEARS = {
     "attn_q",
     "attn_k",
     "attn_v",
+    "attn_qkv",
     "attn_output",
     "ffn_gate",
     "ffn_up",
@@ -154,7 +157,7 @@ def read_gguf(path: Path) -> GGUFModel:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))} "
             "(Llama 2/3, Mistral, Mixtral, SmolLM2, TinyLlama, Qwen2 / Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, "
-            "gpt-oss)"
+            "gpt-oss, Phi-3)"
         )
     names = {t.name for t in reader.tensors}
     config = _model_config(path, meta, reader, names)
@@ -295,6 +298,8 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
             config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
         elif scaling not in (None, "none"):
             raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (supported: linear)")
+    if arch == "phi3":
+        config.update(gguf_phi3.config_fields(path, meta, config, reader))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     config.update(
         {
@@ -339,7 +344,9 @@ def _moe_config(path: Path, meta: dict, p: str, arch: str, names: set[str], conf
     return fields
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, model_type: str) -> str | None:
+    if model_type == gguf_phi3.ARCHITECTURE[1] and (name := gguf_phi3.hf_name(gguf_name)) is not None:
+        return name
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if gguf_name == "output_norm.weight":
@@ -359,7 +366,7 @@ def _hf_name(gguf_name: str) -> str | None:
 
 def _tensor(path: Path, t, config: dict) -> GGUFTensor:
     gpt_oss = config["model_type"] == gguf_gpt_oss.ARCHITECTURE[1]
-    hf_name = gguf_gpt_oss.hf_name(t.name) if gpt_oss else _hf_name(t.name)
+    hf_name = gguf_gpt_oss.hf_name(t.name) if gpt_oss else _hf_name(t.name, config["model_type"])
     if hf_name is None:
         raise ValueError(f"{path}: tensor {t.name!r} has no place in a {config['architectures'][0]}")
     type_name = t.tensor_type.name
