@@ -6,7 +6,9 @@ embeddings.
 LongRoPE's factors are chosen once per engine, by the context it serves (engine_core/layers/rotary.py): an
 engine of at most 64 positions uses the short factors and gives HF's tokens for prompts and generations
 within them; an engine of 1,024 uses the long ones and gives HF's tokens for prompts longer than 64 (HF then
-uses the long factors throughout). The tables equal HF's rotary embedding in both cases. Then chunked
+uses the long factors throughout), and for shorter prompts those of HF with the long factors only (where HF
+itself would start with the short ones: the divergence rotary.py documents). The tables equal HF's rotary
+embedding in both cases. Then chunked
 prefill, int8 at load (against our float engine on its dequantized weights, the convention of
 test_quantization.py), GPTQ / AWQ / compressed-tensors checkpoints of fused projections (against HF holding
 the checkpoint's dequantized weights), and two tensor-parallel ranks over gloo against one.
@@ -143,6 +145,21 @@ def test_greedy_matches_hf_past_the_original_context(phi3):
     expected = [hf_greedy(hf_model, p, 24, stop_at_eos=False) for p in prompts]
     config = EngineConfig(model=str(model_dir), max_num_batched_tokens=48, num_kv_blocks=64)
     assert run_engine(EngineCore(config), prompts, _greedy(24)) == expected
+
+
+def test_an_engine_of_a_longer_context_uses_the_long_factors_for_short_prompts_too(phi3):
+    """The divergence from HF, pinned: a prompt within the original context, served by an engine of 1,024
+    positions, gets the long factors at every position (HF would use the short ones until position 64): its
+    tokens are those of HF's model whose short factors are the long ones."""
+    variant, _, model_dir = phi3
+    overrides = dict(VARIANTS[variant])
+    rope = overrides["rope_scaling"]
+    overrides["rope_scaling"] = {**rope, "short_factor": rope["long_factor"]}
+    long_only = tiny_models.build("phi3", **overrides)  # (seed 0: the same weights)
+    prompts = _prompts(9, 30)
+    expected = [hf_greedy(long_only, p, 20, stop_at_eos=False) for p in prompts]
+    config = EngineConfig(model=str(model_dir), max_num_batched_tokens=16, num_kv_blocks=32)
+    assert run_engine(EngineCore(config), prompts, _greedy(20)) == expected
 
 
 def test_int8_at_load_serves_its_own_dequantized_weights(phi3, tmp_path):
