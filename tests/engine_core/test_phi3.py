@@ -127,6 +127,25 @@ def test_longrope_tables_equal_hf(tmp_path, variant, long):
     assert (ours.cos_sin_cache[0, :half] > 1.0).all()  # (the attention factor, sqrt(1 + ln 16 / ln 64))
 
 
+def test_a_legacy_config_reads_as_transformers_5_writes_it(tmp_path):
+    """Configs written before transformers 5 (Phi-3-mini-128k's): `rope_scaling` of type `su`, the original
+    context and the partial rotary factor at the top level; the same scaling as the new layout's."""
+    model = tiny_models.build("phi3", **VARIANTS["phi4-mini"])
+    model.save_pretrained(tmp_path / "new")
+    config = json.loads((tmp_path / "new" / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
+    config["original_max_position_embeddings"] = rope.pop("original_max_position_embeddings")
+    config["rope_scaling"] = {"type": "su", "short_factor": rope["short_factor"], "long_factor": rope["long_factor"]}
+    (tmp_path / "legacy").mkdir()
+    (tmp_path / "legacy" / "config.json").write_text(json.dumps(config))
+    legacy = phi3_rope_scaling(ModelConfig.from_dir(tmp_path / "legacy"))
+    assert legacy == phi3_rope_scaling(ModelConfig.from_dir(tmp_path / "new"))
+    assert legacy["rope_type"] == "longrope" and legacy["original_max_position_embeddings"] == ORIGINAL
+    assert legacy["partial_rotary_factor"] == 0.75
+
+
 def test_greedy_matches_hf_within_the_original_context(phi3):
     """An engine serving at most the original context: the short factors, as HF's for every token of a
     generation that stays within it. Prompts past the sliding window, chunked (16 tokens a step)."""
