@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagoda.engine_core import gguf_gemma, gguf_gpt_oss
+from pagoda.engine_core import gguf_gemma, gguf_gpt_oss, gguf_phi3
 from pagoda.engine_core.environment import cache_root
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ ARCHITECTURES = {
     "gpt-oss": gguf_gpt_oss.ARCHITECTURE,
     # Gemma 2 / 3: names, metadata and norms of their own (engine_core/gguf_gemma.py)
     **gguf_gemma.ARCHITECTURES,
+    # Phi-3: fused attn_qkv and ffn_up, LongRoPE factor tensors (engine_core/gguf_phi3.py)
+    "phi3": gguf_phi3.ARCHITECTURE,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # Whether the top-k routing weights are renormalised (Hugging Face's norm_topk_prob) where the file does
@@ -90,6 +92,7 @@ _LINEARS = {
     "attn_q",
     "attn_k",
     "attn_v",
+    "attn_qkv",
     "attn_output",
     "ffn_gate",
     "ffn_up",
@@ -156,7 +159,7 @@ def read_gguf(path: Path) -> GGUFModel:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))} "
             "(Llama 2/3, Mistral, Mixtral, SmolLM2, TinyLlama, Qwen2 / Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, "
-            "gpt-oss, Gemma 2, Gemma 3)"
+            "gpt-oss, Gemma 2, Gemma 3, Phi-3)"
         )
     names = {t.name for t in reader.tensors}
     config = _model_config(path, meta, reader, names)
@@ -303,6 +306,8 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
             config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta[p + "rope.scaling.factor"])}
         elif scaling not in (None, "none"):
             raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (supported: linear)")
+    if arch == "phi3":
+        config.update(gguf_phi3.config_fields(path, meta, config, reader))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     config.update(
         {
@@ -349,7 +354,9 @@ def _moe_config(path: Path, meta: dict, p: str, arch: str, names: set[str], conf
     return fields
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, model_type: str) -> str | None:
+    if model_type == gguf_phi3.ARCHITECTURE[1] and (name := gguf_phi3.hf_name(gguf_name)) is not None:
+        return name
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if gguf_name == "output_norm.weight":
@@ -374,7 +381,7 @@ def _tensor(path: Path, t, config: dict) -> GGUFTensor:
     elif config["model_type"] in gguf_gemma.MODEL_TYPES:
         hf_name = gguf_gemma.hf_name(t.name)
     else:
-        hf_name = _hf_name(t.name)
+        hf_name = _hf_name(t.name, config["model_type"])
     if hf_name is None:
         raise ValueError(f"{path}: tensor {t.name!r} has no place in a {config['architectures'][0]}")
     type_name = t.tensor_type.name

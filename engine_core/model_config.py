@@ -39,6 +39,9 @@ class ModelConfig:
     # Each layer's attention kind, as HF names it ("sliding_attention" | "full_attention"; gpt-oss's
     # alternate); empty: every layer's the same (the sliding window, if any, in all of them).
     layer_types: tuple[str, ...] = ()
+    # The context the engine serves (`--max-model-len`, which the model runner sets here); None: the model's
+    # max_position_embeddings. LongRoPE picks its factors by it (engine_core/layers/rotary.py).
+    max_model_len: int | None = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod

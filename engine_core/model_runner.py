@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -138,7 +138,7 @@ class ModelRunner:
             config.int8_activations
         )  # which kernels this process may use (PAGODA_DISABLE_*), before any runs
         self.config = config
-        self.model_cfg = model_cfg
+        self.model_cfg = model_cfg = replace(model_cfg, max_model_len=config.max_model_len)  # (LongRoPE reads it)
         self.device = config.torch_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)

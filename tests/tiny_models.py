@@ -4,7 +4,8 @@ all build theirs here, with what they change named at the call).
 
 Every input dimension is a multiple of 128 and the weights are drawn large (initializer_range 0.25), so that
 greedy tokens differ between models that differ. Qwen2's QKV biases are drawn large too, so that they matter;
-Mistral's and Mixtral's sliding window (24) is shorter than the longer test prompts. The MoE models
+Mistral's, Mixtral's and Phi-3's sliding window (24) is shorter than the longer test prompts; Phi-3 stores
+its projections fused (qkv_proj, gate_up_proj). The MoE models
 (qwen3_moe with one dense layer, qwen2_moe with a shared expert, mixtral) route each token to 2 of 8 experts.
 gpt_oss is smaller (hidden 64, 4 layers, 2 of 4 experts, head_dim 32 so its MXFP4 blocks of 32 fit) with
 its layers alternating between an 8-token sliding window and full attention, YaRN over an original
@@ -55,6 +56,8 @@ ARCHITECTURES = {
     "mistral": (transformers.MistralConfig, dict(sliding_window=24)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),
+    # Fused qkv_proj and gate_up_proj in the checkpoint; tests/engine_core/test_phi3.py adds LongRoPE.
+    "phi3": (transformers.Phi3Config, dict(sliding_window=24, bos_token_id=1, eos_token_id=2, pad_token_id=None)),
     # Mixtures of experts: 8 experts, 2 per token, small experts so the tests run in seconds.
     "qwen3_moe": (
         transformers.Qwen3MoeConfig,

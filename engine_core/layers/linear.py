@@ -311,3 +311,21 @@ class MergedLinear(Linear):
     def shard(self, index: int, param: torch.Tensor) -> torch.Tensor:
         """The rows of `param` (weight or bias) that belong to the `index`-th merged linear."""
         return param[self.offsets[index] : self.offsets[index] + self.out_sizes[index]]
+
+    def checkpoint_slices(self, part: int | None, kind: str) -> tuple[slice, ...] | None:
+        """As `Linear.checkpoint_slices` for part `part`'s checkpoint tensor. `part` None: a fused tensor
+        holding every part (`checkpoint_parts`), read whole, since this rank's rows of it are not one slice."""
+        return None if part is None else super().checkpoint_slices(part, kind)
+
+    def checkpoint_parts(self, tensor: torch.Tensor, kind: str) -> list[torch.Tensor]:
+        """A fused checkpoint tensor, every part's rows stacked in one `weight` or `bias` (Phi-3 stores its
+        qkv_proj and gate_up_proj so), cut into the parts, each to the rows this rank holds."""
+        if tensor.shape[0] != sum(self.checkpoint_out_sizes):
+            raise ValueError(
+                f"fused checkpoint {kind} has {tensor.shape[0]} rows; its parts have {self.checkpoint_out_sizes}"
+            )
+        parts = tensor.split(self.checkpoint_out_sizes)
+        return [
+            part if (rows := self.checkpoint_slices(index, kind)) is None else part[rows]
+            for index, part in enumerate(parts)
+        ]

@@ -1,4 +1,20 @@
-"""Rotary position embedding tables (default, linear, llama3 and YaRN scaling), computed as HF computes them."""
+"""Rotary position embedding tables (default, linear, llama3, YaRN and LongRoPE scaling), computed as HF
+computes them, over all of a head's dimensions or its first `rotary_dim` (partial rotary: Phi-4-mini's 3/4).
+
+LongRoPE (Phi-3, Phi-4-mini) divides each frequency by a factor from one of two lists: `short_factor` for
+contexts within `original_max_position_embeddings`, `long_factor` beyond. Hugging Face picks the list per
+forward call, by the call's largest position: a prompt longer than the original context runs with the long
+factors throughout, a shorter one with the short factors, until generation passes the original length; from
+then on new tokens get the long factors while the cached keys keep the short ones. A serving engine cannot
+do that: its KV blocks are shared between requests (prefix caching), prompts run in chunks and preempted
+requests are recomputed, so a token's keys must depend on its position alone. Here, as in vLLM, the list is
+chosen once for the engine, by the context it serves (`context_len`, its max_model_len): the long factors
+when that exceeds the original context, else the short ones. Tokens then equal Hugging Face's for every
+request that stays within the original context when the engine serves no more (`--max-model-len` at most
+`original_max_position_embeddings`), and for every prompt longer than the original context otherwise; a
+shorter prompt served by an engine of a longer context runs with the long factors where Hugging Face uses
+the short ones.
+"""
 
 from __future__ import annotations
 
@@ -66,24 +82,58 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict, max_position: int
     return inv_freq, float(attention_factor)
 
 
+def _longrope_inv_freq(
+    rotary_dim: int, theta: float, scaling: dict, max_position: int, context_len: int
+) -> tuple[torch.Tensor, float]:
+    """LongRoPE (HF's `_compute_longrope_parameters`): each frequency divided by its entry of `long_factor`
+    when the engine's context exceeds `original_max_position_embeddings`, else of `short_factor` (see the
+    module's docstring). The attention factor scales cos and sin: the config's, else sqrt(1 + log(factor) /
+    log(original)) with factor = max_position_embeddings / original (1 if that is not above 1)."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_position / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    factors = scaling["long_factor"] if context_len > original else scaling["short_factor"]
+    if len(factors) != rotary_dim // 2:
+        raise ValueError(f"longrope: {len(factors)} factors for {rotary_dim // 2} rotary frequencies")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     cos_sin_cache: torch.Tensor  # [max_position, rot]: cos, then sin (a buffer: nn.Module types it loosely)
 
     def __init__(
-        self, head_dim: int, max_position: int, theta: float, scaling: dict | None = None, is_neox_style: bool = True
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict | None = None,
+        is_neox_style: bool = True,
+        rotary_dim: int | None = None,
+        context_len: int | None = None,
     ):
+        """`rotary_dim`: the dimensions rotated, the first of each head (all by default); `context_len`: the
+        positions the engine serves (its max_model_len; `max_position` by default), which picks LongRoPE's
+        factors."""
         super().__init__()
-        inv_freq = _inv_freq(head_dim, theta)
+        rotary_dim = rotary_dim or head_dim
+        inv_freq = _inv_freq(rotary_dim, theta)
         scaling = scaling or {}
         rope_type = scaling.get("rope_type", "default")
         positions = torch.arange(max_position, dtype=torch.int64).float()
-        attention_factor = 1.0  # (YaRN's: cos and sin scaled by it)
+        attention_factor = 1.0  # (YaRN's and LongRoPE's: cos and sin scaled by it)
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type == "linear":
             inv_freq = inv_freq / scaling["factor"]
         elif rope_type == "yarn":
-            inv_freq, attention_factor = _yarn_inv_freq(head_dim, theta, scaling, max_position)
+            inv_freq, attention_factor = _yarn_inv_freq(rotary_dim, theta, scaling, max_position)
+        elif rope_type == "longrope":
+            context = context_len or max_position
+            inv_freq, attention_factor = _longrope_inv_freq(rotary_dim, theta, scaling, max_position, context)
         elif rope_type != "default":
             raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
         freqs = positions[:, None] * inv_freq[None, :]

@@ -12,6 +12,7 @@ from pagoda.engine_core.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagoda.engine_core.models.gpt_oss import GptOssForCausalLM
 from pagoda.engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pagoda.engine_core.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from pagoda.engine_core.models.phi3 import Phi3ForCausalLM
 from pagoda.engine_core.pooling.config import ENCODER_ARCHITECTURES
 
 # Every generative architecture is LlamaForCausalLM or a subclass; its methods (forward, compute_logits,
@@ -31,6 +32,7 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # (its text model only)
+    "Phi3ForCausalLM": Phi3ForCausalLM,  # fused checkpoint projections, LongRoPE (engine_core/models/phi3.py)
 }
 # Encoders: pooling models only (bidirectional attention, no LM head).
 ENCODER_REGISTRY: dict[str, type[BertModel]] = {"BertModel": BertModel}

@@ -1,4 +1,9 @@
-"""Filling a model's parameters from checkpoint tensors as they stream by: shared by every model class."""
+"""Filling a model's parameters from checkpoint tensors as they stream by: shared by every model class.
+
+A merged linear (QKV, gate+up) is filled from one checkpoint tensor per part (q_proj, k_proj, v_proj), or
+from one fused tensor that holds every part's rows, which a checkpoint names by the merged linear itself
+(Phi-3's `qkv_proj` and `gate_up_proj`): that is read whole and cut into the parts, each to this rank's rows
+(`MergedLinear.checkpoint_parts`; quantized, by the assembler after conversion)."""
 
 from __future__ import annotations
 
@@ -79,6 +84,12 @@ class CheckpointLoading:
                 param: torch.Tensor = model.get_parameter(param_name)  # or a merged shard of it, below
             except AttributeError:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}") from None
+            merged = model.get_submodule(module_path) if shard is None and module_path else None
+            if isinstance(merged, MergedLinear):  # a fused tensor: every part of the merged linear in one
+                for index, part in enumerate(merged.checkpoint_parts(tensor, kind)):
+                    _copy(name, merged.shard(index, param), part)
+                    pending.discard((param_name, index))
+                continue
             stacked, owner = param, None
             if shard is not None:  # (see _target)
                 owner = cast(ShardedParameters, model.get_submodule(param_name.rpartition(".")[0]))
@@ -94,12 +105,16 @@ class CheckpointLoading:
                 if packed is None:
                     continue
                 experts.set_quantized_shard(shard, stacked, packed)
-            elif param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
             else:
-                param.copy_(tensor)
+                _copy(name, param, tensor)
             pending.discard((param_name, shard))
         if assembler is not None:
             assembler.finish(model)
         if pending:
             raise ValueError(f"checkpoint is missing weights: {sorted(n for n, _ in pending)[:8]}")
+
+
+def _copy(name: str, param: torch.Tensor, tensor: torch.Tensor) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+    param.copy_(tensor)

@@ -80,7 +80,7 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
                 self.embed_tokens = nn.Parameter(
                     torch.empty(self.vocab_span.size, cfg.hidden_size, dtype=dtype), requires_grad=False
                 )
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        rotary = self.rotary_embedding()
         self.layers = nn.ModuleList(
             self.decoder_layer(i, dtype, rotary) if i in self.layer_range else MissingLayer()
             for i in range(cfg.num_layers)
@@ -92,6 +92,14 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         """Layer `layer_index`: the seat where a family builds its own kind of decoder layer (Gemma's four
         norms and per-layer attention, engine_core/models/gemma.py). `rotary`: the model's shared table."""
         return LlamaDecoderLayer(self.cfg, dtype, self.qk_norm, rotary, self.mlp_for(layer_index, dtype))
+
+    def rotary_embedding(self) -> RotaryEmbedding:
+        """The rotary table every layer shares: the seat where a family reads its own rotary settings (Phi-3's
+        legacy LongRoPE keys and partial rotary, engine_core/models/phi3.py)."""
+        cfg = self.cfg
+        return RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, context_len=cfg.max_model_len
+        )
 
     def mlp_for(self, layer_index: int, dtype: torch.dtype) -> nn.Module:
         """Layer `layer_index`'s MLP: the seat where a family declares each layer's MLP kind (the MoE

@@ -4,7 +4,9 @@ Checkpoint tensors arrive one at a time, a linear's kinds (`qweight`, `scales`, 
 each other in practice (safetensors files list names sorted). A linear's tensors are converted as soon
 as a tensor of another linear arrives, so at most one linear's checkpoint tensors are held at a time;
 when a merged linear (QKV, gate+up) has all its shards, they are packed together and moved to the
-device. Nothing of a quantized model is ever held in full precision beyond one linear.
+device. A fused checkpoint stores a merged linear's shards in one linear's tensors (Phi-3's `qkv_proj` and
+`gate_up_proj`): they are converted whole, then cut into the shards' rows. Nothing of a quantized model is
+ever held in full precision beyond one linear.
 
 FP8 linears (`Fp8Weight`) stay in FP8 where the device multiplies in FP8 (kernels/fp8.py `supported`);
 elsewhere they are dequantized here to the compute dtype, and the log says which happened.
@@ -172,17 +174,35 @@ class LinearAssembler:
         del self._collecting[key]
         self._done.add(key)
         linear = self._linears[path]
-        part = 0 if shard is None else shard
+        # A fused checkpoint (Phi-3's qkv_proj, gate_up_proj) holds every part of a merged linear in one set
+        # of tensors: converted whole, then cut into its parts' rows.
+        fused = shard is None and isinstance(linear, MergedLinear)
+        sizes = linear.checkpoint_out_sizes
         if full_precision:
             weight = tensors["weight"]
+            if fused and weight.shape[0] != sum(sizes):
+                raise ValueError(f"{path}: fused checkpoint weight has {weight.shape[0]} rows; its parts have {sizes}")
             quantize = self.method.quantizes_full_precision and linear.quantize_at_load
             result: QuantizedShard | Fp8Weight | torch.Tensor = (
                 self.method.quantize(path, weight) if quantize else weight
             )
         else:
-            result = self.method.from_checkpoint(
-                path, tensors, linear.checkpoint_out_sizes[part], linear.checkpoint_in_features
-            )
+            rows = sum(sizes) if fused else sizes[0 if shard is None else shard]
+            result = self.method.from_checkpoint(path, tensors, rows, linear.checkpoint_in_features)
+        if not fused:
+            self._place(path, linear, shard, result)
+            return
+        start = 0
+        for part, size in enumerate(sizes):
+            self._place(path, linear, part, output_rows(result, slice(start, start + size)))
+            start += size
+
+    def _place(
+        self, path: str, linear: Linear, shard: int | None, result: QuantizedShard | Fp8Weight | torch.Tensor
+    ) -> None:
+        """Put one converted checkpoint linear (merged part `shard`, or the whole linear) into `linear`:
+        this rank's piece of it, quantized or in full precision."""
+        part = 0 if shard is None else shard
         result = shard_for_rank(path, linear, part, result)
         out_features = linear.out_sizes[part] if isinstance(linear, MergedLinear) else linear.out_features
         if isinstance(result, Fp8Weight) and not self._keeps_fp8(linear):
@@ -270,7 +290,13 @@ def shard_for_rank(
         if isinstance(result, Fp8Weight):  # one scale per output row: it stays whole
             return Fp8Weight(result.weight[:, cols.slice()].contiguous(), result.scale)
         return result[:, cols.slice()]
-    rows = linear.out_spans[part].slice()
+    return output_rows(result, linear.out_spans[part].slice())
+
+
+def output_rows(
+    result: QuantizedShard | Fp8Weight | torch.Tensor, rows: slice
+) -> QuantizedShard | Fp8Weight | torch.Tensor:
+    """Output rows `rows` of one converted linear, with their scales."""
     if isinstance(result, QuantizedShard):
         return result.rows(rows)
     if isinstance(result, Fp8Weight):
