@@ -22,11 +22,13 @@ from safetensors.torch import load_file, save_file
 
 from pagoda.engine_core import loader
 from pagoda.engine_core.layers.attention import AttentionMetadata, VarlenMetadata
+from pagoda.engine_core.layers.rotary import RotaryEmbedding
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.qwen3_5 import (
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
     Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
 )
 from pagoda.engine_core.quantization import resolve_method
 from tests.quantization_helpers import write_dequantized_checkpoint
@@ -125,8 +127,10 @@ class Runner:
         self.blocks: dict[int, list[int]] = {}  # sequence id -> its blocks
         self.lengths: dict[int, int] = {}  # sequence id -> tokens cached
 
-    def step(self, seqs: list[tuple[int, int, list[int]]]) -> torch.Tensor:
-        """One step of (sequence id, state slot, new tokens): decodes (one token) first. Logits of every row."""
+    def step(self, seqs: list[tuple[int, int, list[int]]], last_rows: bool = False) -> torch.Tensor:
+        """One step of (sequence id, state slot, new tokens): decodes (one token) first. Logits of every row,
+        or with `last_rows` of each sequence's last row only, the only rows the step computes past the last
+        layer's mixer (`output_rows`, as the engine's steps set it)."""
         decodes = 0
         while decodes < len(seqs) and len(seqs[decodes][2]) == 1 and self.lengths.get(seqs[decodes][0], 0) > 0:
             decodes += 1
@@ -158,9 +162,12 @@ class Runner:
             state_slots=torch.tensor([slot for _, slot, _ in seqs]),
             fresh_states=torch.tensor(fresh),
         )
+        ends = torch.tensor([len(tokens) for _, _, tokens in seqs]).cumsum(0) - 1
+        if last_rows:
+            meta.output_rows = ends
         with torch.no_grad():
             hidden = self.model(torch.tensor(ids), torch.tensor(positions), meta)
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden[ends] if last_rows else hidden)
 
 
 def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
@@ -228,8 +235,8 @@ def test_prefill_then_decode_is_hf_generate(saved):
         want[seq] = (out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits))
     runner.step([(9, 3, [5, 6, 7])])  # (a sequence that leaves slot 3 dirty)
     slots = {0: 0, 1: 1, 2: 3, 3: 5}
-    logits = runner.step([(0, slots[0], first), (1, slots[1], second)])
-    rows = {0: [logits[len(first) - 1]], 1: [logits[-1]]}
+    logits = runner.step([(0, slots[0], first), (1, slots[1], second)], last_rows=True)
+    rows = {0: [logits[0]], 1: [logits[1]]}
     got = {seq: [int(rows[seq][0].argmax())] for seq in rows}
     chunk = len(fourth) // 2
     runner.step([(3, slots[3], fourth[:chunk])])  # (a first chunk: its logits are not read)
@@ -244,18 +251,18 @@ def test_prefill_then_decode_is_hf_generate(saved):
                 rows.setdefault(seq, [])
         if not seqs:
             break
-        logits = runner.step(seqs)
-        ends = torch.tensor([len(tokens) for _, _, tokens in seqs]).cumsum(0) - 1
-        for (seq, _, _), end in zip(seqs, ends.tolist(), strict=True):
-            rows[seq].append(logits[end])
-            got[seq].append(int(logits[end].argmax()))
+        logits = runner.step(seqs, last_rows=True)
+        for (seq, _, _), row in zip(seqs, logits, strict=True):
+            rows[seq].append(row)
+            got[seq].append(int(row.argmax()))
     for seq, (tokens, hf_step_logits) in want.items():
         assert got[seq] == tokens, seq
         torch.testing.assert_close(torch.stack(rows[seq]), hf_step_logits, **LOGITS)
 
 
 def test_what_qwen3_5_adds_changes_the_logits(saved):
-    """Undone in our model, the (1 + w) norm and the attention's output gate change the logits."""
+    """Undone in our model, the (1 + w) norm and the partial rotary embedding change the logits (so the
+    equality with HF's tests them)."""
     _, hf_model, model_dir = saved
     prompt = prompts()[0]
     expected = hf_logits(hf_model, prompt)
@@ -264,8 +271,10 @@ def test_what_qwen3_5_adds_changes_the_logits(saved):
     model.layers[0].input_layernorm.weight.sub_(1.0)  # (Llama's w instead of 1 + w)
     assert not torch.allclose(Runner(model).step([(0, 0, prompt)]), expected, **LOGITS)
     model = load_ours(model_dir)
-    attention = model.attention_layers()[0]
-    attention.scale *= 1.5
+    full = RotaryEmbedding(model.cfg.head_dim, model.cfg.max_position_embeddings, model.cfg.rope_theta)
+    for layer in model.layers:
+        if layer.self_attn is not None:
+            layer.self_attn.rotary = full  # (every dim rotated)
     assert not torch.allclose(Runner(model).step([(0, 0, prompt)]), expected, **LOGITS)
 
 
@@ -317,3 +326,47 @@ def test_int8_at_load_computes_its_dequantized_weights(saved, tmp_path):
     )
     torch.testing.assert_close(ours, Runner(load_ours(reference)).step([(0, 0, prompt)]), **LOGITS)
     assert (ours.argmax(-1) == hf_logits(hf_model, prompt).argmax(-1)).float().mean() > 0.8
+
+
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+VISION_LANGUAGE = {"dense": transformers.Qwen3_5Config, "moe": transformers.Qwen3_5MoeConfig}
+VL_CLASSES = {"dense": Qwen3_5ForConditionalGeneration, "moe": Qwen3_5MoeForConditionalGeneration}
+
+
+@pytest.mark.parametrize("family", list(VISION_LANGUAGE))
+def test_a_vision_language_checkpoint_serves_its_text_model(family, tmp_path):
+    """HF's Qwen3_5(Moe)ForConditionalGeneration, saved as transformers saves it (config under text_config,
+    tensors under model.language_model., a vision tower to skip), generating from a text prompt through its
+    own position ids (mrope, the same position on every section): our text model's tokens and logits."""
+    _, text = FAMILIES[family]
+    text_config = {**COMMON, **text}
+    if family == "moe":
+        text_config.pop("intermediate_size")  # (an all-MoE config has none)
+    special = dict(image_token_id=508, video_token_id=509, vision_start_token_id=510, vision_end_token_id=511)
+    config = VISION_LANGUAGE[family](text_config=text_config, vision_config=VISION, **special)
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, parameter in hf_model.model.language_model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("dt_bias"):
+                parameter.normal_(std=0.5)
+    hf_model.save_pretrained(tmp_path)
+    prompt = prompts()[0]
+    out = hf_model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    model = load_ours(tmp_path, VL_CLASSES[family])
+    assert model.cfg.architecture == type(hf_model).__name__
+    runner = Runner(model)
+    logits = [runner.step([(0, 1, prompt)])[-1]]
+    for _ in range(NEW_TOKENS - 1):
+        logits.append(runner.step([(0, 1, [int(logits[-1].argmax())])])[0])
+    assert [int(row.argmax()) for row in logits] == out.sequences[0, len(prompt) :].tolist()
+    torch.testing.assert_close(torch.stack(logits), torch.cat(out.logits), **LOGITS)
