@@ -87,8 +87,25 @@ class ModelConfig:
         )
 
 
-# Vision-language checkpoints served as their text model (engine_core/models/gemma.py): architecture -> the
-# defaults of its `text_config`, which configs saved by transformers 4 list only where they differ.
+# (the common part of Qwen3.5's text configs, dense and MoE: transformers' Qwen3_5TextConfig defaults)
+_QWEN3_5_TEXT = dict(
+    vocab_size=248320,
+    num_attention_heads=16,
+    head_dim=256,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+)
+_QWEN3_5_MOE = ("qwen3_5_moe_text", "qwen3_5_moe")  # (model types: the text config's, and a flat one)
+
+# Vision-language checkpoints served as their text model (engine_core/models/gemma.py, qwen3_5.py):
+# architecture -> the defaults of its `text_config`, which configs saved by transformers 4 list only where
+# they differ.
 TEXT_OF_VISION_MODELS = {
     "Gemma3ForConditionalGeneration": dict(  # (transformers' Gemma3TextConfig defaults)
         vocab_size=262208,
@@ -108,43 +125,26 @@ TEXT_OF_VISION_MODELS = {
         hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True,
     ),
+    "Qwen3_5ForConditionalGeneration": dict(
+        _QWEN3_5_TEXT,
+        model_type="qwen3_5_text",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_key_value_heads=4,
+    ),
+    "Qwen3_5MoeForConditionalGeneration": dict(  # (transformers' Qwen3_5MoeTextConfig defaults)
+        _QWEN3_5_TEXT,
+        model_type="qwen3_5_moe_text",
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_key_value_heads=2,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts_per_tok=8,
+        num_experts=256,
+    ),
 }
-
-
-# (Qwen3.5's text configs as transformers writes them; linear-attention fields: engine_core/models/qwen3_5.py)
-_QWEN3_5_TEXT = dict(
-    vocab_size=248320,
-    num_attention_heads=16,
-    head_dim=256,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    hidden_act="silu",
-    linear_conv_kernel_dim=4,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-)
-TEXT_OF_VISION_MODELS["Qwen3_5ForConditionalGeneration"] = dict(
-    _QWEN3_5_TEXT,
-    model_type="qwen3_5_text",
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=32,
-    num_key_value_heads=4,
-)
-TEXT_OF_VISION_MODELS["Qwen3_5MoeForConditionalGeneration"] = dict(
-    _QWEN3_5_TEXT,
-    model_type="qwen3_5_moe_text",
-    hidden_size=2048,
-    num_hidden_layers=40,
-    num_key_value_heads=2,
-    moe_intermediate_size=512,
-    shared_expert_intermediate_size=512,
-    num_experts_per_tok=8,
-    num_experts=256,
-)
-_QWEN3_5_MOE = ("qwen3_5_moe_text", "qwen3_5_moe")
 
 
 def _text_config(cfg: dict) -> dict:
