@@ -337,13 +337,16 @@ VL_CLASSES = {"dense": Qwen3_5ForConditionalGeneration, "moe": Qwen3_5MoeForCond
 def test_a_vision_language_checkpoint_serves_its_text_model(family, tmp_path):
     """HF's Qwen3_5(Moe)ForConditionalGeneration, saved as transformers saves it (config under text_config,
     tensors under model.language_model., a vision tower to skip), generating from a text prompt through its
-    own position ids (mrope, the same position on every section): our text model's tokens and logits."""
+    own position ids (mrope, the same position on every section): our text model's tokens and logits. The
+    dense one ties its embeddings (the config's top-level switch, as Qwen3.5's small models do)."""
     _, text = FAMILIES[family]
     text_config = {**COMMON, **text}
     if family == "moe":
         text_config.pop("intermediate_size")  # (an all-MoE config has none)
     special = dict(image_token_id=508, video_token_id=509, vision_start_token_id=510, vision_end_token_id=511)
-    config = VISION_LANGUAGE[family](text_config=text_config, vision_config=VISION, **special)
+    tied = family == "dense"
+    text_config["tie_word_embeddings"] = tied
+    config = VISION_LANGUAGE[family](text_config=text_config, vision_config=VISION, tie_word_embeddings=tied, **special)
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -364,6 +367,7 @@ def test_a_vision_language_checkpoint_serves_its_text_model(family, tmp_path):
     )
     model = load_ours(tmp_path, VL_CLASSES[family])
     assert model.cfg.architecture == type(hf_model).__name__
+    assert (model.embed_tokens is None) == tied
     runner = Runner(model)
     logits = [runner.step([(0, 1, prompt)])[-1]]
     for _ in range(NEW_TOKENS - 1):
