@@ -136,6 +136,12 @@ class GatedDeltaNet(nn.Module):
         recurrent = ((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32)
         return conv, recurrent
 
+    def reads_host(self, device: torch.device) -> bool:
+        """Whether the ops read values on the host on `device`, so that no CUDA graph can capture the layer
+        (engine_core/cuda_graphs.py): the torch references of the conv1d and the delta rule do (they loop over
+        the sequences). Zeroing fresh slots does too, so a captured step must carry `fresh_states` None."""
+        return not (ops.graph_safe("causal_conv1d", device) and ops.graph_safe("gated_delta_rule", device))
+
     def forward(
         self,
         hidden: torch.Tensor,

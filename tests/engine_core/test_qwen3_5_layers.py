@@ -192,6 +192,7 @@ def test_the_layers_are_hfs_kinds(saved):
     assert conv_shape == (3, 2 * 2 * 16 + 4 * 24) and conv_dtype == torch.float32
     assert state_shape == (4, 16, 24) and state_dtype == torch.float32
     assert model.layers[kinds.index("full_attention")].self_attn.rotary.cos_sin_cache.shape[1] == 8
+    assert not model.recurrent_layers()[0].reads_host(torch.device("cpu"))  # (the C kernels read nothing there)
 
 
 def test_a_prompt_in_one_step_is_hfs(saved):
