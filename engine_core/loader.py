@@ -265,7 +265,11 @@ def _checkpoint_tensors(model, name: str, param, generator):
         yield ("model." + piece if piece != "lm_head.weight" else piece), tensor.to(param.dtype)
 
 
-_SHARD_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_SHARD_NAMES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # (Qwen3.5's linear attention)
+}
 
 
 def fill_dummy_weights(model, seed: int = 0) -> None:

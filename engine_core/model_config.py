@@ -58,7 +58,7 @@ class ModelConfig:
         return cls(
             architecture=archs[0],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or 0,  # (none in an all-MoE config: Qwen3.5-MoE's)
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
@@ -90,8 +90,25 @@ class ModelConfig:
         )
 
 
-# Vision-language checkpoints served as their text model (engine_core/models/gemma.py): architecture -> the
-# defaults of its `text_config`, which configs saved by transformers 4 list only where they differ.
+# (the common part of Qwen3.5's text configs, dense and MoE: transformers' Qwen3_5TextConfig defaults)
+_QWEN3_5_TEXT = dict(
+    vocab_size=248320,
+    num_attention_heads=16,
+    head_dim=256,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+)
+_QWEN3_5_MOE = ("qwen3_5_moe_text", "qwen3_5_moe")  # (model types: the text config's, and a flat one)
+
+# Vision-language checkpoints served as their text model (engine_core/models/gemma.py, qwen3_5.py):
+# architecture -> the defaults of its `text_config`, which configs saved by transformers 4 list only where
+# they differ.
 TEXT_OF_VISION_MODELS = {
     "Gemma3ForConditionalGeneration": dict(  # (transformers' Gemma3TextConfig defaults)
         vocab_size=262208,
@@ -110,6 +127,25 @@ TEXT_OF_VISION_MODELS = {
         sliding_window_pattern=6,
         hidden_activation="gelu_pytorch_tanh",
         tie_word_embeddings=True,
+    ),
+    "Qwen3_5ForConditionalGeneration": dict(
+        _QWEN3_5_TEXT,
+        model_type="qwen3_5_text",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_key_value_heads=4,
+    ),
+    "Qwen3_5MoeForConditionalGeneration": dict(  # (transformers' Qwen3_5MoeTextConfig defaults)
+        _QWEN3_5_TEXT,
+        model_type="qwen3_5_moe_text",
+        hidden_size=2048,
+        num_hidden_layers=40,
+        num_key_value_heads=2,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts_per_tok=8,
+        num_experts=256,
     ),
 }
 
@@ -132,7 +168,7 @@ def _moe_fields(cfg: dict) -> dict:
     # (transformers 5 saves Qwen2/3-MoE's `num_experts` as `num_local_experts` too: its attribute map)
     # Other MoE families (OLMoE, PhiMoE, ...) read as dense here and are refused by the model registry.
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    if not experts or cfg.get("model_type") not in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"):
+    if not experts or cfg.get("model_type") not in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", *_QWEN3_5_MOE):
         return {}
     if cfg.get("model_type") == "gpt_oss":  # (every layer MoE; a softmax over the top-k logits)
         return dict(
@@ -151,7 +187,8 @@ def _moe_fields(cfg: dict) -> dict:
         num_experts=experts,
         num_experts_per_tok=int(cfg["num_experts_per_tok"]),
         moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        # (Qwen3.5-MoE's router always renormalizes: HF's Qwen3_5MoeTopKRouter; its config has no switch)
+        norm_topk_prob=cfg.get("model_type") in _QWEN3_5_MOE or bool(cfg.get("norm_topk_prob", False)),
         decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),

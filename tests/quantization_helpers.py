@@ -15,7 +15,11 @@ from pagoda.engine_core.models.moe import MoEMLP
 from pagoda.kernels.quantized import dequantize_original_order
 
 # Our merged linears -> the checkpoint's projections, in shard order.
-_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_SHARDS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),  # (Qwen3.5's linear attention)
+}
 _COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
            "special_tokens_map.json", "chat_template.jinja")  # fmt: skip
 

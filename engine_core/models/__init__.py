@@ -13,6 +13,12 @@ from pagoda.engine_core.models.gpt_oss import GptOssForCausalLM
 from pagoda.engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pagoda.engine_core.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagoda.engine_core.models.phi3 import Phi3ForCausalLM
+from pagoda.engine_core.models.qwen3_5 import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+)
 from pagoda.engine_core.pooling.config import ENCODER_ARCHITECTURES
 
 # Every generative architecture is LlamaForCausalLM or a subclass; its methods (forward, compute_logits,
@@ -33,6 +39,12 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # (its text model only)
     "Phi3ForCausalLM": Phi3ForCausalLM,  # fused checkpoint projections, LongRoPE (engine_core/models/phi3.py)
+    # Hybrid: Gated DeltaNet linear attention (a recurrent state per sequence) and full attention
+    # (engine_core/models/qwen3_5.py); the vision-language checkpoints' text model only
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
 # Encoders: pooling models only (bidirectional attention, no LM head).
 ENCODER_REGISTRY: dict[str, type[BertModel]] = {"BertModel": BertModel}
