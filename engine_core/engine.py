@@ -77,6 +77,11 @@ def _proposer(
     """The proposer of the speculative method `config` names (None: no speculation)."""
     if config is None:
         return None
+    if runner.num_state_slots:
+        raise ValueError(
+            f"--speculative-config: {runner.model_cfg.architecture} has recurrent layers, whose state cannot step"
+            " back over rejected proposals: speculative decoding is not supported for it"
+        )
     if config.method == "ngram":
         return NgramProposer(config, max_model_len)
     assert runner.draft is not None
@@ -135,11 +140,19 @@ class EngineCore:
         # Steps started and not yet finished, oldest first: one per pipeline stage at most (one without
         # pipeline parallel, finished in the step that starts it).
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
+        recurrent = self.runner.num_state_slots > 0
+        if recurrent and config.enable_prefix_caching:
+            logger.info(
+                "prefix caching is off: %s's recurrent layers cannot resume a cached prefix (their state at a"
+                " block boundary is not kept)",
+                self.model_cfg.architecture,
+            )
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
-            enable_caching=config.enable_prefix_caching,
+            enable_caching=config.enable_prefix_caching and not recurrent,
             windows=self.runner.kv_layout.windows,
+            state_slots=self.runner.num_state_slots,
         )
         if any(self.runner.kv_layout.windows):
             logger.info(
@@ -158,7 +171,9 @@ class EngineCore:
             config.max_joint_prefill_tokens,
         )
         if self.runner.device.type == "cuda" and not config.enforce_eager:
-            if not model_capturable(self.runner.model, self.runner.device):
+            if recurrent:  # (the decode graphs' inputs carry no state slots)
+                logger.info("CUDA graphs are not used for models with recurrent layers: decode steps run eager")
+            elif not model_capturable(self.runner.model, self.runner.device):
                 logger.info(
                     "CUDA graphs are not used: the mixture-of-experts op runs its torch reference (Triton off,"
                     " quantized experts, or gpt-oss's), which reads the routing on the host; decode steps run eager"
@@ -278,10 +293,12 @@ class EngineCore:
     def check_integrity(self) -> None:
         """Assert the block pool's invariants, and that an idle engine holds no blocks (run by the
         engine process whenever it goes idle, and by tests after every step)."""
-        pool = self.kv_manager.pool
-        pool.check_integrity()
+        pool, states = self.kv_manager.pool, self.kv_manager.states
+        self.kv_manager.check_integrity()
         if not self.has_unfinished_requests() and pool.num_free_blocks != pool.num_usable_blocks:
             raise AssertionError(f"idle engine holds {pool.num_usable_blocks - pool.num_free_blocks} KV blocks")
+        if not self.has_unfinished_requests() and states is not None and states.num_free != states.num_slots:
+            raise AssertionError(f"idle engine holds {states.num_slots - states.num_free} recurrent state slots")
 
     def warm_up(self, kv_pages_wait: float = KV_PAGES_BEFORE_READY) -> None:
         """Run one short request end to end, so the first user request pays no first-call costs

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from pagoda.engine_core.block_hash import extend_block_hashes
 from pagoda.engine_core.block_pool import BlockPool, KVCacheBlock
 from pagoda.engine_core.request import Request
+from pagoda.engine_core.state_pool import StatePool
 
 
 class KVCacheManager:
@@ -33,14 +34,17 @@ class KVCacheManager:
         watermark: float = 0.01,
         enable_caching: bool = True,
         windows: Sequence[int | None] = (None,),
+        state_slots: int = 0,
     ):
-        """`windows`: each KV group's sliding window (None: full attention); one full group by default."""
+        """`windows`: each KV group's sliding window (None: full attention); one full group by default.
+        `state_slots`: the recurrent group's slots (engine_core/state_pool.py; 0: the model has none)."""
         if len(windows) > 255:
             raise ValueError(f"{len(windows)} KV groups: at most 255")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_caching = enable_caching
         self.windows = tuple(windows)
+        self.states = StatePool(state_slots) if state_slots else None
         # Admission keeps a few blocks spare so running requests can grow without instant preemption.
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
         self._blocks_of: dict[str, list[list[KVCacheBlock]]] = {}  # [group][block index]
@@ -135,6 +139,11 @@ class KVCacheManager:
         hits_in_free_queue = sum(1 for b in taken if b.ref_cnt == 0)  # taking them uses free blocks
         if needed + hits_in_free_queue + reserve > self.pool.num_free_blocks:
             return False
+        if self.states is not None:
+            slot = self.states.take(request.request_id)
+            if slot is None:
+                return False
+            request.state_slot = slot
         tables = self._blocks_of.setdefault(request.request_id, [[] for _ in self.windows])
         released = self._num_released.setdefault(request.request_id, [0] * self.num_groups)
         if hit_blocks:
@@ -243,6 +252,9 @@ class KVCacheManager:
         for table in tables:
             self.pool.release([block for block in reversed(table) if block is not self.pool.null_block])
         request.block_ids = []
+        if self.states is not None:
+            self.states.give_back(request.request_id)
+            request.state_slot = 0
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the number of blocks that were cached."""
@@ -252,6 +264,14 @@ class KVCacheManager:
     @property
     def num_owned_requests(self) -> int:
         return len(self._blocks_of)
+
+    def check_integrity(self) -> None:
+        """The pool's invariants, and the state pool's: every slot held by a request that holds blocks."""
+        self.pool.check_integrity()
+        if self.states is not None:
+            self.states.check_integrity()
+            missing = [rid for rid in self._blocks_of if self.states.slot_of(rid) is None]
+            assert not missing, f"requests without a state slot: {missing}"
 
 
 def _key(block_hash: bytes, group: int) -> bytes:

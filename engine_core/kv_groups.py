@@ -16,6 +16,7 @@ sliding only where every layer slides alike).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -49,9 +50,10 @@ class KVLayout:
         return ", ".join(kinds)
 
 
-def plan_layout(windows: list[int | None], layers: range, split: bool) -> KVLayout:
-    """The groups of the layers in `layers` (this rank's), given every model layer's window. `split=False`
-    (pipeline stages, a draft model): one group of them all, sliding only where every layer slides alike."""
+def plan_layout(windows: list[int | None], layers: Sequence[int], split: bool) -> KVLayout:
+    """The groups of the attention layers in `layers` (this rank's), given every model layer's window.
+    `split=False` (pipeline stages, a draft model): one group of them all, sliding only where every layer
+    slides alike."""
     held = list(layers)
     kinds = list(dict.fromkeys(windows[i] for i in held))  # (in the order of their first layer)
     if not split or len(kinds) == 1:

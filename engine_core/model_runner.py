@@ -175,6 +175,10 @@ class ModelRunner:
             else DraftModel(draft_model, model_dir, model_cfg, self.dtype, self.device, self.block_size)
         )
         self.kv_layout = self._plan_kv_layout()
+        # A recurrent state slot per running request (engine_core/state_pool.py), allocated before the KV
+        # pool is sized (on a GPU, the profile sees it in use); none for a model without recurrent layers.
+        self.num_state_slots = config.max_num_seqs if self.model.recurrent_layers() else 0
+        self.state_bytes = self._allocate_state_pool()
         # Long prompts' rows as bulk rows, where the linears then compute them otherwise (AMX; float32 panels)
         self.bulk_prompts = self.dtype == torch.float32 and ops.bulk_rows_differ(self.device)
         self.decode_graphs: DecodeGraphs | None = None  # set by enable_decode_graphs
@@ -194,7 +198,7 @@ class ModelRunner:
         models = [self.model] + ([self.draft.model] if self.draft is not None else [])
         for model in models:
             declared = model.attention_windows()
-            for index, attention in zip(model.layer_range, model.attention_layers(), strict=True):
+            for index, attention in zip(model.attention_layer_indices(), model.attention_layers(), strict=True):
                 if attention.sliding_window != declared[index]:
                     raise RuntimeError(
                         f"{type(model).__name__}: layer {index} attends with window {attention.sliding_window},"
@@ -204,7 +208,27 @@ class ModelRunner:
         if self.draft is not None and set(self.draft.model.attention_windows()) != set(windows):
             windows = [None] * len(windows)  # (the draft attends otherwise: every block is kept)
         split = self.pipe is None and self.draft is None
-        return plan_layout(windows, self.model.layer_range, split)
+        return plan_layout(windows, self.model.attention_layer_indices(), split)
+
+    def _allocate_state_pool(self) -> int:
+        """Bind each recurrent layer its state pools, `num_state_slots` + 1 rows (row 0: padding rows'),
+        zeroed; returns their bytes."""
+        total = 0
+        if not self.num_state_slots:
+            return total
+        rows = self.num_state_slots + 1
+        for layer in self.model.recurrent_layers():
+            (conv_shape, conv_dtype), (state_shape, state_dtype) = self.model.recurrent_state_shapes()
+            layer.conv_states = torch.zeros((rows, *conv_shape), dtype=conv_dtype, device=self.device)
+            layer.recurrent_states = torch.zeros((rows, *state_shape), dtype=state_dtype, device=self.device)
+            total += layer.conv_states.nbytes + layer.recurrent_states.nbytes
+        logger.info(
+            "Recurrent state pool: %d slots (one per running request) x %.2f MiB = %.1f MiB, beside the KV pool",
+            self.num_state_slots,
+            total / rows / 2**20,
+            total / 2**20,
+        )
+        return total
 
     def _num_blocks(self) -> int:
         per_block = kv_bytes_per_block(
@@ -254,7 +278,7 @@ class ModelRunner:
         # blocks need them (engine_core/kv_prefault.py), instead of a page fault at a block's first write.
         self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
         self.kv_prefault = prefault(self.kv_cache)
-        for layer_index, attn in zip(self.model.layer_range, self.model.attention_layers(), strict=True):
+        for layer_index, attn in zip(self.model.attention_layer_indices(), self.model.attention_layers(), strict=True):
             attn.kv_group, slot = self.kv_layout.place(layer_index)
             attn.key_cache = self.kv_cache[slot, 0]
             attn.value_cache = self.kv_cache[slot, 1]
@@ -464,7 +488,8 @@ class ModelRunner:
         step with prefill rows then computes only those past its last layer's attention (every rank and
         stage must pass the same)."""
         to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-        seq_lens, block_tables, num_decodes, query_start_loc = _attention_rows(step)
+        # (recurrent layers take each sequence's tokens in order, from its one state slot: no splitting)
+        seq_lens, block_tables, num_decodes, query_start_loc = _attention_rows(step, not self.num_state_slots)
         output_rows, bulk_output_rows_from = None, step.bulk_rows_from
         if rows is not None and num_decodes < len(step.token_ids):
             needed = np.unique(rows.indices())
@@ -484,6 +509,9 @@ class ModelRunner:
             bulk_rows_from=step.bulk_rows_from,
             bulk_output_rows_from=bulk_output_rows_from,
         )
+        if self.num_state_slots and step.state_slots is not None and step.fresh_states is not None:
+            meta.state_slots = to(step.state_slots)
+            meta.fresh_states = to(step.fresh_states) if step.fresh_states.any() else None
         return to(step.token_ids), to(step.positions), meta
 
 
@@ -491,7 +519,9 @@ class ModelRunner:
 _SHORT_CHUNK_TOKENS = 16
 
 
-def _attention_rows(step: StepInputs) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
+def _attention_rows(
+    step: StepInputs, split_short_chunks: bool = True
+) -> tuple[np.ndarray, np.ndarray, int, np.ndarray]:
     """(seq_lens, block_tables, num_decodes, query_start_loc) for attention. When every query chunk in
     the step is short (a speculative verification: the last token and its proposals; a prompt's short
     tail), each of its tokens attends as a decode of its own: the same block table, the context up to
@@ -500,7 +530,7 @@ def _attention_rows(step: StepInputs) -> tuple[np.ndarray, np.ndarray, int, np.n
     chunk's whole context from the cache (a verification step cost 1.4x a plain decode step that way)."""
     nd = step.num_decodes
     q_lens = np.diff(step.query_start_loc)
-    if len(q_lens) == 0 or q_lens.max() > _SHORT_CHUNK_TOKENS:
+    if not split_short_chunks or len(q_lens) == 0 or q_lens.max() > _SHORT_CHUNK_TOKENS:
         return step.seq_lens, step.block_tables, nd, step.query_start_loc
     counts = np.concatenate([np.ones(nd, dtype=np.int64), q_lens])
     num_tokens = int(counts.sum())

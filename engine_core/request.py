@@ -62,6 +62,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_ids: list[list[int]] = []  # per KV group (engine_core/kv_groups.py), its block table
+        self.state_slot = 0  # its recurrent state's slot (engine_core/state_pool.py; 0: none)
         self.status = RequestStatus.WAITING
         self.cache_salt = cache_salt  # only requests with the same salt share cached prefix blocks
         self.block_hashes: list[bytes] = []  # of its full blocks, filled in by the KV cache manager

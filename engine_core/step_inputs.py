@@ -23,6 +23,10 @@ class StepInputs:
     query_start_loc: np.ndarray  # [P+1] over the prefill sequences
     last_token_index: list[int]  # [B] row of each sequence's last token in the flat batch
     bulk_rows_from: int | None = None  # rows from this one on are long prompts' (model_runner.py's BULK_PROMPT_TOKENS)
+    # [B] each sequence's recurrent state slot (engine_core/state_pool.py; 0: none), and whether this step
+    # starts it at position 0 (its slot is zeroed first)
+    state_slots: np.ndarray | None = None
+    fresh_states: np.ndarray | None = None
 
 
 def prepare_step(
@@ -64,6 +68,8 @@ def prepare_step(
         query_start_loc=np.concatenate(([0], np.cumsum(prefill_counts))),
         last_token_index=(np.cumsum(counts) - 1).tolist(),
         bulk_rows_from=int(sum(counts[:first_bulk])),
+        state_slots=np.array([r.state_slot for r in requests], dtype=np.int64),
+        fresh_states=seq_lens == np.asarray(counts, dtype=np.int64),
     )
 
 
@@ -83,6 +89,8 @@ def prepare_decode_step(
         num_decodes=len(requests),
         query_start_loc=np.zeros(1, dtype=np.int64),
         last_token_index=rows.tolist(),
+        state_slots=np.array([r.state_slot for r in requests], dtype=np.int64),
+        fresh_states=position == 0,
     )
 
 

@@ -16,7 +16,8 @@ Gemma 3's 5:1 pattern shortened to 2:1 with linear rope scaling on its full laye
 sliding ones), their soft-capping tight and their norms (HF draws them zero: its weights are 1 + w) drawn
 large, so that all of them matter; their tied embedding is drawn small (its rows scaled by sqrt(hidden) would
 otherwise outweigh the layers, and every prompt's tokens repeat its last); HF's eager attention (the one
-with soft-capping) is their reference.
+with soft-capping) is their reference. qwen3_5 and qwen3_5_moe are as small, three Gated DeltaNet layers to
+one full-attention layer, their (1 + w) norms and dt_bias drawn so that they matter.
 """
 
 from __future__ import annotations
@@ -144,7 +145,34 @@ ARCHITECTURES = {
         ),
     ),
 }
+# Qwen3.5: Gated DeltaNet layers (a recurrent state per sequence) and full attention; the MoE variant with a
+# full layer in the middle and a linear one last
+_QWEN3_5 = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=24,
+)
+ARCHITECTURES["qwen3_5"] = (transformers.Qwen3_5TextConfig, _QWEN3_5)
+ARCHITECTURES["qwen3_5_moe"] = (
+    transformers.Qwen3_5MoeTextConfig,
+    dict(
+        _QWEN3_5,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    ),
+)
 GEMMA = ("gemma2", "gemma3")
+QWEN3_5 = ("qwen3_5", "qwen3_5_moe")
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # (the rest are dense)
 
 
@@ -170,6 +198,10 @@ def build(name: str, **overrides) -> transformers.PreTrainedModel:
             if module_name.endswith("norm.weight"):
                 torch.nn.init.normal_(parameter, std=2.0)
         torch.nn.init.normal_(model.model.embed_tokens.weight, std=0.05)
+    if name in QWEN3_5:  # (HF draws the (1 + w) norms zero and dt_bias one: make them matter)
+        for module_name, parameter in model.named_parameters():
+            if module_name.endswith("norm.weight") or module_name.endswith("dt_bias"):
+                torch.nn.init.normal_(parameter, std=0.5)
     return model
 
 

@@ -38,6 +38,10 @@ class AttentionMetadata:
     # among `output_rows`.
     bulk_rows_from: int | None = None
     bulk_output_rows_from: int | None = None
+    # Models with recurrent layers (engine_core/state_pool.py): [B] each sequence's state slot, in the order
+    # of seq_lens; [B] bool, the sequences this step starts at position 0 (None: none does).
+    state_slots: torch.Tensor | None = None
+    fresh_states: torch.Tensor | None = None
 
 
 @dataclass

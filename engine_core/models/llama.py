@@ -15,6 +15,7 @@ norm (engine_core/parallel/pipeline.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -88,7 +89,7 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if self.stage.is_last else None
         self.fused_decode = FusedDecodeSeat()  # (CPU decode steps: every layer in one C call)
 
-    def decoder_layer(self, layer_index: int, dtype: torch.dtype, rotary: RotaryEmbedding) -> LlamaDecoderLayer:
+    def decoder_layer(self, layer_index: int, dtype: torch.dtype, rotary: RotaryEmbedding) -> nn.Module:
         """Layer `layer_index`: the seat where a family builds its own kind of decoder layer (Gemma's four
         norms and per-layer attention, engine_core/models/gemma.py). `rotary`: the model's shared table."""
         return LlamaDecoderLayer(self.cfg, dtype, self.qk_norm, rotary, self.mlp_for(layer_index, dtype))
@@ -112,6 +113,19 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         The KV manager frees a request's blocks that left the window only when every layer slides
         (engine_core/kv_cache.py); the model runner checks that the layers it holds agree with this."""
         return [self.cfg.sliding_window] * self.cfg.num_layers
+
+    def attention_layer_indices(self) -> list[int]:
+        """The model's layer index of each of `attention_layers` (every layer of this stage has one here)."""
+        return list(self.layer_range)
+
+    def recurrent_layers(self) -> Sequence[nn.Module]:
+        """The layers holding a recurrent state per sequence, bound to the runner's state pools (none here;
+        engine_core/models/qwen3_5.py has some)."""
+        return []
+
+    def recurrent_state_shapes(self) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
+        """Per state slot of each recurrent layer: the shape and dtype of each of its state tensors."""
+        return ()
 
     def decoder_layers(self) -> list[LlamaDecoderLayer]:
         """This stage's layers."""

@@ -23,6 +23,8 @@ _ARRAYS = (
     "seq_lens",
     "block_tables",
     "query_start_loc",
+    "state_slots",
+    "fresh_states",
     "prompt_spans",
     "sample_rows",
 )
@@ -63,11 +65,17 @@ def encode_step(step: StepInputs, rows: LogitsRows) -> list[bytes | memoryview]:
         np.ascontiguousarray(step.seq_lens, dtype=np.int64),
         np.ascontiguousarray(step.block_tables, dtype=np.int64),
         np.ascontiguousarray(step.query_start_loc, dtype=np.int64),
+        _or_empty(step.state_slots),
+        _or_empty(step.fresh_states),
         np.ascontiguousarray(rows.prompt_spans, dtype=np.int64),
         np.ascontiguousarray(rows.sample_rows, dtype=np.int64),
     ]
     header = _Header(STEP, step.num_decodes, [list(a.shape) for a in arrays], step.bulk_rows_from)
     return [_framed(header), *(a.reshape(-1).data.cast("B") if a.size else b"" for a in arrays)]
+
+
+def _or_empty(array: np.ndarray | None) -> np.ndarray:
+    return np.zeros(0, dtype=np.int64) if array is None else np.ascontiguousarray(array, dtype=np.int64)
 
 
 def encode_stop() -> list[bytes | memoryview]:
@@ -105,5 +113,7 @@ def decode(buffer: bytes | memoryview) -> StepMessage | int:
         arrays["query_start_loc"],
         last_token_index=[],  # (rank 0 samples; the rows to join are in `rows`)
         bulk_rows_from=header.bulk_rows_from,
+        state_slots=arrays["state_slots"],
+        fresh_states=arrays["fresh_states"].astype(bool),
     )
     return StepMessage(step, LogitsRows(arrays["prompt_spans"], arrays["sample_rows"]))

@@ -71,16 +71,22 @@ actions = st.lists(
     caching=st.booleans(),
     alphabet=st.integers(1, 3),
     windows=st.sampled_from([(None,), (1,), (4,), (9,), (None, 4), (16, None), (None, 9, 1), (4, 4)]),
+    recurrent=st.booleans(),
 )
-def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max_seqs, caching, alphabet, windows):
+def test_random_schedules_keep_block_invariants(
+    actions, num_blocks, budget, max_seqs, caching, alphabet, windows, recurrent
+):
     """Drive the real scheduler and block manager with random arrivals (prompts over a tiny alphabet, so
     prefixes are shared and cached blocks get hit and evicted), steps (every scheduled request that
     completes its prompt gets a token), aborts and cache resets. A block's ref count always equals the
     number of running requests holding it, never negative; budgets hold; in every KV group (`windows`:
     full or sliding) a request's table spans its tokens, and in a sliding group it holds only the blocks
-    its window and its step's tokens cover; once everything finished or was aborted every block is free."""
+    its window and its step's tokens cover; with a recurrent group each running request holds its own state
+    slot; once everything finished or was aborted every block and slot is free."""
     block_size = 4
-    manager = KVCacheManager(num_blocks, block_size, enable_caching=caching, windows=windows)
+    manager = KVCacheManager(
+        num_blocks, block_size, enable_caching=caching, windows=windows, state_slots=max_seqs if recurrent else 0
+    )
     capacity = manager.token_capacity(budget) or 10**6  # (as the engine sizes max_model_len; None: any length)
     scheduler = Scheduler(manager, budget, max_seqs, max_model_len=capacity)
     next_id = 0
@@ -104,7 +110,10 @@ def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max
                     assert sum(1 for b in table if b != 0) <= -(-(window - 1 + n) // block_size) + 1
         sampled = {r.request_id: [7] for r in out.requests if r.num_computed_tokens == r.num_tokens}
         scheduler.update_from_output(out, sampled)
-        manager.pool.check_integrity()
+        manager.check_integrity()
+        if recurrent:
+            slots = [r.state_slot for r in scheduler.running]
+            assert 0 not in slots and len(set(slots)) == len(slots) == max_seqs - manager.states.num_free
 
     for kind, size, max_tokens in actions:
         if kind == "add":
@@ -126,6 +135,7 @@ def test_random_schedules_keep_block_invariants(actions, num_blocks, budget, max
     assert not scheduler.has_unfinished(), "scheduler stopped making progress"
     assert manager.pool.num_free_blocks == manager.pool.num_usable_blocks
     assert manager.num_owned_requests == 0
+    assert not recurrent or manager.states.num_free == max_seqs
     assert manager.prefix_cache_hits <= manager.prefix_cache_queries
     if not caching:
         assert manager.prefix_cache_hits == 0 and not manager.pool.cached

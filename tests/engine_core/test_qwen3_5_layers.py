@@ -1,10 +1,10 @@
 """Qwen3.5 (engine_core/models/qwen3_5.py) against Hugging Face's models on the same weights: tiny random dense
 and MoE checkpoints built here (float32), loaded through the loader's path from their saved safetensors.
 
-The engine's recurrent-state pool is not here yet: these tests play the model runner. They bind each
+These tests play the model runner (tests/engine_core/test_qwen3_5.py runs the engine's): they bind each
 linear-attention layer's state pools and each full-attention layer's paged KV cache, and build each step's
-`AttentionMetadata` (decodes first, then prefill sequences) with the two fields the engine will add, the
-sequences' state slots and which of them start fresh. Checked: whole prompts in one step (alone, and a varlen
+`AttentionMetadata` (decodes first, then prefill sequences) with the sequences' state slots and which of
+them start fresh. Checked: whole prompts in one step (alone, and a varlen
 batch of three) and as a pooling step; prefill then 16 greedy decode steps of a batch, the tokens HF
 generate's and the logits HF's at each step, with a prompt joining mid-way in a slot its previous owner left
 dirty and a prompt split into two prefill chunks; stacked-expert and vision-language checkpoint names; the
@@ -12,8 +12,6 @@ dirty and a prompt split into two prefill chunks; stacked-expert and vision-lang
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -101,14 +99,6 @@ def load_ours(model_dir, cls=None, quantization=None) -> Qwen3_5ForCausalLM:
     return loader._load(cls, *args)
 
 
-@dataclass
-class RecurrentMetadata(AttentionMetadata):
-    """AttentionMetadata with the fields the engine adds for recurrent layers."""
-
-    state_slots: torch.Tensor | None = None  # [B] int64, the order of seq_lens
-    fresh_states: torch.Tensor | None = None  # [B] bool: the slot starts from zero this step
-
-
 class Runner:
     """The model runner's part: state pools and a paged KV cache bound to the layers, per-sequence block
     tables and context lengths, one step's metadata."""
@@ -152,12 +142,12 @@ class Runner:
                 prefill_counts.append(len(tokens))
             self.lengths[seq] = end
         width = max(len(t) for t in tables)
-        meta = RecurrentMetadata(
-            slot_mapping=torch.tensor(slot_mapping),
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([slot_mapping]),  # (one KV group)
             num_decodes=decodes,
             seq_lens=torch.tensor(seq_lens),
             max_decode_seq_len=max(seq_lens[:decodes], default=0),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            block_tables=torch.tensor([[t + [0] * (width - len(t)) for t in tables]]),
             query_start_loc=torch.tensor([0, *prefill_counts]).cumsum(0),
             state_slots=torch.tensor([slot for _, slot, _ in seqs]),
             fresh_states=torch.tensor(fresh),
