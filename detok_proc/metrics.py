@@ -392,6 +392,15 @@ class EngineStatsCollector(Collector):
                 metric.add_metric([self.model_name, str(engine)], getattr(stats, attribute))
             yield metric
         yield from self._spec_decode(engines)
+        if any(stats.state_pool_usage is not None for _, stats in engines):  # (models with recurrent layers)
+            states = GaugeMetricFamily(
+                "pagoda:recurrent_state_usage_perc",
+                "Recurrent-state pool usage (one slot per running request). 1 means 100 percent usage.",
+                labels=LABELS,
+            )
+            for engine, (_, stats) in enumerate(engines):
+                states.add_metric([self.model_name, str(engine)], stats.state_pool_usage or 0.0)
+            yield states
         up = GaugeMetricFamily("pagoda:engine_up", "1 while the engine replica serves, else 0.", labels=LABELS)
         for engine, (serving, _) in enumerate(engines):
             up.add_metric([self.model_name, str(engine)], 1.0 if serving else 0.0)

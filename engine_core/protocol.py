@@ -209,6 +209,7 @@ class SchedulerStatsMessage(msgspec.Struct, array_like=True, gc=False):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which were found there
     spec_decode: SpecDecodeStats | None = None  # with speculative decoding on
+    state_pool_usage: float | None = None  # recurrent state slots held, 0..1 (None: the model has none)
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True, gc=False):

@@ -105,6 +105,7 @@ class Scheduler:
             self.num_preemptions_total,
             self.kv.prefix_cache_queries,
             self.kv.prefix_cache_hits,
+            state_pool_usage=self.kv.states.usage() if self.kv.states is not None else None,
         )
 
     # ---- one step -----------------------------------------------------------------------------

@@ -25,6 +25,9 @@ class StatePool:
     def num_free(self) -> int:
         return len(self._free)
 
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_slots
+
     def slot_of(self, request_id: str) -> int | None:
         return self._slot_of.get(request_id)
 
