@@ -103,3 +103,28 @@ def test_sliding_and_full_layers_each_hold_what_they_read(tmp_path):
             assert sum(1 for b in sliding if b != 0) <= -(-window // BLOCK) + 1
         engine.check_integrity()
     assert tokens == hf_greedy(hf_model, prompt, 20, stop_at_eos=False)
+
+
+def test_a_shared_1024_token_prefix_is_computed_once_on_a_hybrid(tmp_path):
+    """Gemma 3 (8-token sliding layers and full ones): a second request sharing a 1,024-token prefix resumes
+    after it (its full group's blocks and its sliding groups' last window all cached) and computes only its
+    own tail; its tokens equal those of an engine without the cache, and HF's."""
+    hf_model = tiny_models.build("gemma3", max_position_embeddings=2048)
+    hf_model.save_pretrained(tmp_path / "gemma3")
+    shared = _prompts([1024])[0]
+    prompts = [shared + tail for tail in _prompts([9, 3])]  # (the second's tail sees the prefix's last keys)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    config = dict(model=str(tmp_path / "gemma3"), num_kv_blocks=400, max_num_batched_tokens=256)
+    cached = EngineCore(EngineConfig(**config))
+    assert len(cached.kv_manager.windows) > 1 and None in cached.kv_manager.windows
+    first = run_engine(cached, prompts[:1], params)
+    cached.add_request("second", prompts[1], params)
+    second_request = cached.scheduler.requests["second"]
+    second = []
+    while cached.has_unfinished_requests():
+        for out in cached.step():
+            second += out.new_token_ids
+    assert second_request.num_cached_tokens == 1024  # (64 blocks of 16: the prefix computed once)
+    plain = EngineCore(EngineConfig(**config, enable_prefix_caching=False))
+    assert run_engine(plain, prompts, params) == [*first, second]
+    assert second == hf_greedy(hf_model, prompts[1], 10, stop_at_eos=False)
