@@ -82,6 +82,7 @@ GEMMA3 = {
     ),
 }
 GEMMA3_PATTERN = 6  # sliding_window_pattern: every sixth layer is global
+GEMMA3_LAYERS = {"1b": 26, "4b": 34}  # (the released models' num_hidden_layers)
 
 
 def cpu_name() -> str:
@@ -135,7 +136,7 @@ def predicted_blocks(layer_types: list[str], window: int, position: int) -> int:
 
 
 def describe_groups(groups) -> str:
-    """`KVLayout.groups` counted by kind: "5 sliding 512, 1 full (1 layer each)"."""
+    """`KVLayout.groups` counted by kind: "5 sliding 512, 1 full (1 layer(s) each)"."""
     counts: dict[str, int] = {}
     for group in groups:
         kind = "full" if group.window is None else f"sliding {group.window}"
@@ -211,7 +212,8 @@ def cmd_memory(args: argparse.Namespace) -> None:
     window, layers = grouped_cfg["sliding_window"], grouped_cfg["num_hidden_layers"]
     print(
         f"Gemma 3 {args.size.upper()} text widths, random weights, {layers} layers ({args.periods} period(s) of "
-        f"{GEMMA3_PATTERN}: 5 sliding (window {window}) + 1 full, instead of the real model's all), fp32 KV, "
+        f"{GEMMA3_PATTERN}: 5 sliding (window {window}) + 1 full; the real model has {GEMMA3_LAYERS[args.size]}), "
+        "fp32 KV, "
         f"block {BLOCK_SIZE}; one request of {args.context} prompt tokens, prefill chunks of {args.chunk}, "
         f"then {args.decode_steps} decode steps; {cpu_name()}, {torch.get_num_threads()} threads",
         flush=True,
@@ -222,7 +224,7 @@ def cmd_memory(args: argparse.Namespace) -> None:
         rows[name] = measure_kv(config, args.context, args.chunk, args.decode_steps, args.threads)
         rows[name]["predicted"] = predicted_blocks(config["layer_types"], window, rows[name]["last_position"])
     print(f"\nKV memory one request holds after prefill + {args.decode_steps} decode steps (MiB = 2^20 bytes):")
-    print("| layout | KV groups | blocks held | bytes/block | KV MiB | formula MiB | peak in prefill MiB | prefill s |")
+    print("| layout | KV groups | blocks held | bytes/block | KV MiB | formula MiB | peak (prefill) MiB | prefill s |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         mib = r["held"] * r["bytes_per_block"] / 2**20
@@ -310,8 +312,7 @@ def pagoda_decode(model: Path, context: int, cases: list[int], steps: int, threa
             params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
             for i in range(streams):
                 engine.add_request(f"s{streams}-{i}", random_prompt(context, QWEN3_5_VOCAB, seed=i), params)
-            running = engine.scheduler.running
-            while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in running):
+            while engine.scheduler.waiting or any(r.num_output_tokens == 0 for r in engine.scheduler.running):
                 engine.step()
             engine.step()  # (a first pure decode step, untimed)
             started = time.perf_counter()
