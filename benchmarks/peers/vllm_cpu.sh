@@ -8,13 +8,14 @@
 # (torch.compile). Usage: benchmarks/peers/vllm_cpu.sh [VENV_DIR] [PORT]
 # EMBEDDING=1 serves the default embedding model (all-MiniLM-L6-v2) with --runner pooling instead, as
 # measured for benchmarks/embeddings.py --peer vllm=http://127.0.0.1:8001 (docs/embeddings.md).
-# MODEL_DIR=DIR serves that checkpoint instead, named SERVED_MODEL_NAME (default: model), as
+# MODEL_DIR=DIR serves that checkpoint instead, named SERVED_MODEL_NAME (default: model), with a context of
+# MAX_MODEL_LEN tokens (default 2048), as
 # benchmarks/moe.py does.
 set -euo pipefail
 VENV=${1:-.peers/vllm}
 PORT=${2:-8001}
 if [ -n "${MODEL_DIR:-}" ]; then
-  SERVE_ARGS=(--served-model-name "${SERVED_MODEL_NAME:-model}" --max-model-len 2048 --enable-prefix-caching)
+  SERVE_ARGS=(--served-model-name "${SERVED_MODEL_NAME:-model}" --max-model-len "${MAX_MODEL_LEN:-2048}" --enable-prefix-caching)
 elif [ "${EMBEDDING:-0}" = 1 ]; then
   MODEL_DIR=$(.venv/bin/pagoda download-default --embedding)
   SERVE_ARGS=(--runner pooling --max-model-len 256)
