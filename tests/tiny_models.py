@@ -38,6 +38,15 @@ COMMON = dict(
 )
 
 # name -> (config class, what differs from COMMON)
+# The smaller models' shapes (gemma2, gemma3, qwen3_5): hidden 64, 4 layers, heads of 32
+_SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+)
 ARCHITECTURES = {
     "llama": (transformers.LlamaConfig, {}),
     "llama3": (
@@ -112,12 +121,7 @@ ARCHITECTURES = {
     "gemma2": (
         transformers.Gemma2Config,
         dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
+            _SMALL,
             query_pre_attn_scalar=24,
             sliding_window=8,
             attn_logit_softcapping=3.0,
@@ -128,12 +132,7 @@ ARCHITECTURES = {
     "gemma3": (
         transformers.Gemma3TextConfig,
         dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
+            _SMALL,
             query_pre_attn_scalar=24,
             sliding_window=8,
             layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
@@ -148,12 +147,7 @@ ARCHITECTURES = {
 # Qwen3.5: Gated DeltaNet layers (a recurrent state per sequence) and full attention; the MoE variant with a
 # full layer in the middle and a linear one last
 _QWEN3_5 = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
+    _SMALL,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=16,
