@@ -170,6 +170,8 @@ def read_gguf(path: Path) -> GGUFModel:
     config = _model_config(path, meta, reader, names)
     # (A truncated file fails in the reader already: each tensor's bytes are mapped when it is listed.)
     tensors = [_tensor(path, t, config) for t in reader.tensors]
+    if config["model_type"] in gguf_qwen35.MODEL_TYPES:  # (float ssm_alpha / ssm_beta beside a quantized attn_qkv)
+        tensors = gguf_qwen35.float_where_merged_mix(tensors, FLOAT_TYPES)
     if arch == "gpt-oss":
         gguf_gpt_oss.check_expert_types(path, [(t.name, t.type) for t in tensors])
     return GGUFModel(path, config, tensors, reader)

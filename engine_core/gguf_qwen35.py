@@ -32,6 +32,9 @@ what becomes of it:
   ssm_alpha, ssm_a and ssm_dt.bias, and the columns of ssm_out. They are put back (`untile`): rows move whole,
   so a quantized row's blocks move as they are; ssm_out's columns move in whole blocks where a head is a whole
   number of blocks, and is dequantized at load where it is not.
+- Our model merges in_proj_qkv, in_proj_z, in_proj_b and in_proj_a into one linear (and q/k/v, gate/up), whose
+  parts must be all quantized or all float. Quantized files may keep ssm_alpha / ssm_beta in float (BF16, F32):
+  then that linear's quantized parts are dequantized at load too (`float_where_merged_mix`).
 
 No torch here (the launcher reads models too).
 """
@@ -109,6 +112,15 @@ LINEARS = {
 }
 
 
+# Tensors our model merges into one linear (engine_core/models/qwen3_5.py; the MLPs as Llama's)
+_MERGED = (
+    ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"),
+    ("attn_q", "attn_k", "attn_v"),
+    ("ffn_gate", "ffn_up"),
+    ("ffn_gate_shexp", "ffn_up_shexp"),
+)
+
+
 def hf_name(gguf_name: str, num_layers: int) -> str | None:
     """The checkpoint name of a Qwen3.5 file's tensor (`{expert}` where a stacked expert tensor's index goes);
     the multi-token-prediction blocks (from `num_layers` on) under `mtp.`, which the model skips; None if it has
@@ -124,6 +136,24 @@ def hf_name(gguf_name: str, num_layers: int) -> str | None:
     if tensor not in _BLOCK_NAMES:
         return None
     return f"model.layers.{index}.{_BLOCK_NAMES[tensor]}"
+
+
+def float_where_merged_mix(tensors: list, float_types: tuple[str, ...]) -> list:
+    """`tensors` (GGUFTensor), those quantized linears dequantized at load (`linear` False) whose merged linear
+    has a float part too: the quantization seat takes a merged linear quantized or float whole."""
+    from dataclasses import replace
+
+    by_name = {t.name: t for t in tensors}
+    dequantized: set[str] = set()
+    blocks = {t.name.split(".")[1] for t in tensors if t.name.startswith("blk.")}
+    for block in blocks:
+        for group in _MERGED:
+            parts = [by_name.get(f"blk.{block}.{name}.weight") for name in group]
+            present = [t for t in parts if t is not None]
+            quantized = [t for t in present if t.linear and t.type not in float_types]
+            if quantized and len(quantized) < len(present):
+                dequantized.update(t.name for t in quantized)
+    return [replace(t, linear=False) if t.name in dequantized else t for t in tensors]
 
 
 def config_fields(path: Path, meta: dict) -> dict:

@@ -227,6 +227,30 @@ def test_a_q8_0_file_serves_like_its_float32_dequantization(tmp_path, family):
     assert ours == reference
 
 
+def test_float_alpha_and_beta_beside_quantized_projections(tmp_path):
+    """ssm_alpha / ssm_beta kept float (as quantized files of real models keep them) beside a Q8_0 attn_qkv and
+    attn_gate: that merged in_proj loads float whole (its quantized parts dequantized), the rest stays quantized;
+    the tokens are our float32 run of the file's dequantized weights."""
+    hf_model = tiny_models.build("qwen3_5", layer_types=DEFAULT_KINDS)
+
+    def choose(name: str, array: np.ndarray) -> GGMLQuantizationType:
+        return T.F32 if ".ssm_alpha." in name or ".ssm_beta." in name else _q8_0(name, array)
+
+    path = tmp_path / "qwen3_5-float-alpha-beta.gguf"
+    write_gguf(path, None, _converted(hf_model, choose), _metadata(hf_model, "qwen35"))
+    engine = EngineCore(EngineConfig(model=str(path), num_kv_blocks=64))
+    model = engine.runner.model
+    in_proj = model.decoder_layers()[0].linear_attn.in_proj
+    assert in_proj.quantized is None and in_proj.weight.dtype == torch.float32
+    assert model.decoder_layers()[0].mlp.gate_up_proj.quantized.bits == 8
+    prompts = _prompts()
+    ours = run_engine(engine, prompts, GREEDY)
+    del engine, model, in_proj
+    gc.collect()
+    reference, _ = greedy_with_first_logprobs(float32_dir(path), prompts, new_tokens=NEW_TOKENS, num_kv_blocks=64)
+    assert ours == reference
+
+
 @pytest.mark.parametrize(("spec", "shape"), [("v,0,64,2,3,32", (64 + 6 * 32, 64)), ("v,1,0,2,3,32", (16, 6 * 32))])
 def test_quantized_blocks_move_as_their_values(spec, shape):
     """Rows (attn_qkv's value rows) and, where a head is whole blocks, columns (ssm_out's): the raw Q8_0 blocks put
