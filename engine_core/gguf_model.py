@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagoda.engine_core import gguf_gemma, gguf_gpt_oss, gguf_phi3
+from pagoda.engine_core import gguf_gemma, gguf_gpt_oss, gguf_phi3, gguf_qwen35
 from pagoda.engine_core.environment import cache_root
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ ARCHITECTURES = {
     **gguf_gemma.ARCHITECTURES,
     # Phi-3: fused attn_qkv and ffn_up, LongRoPE factor tensors (engine_core/gguf_phi3.py)
     "phi3": gguf_phi3.ARCHITECTURE,
+    # Qwen3.5 (dense and MoE): Gated DeltaNet layers' tensors, tiled value heads (engine_core/gguf_qwen35.py)
+    **gguf_qwen35.ARCHITECTURES,
 }
 _MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # Whether the top-k routing weights are renormalised (Hugging Face's norm_topk_prob) where the file does
@@ -123,6 +125,9 @@ class GGUFTensor:
     # > 0: the stacked weights of this many experts, [experts, rows, columns]; hf_name then holds
     # `{expert}` where each expert's index goes (engine_core/gguf_weights.py yields one tensor per expert)
     experts: int = 0
+    # Qwen3.5's linear-attention tensors: how they go back to Hugging Face's layout ("" as stored; else a spec
+    # engine_core/gguf_qwen35.py writes and reads: its value heads untiled, ssm_a's log, conv1d's [C, 1, K])
+    layout: str = ""
 
 
 @dataclass
@@ -159,12 +164,14 @@ def read_gguf(path: Path) -> GGUFModel:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(ARCHITECTURES))} "
             "(Llama 2/3, Mistral, Mixtral, SmolLM2, TinyLlama, Qwen2 / Qwen2.5, Qwen3, Qwen2-MoE, Qwen3-MoE, "
-            "gpt-oss, Gemma 2, Gemma 3, Phi-3)"
+            "gpt-oss, Gemma 2, Gemma 3, Phi-3, Qwen3.5, Qwen3.5-MoE)"
         )
     names = {t.name for t in reader.tensors}
     config = _model_config(path, meta, reader, names)
     # (A truncated file fails in the reader already: each tensor's bytes are mapped when it is listed.)
     tensors = [_tensor(path, t, config) for t in reader.tensors]
+    if config["model_type"] in gguf_qwen35.MODEL_TYPES:  # (float ssm_alpha / ssm_beta beside a quantized attn_qkv)
+        tensors = gguf_qwen35.float_where_merged_mix(tensors, FLOAT_TYPES)
     if arch == "gpt-oss":
         gguf_gpt_oss.check_expert_types(path, [(t.name, t.type) for t in tensors])
     return GGUFModel(path, config, tensors, reader)
@@ -274,6 +281,9 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
         raise ValueError(
             f"{path}: rotary frequency factors (rope_freqs.weight, Llama 3.1-style rope scaling) are not supported"
         )
+    if arch in gguf_qwen35.ARCHITECTURES:  # (sizes, linear attention and MoE of its own; norms stored 1 + w)
+        config = {**gguf_qwen35.config_fields(path, meta), gguf_gemma.NORMS_INCLUDE_ONE: True}
+        return _common_config(config, meta, p, reader, names)
     try:
         num_heads = int(meta[p + "attention.head_count"])
         hidden = int(meta[p + "embedding_length"])
@@ -308,6 +318,14 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
             raise ValueError(f"{path}: rope scaling {scaling!r} is not supported (supported: linear)")
     if arch == "phi3":
         config.update(gguf_phi3.config_fields(path, meta, config, reader))
+    config = _common_config(config, meta, p, reader, names)
+    if arch in gguf_gemma.ARCHITECTURES:  # (its activation, attention scale, soft-capping, windows, norms)
+        config.update(gguf_gemma.config_fields(path, meta, config))
+    return config
+
+
+def _common_config(config: dict, meta: dict, p: str, reader, names: set[str]) -> dict:
+    """`config` with the fields every family's file gives alike: vocabulary, tying, token ids."""
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     config.update(
         {
@@ -322,8 +340,6 @@ def _model_config(path: Path, meta: dict, reader, names: set[str]) -> dict:
             "torch_dtype": "float32",
         }
     )
-    if arch in gguf_gemma.ARCHITECTURES:  # (its activation, attention scale, soft-capping, windows, norms)
-        config.update(gguf_gemma.config_fields(path, meta, config))
     return config
 
 
@@ -376,10 +392,13 @@ def _hf_name(gguf_name: str, model_type: str) -> str | None:
 
 def _tensor(path: Path, t, config: dict) -> GGUFTensor:
     gpt_oss = config["model_type"] == gguf_gpt_oss.ARCHITECTURE[1]
+    qwen35 = config["model_type"] in gguf_qwen35.MODEL_TYPES
     if gpt_oss:
         hf_name = gguf_gpt_oss.hf_name(t.name)
     elif config["model_type"] in gguf_gemma.MODEL_TYPES:
         hf_name = gguf_gemma.hf_name(t.name)
+    elif qwen35:
+        hf_name = gguf_qwen35.hf_name(t.name, config["num_hidden_layers"])
     else:
         hf_name = _hf_name(t.name, config["model_type"])
     if hf_name is None:
@@ -392,7 +411,7 @@ def _tensor(path: Path, t, config: dict) -> GGUFTensor:
         not gpt_oss
         and kind == "weight"
         and (
-            (parts[0] == "blk" and parts[2] in _LINEARS)
+            (parts[0] == "blk" and parts[2] in (gguf_qwen35.LINEARS if qwen35 else _LINEARS))
             or ".experts." in hf_name
             or t.name == "output.weight"
             or (t.name == "token_embd.weight" and config["tie_word_embeddings"])
@@ -411,10 +430,13 @@ def _tensor(path: Path, t, config: dict) -> GGUFTensor:
         rope_heads = config["num_key_value_heads"]
     shape = tuple(int(d) for d in reversed(t.shape))
     experts = shape[0] if not gpt_oss and parts[0] == "blk" and parts[2] in _EXPERT_NAMES else 0
-    if t.name.endswith("ffn_gate_inp_shexp.weight"):  # (a vector in the file; [1, hidden] in the model)
+    if t.name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1:  # (a vector; [1, hidden] in the model)
         shape = (1, *shape)
+    layout = gguf_qwen35.layout(t.name, config) if qwen35 else ""
+    if linear and type_name not in FLOAT_TYPES and not gguf_qwen35.blocks_move_whole(layout, type_name):
+        linear = False  # (its heads' columns split blocks: dequantized at load, then put in order)
     return GGUFTensor(
-        t.name, hf_name, type_name, shape, int(t.data_offset), int(t.n_bytes), linear, rope_heads, experts
+        t.name, hf_name, type_name, shape, int(t.data_offset), int(t.n_bytes), linear, rope_heads, experts, layout
     )
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pagoda.engine_core import gguf_qwen35
 from pagoda.engine_core.gguf_model import FLOAT_TYPES, GGUFTensor
 
 logger = logging.getLogger(__name__)
@@ -76,13 +77,20 @@ def _tensor_weights(
         yield f"{module}.scales", scales
     elif t.type in FLOAT_TYPES or not t.linear or dequantize:
         array = _float_array(raw, t, ggml_type, gguf_dequantize)
+        type_name = t.type
         if t.rope_heads:
             array = unpermute_rope(array, t.rope_heads)
-        yield hf_name, _to_torch(array, t.type)
+        if t.layout:  # (Qwen3.5's linear attention: engine_core/gguf_qwen35.py)
+            if type_name == "BF16":  # (its bits as float32, exactly: ssm_a's log needs values)
+                array, type_name = (array.astype(np.int32) << 16).view(np.float32), "F32"
+            array = gguf_qwen35.to_hf(array, t.layout)
+        yield hf_name, _to_torch(array, type_name)
     else:
         blocks = raw.reshape(t.shape[0], -1)
         if t.rope_heads:
             blocks = unpermute_rope(blocks, t.rope_heads)
+        if t.layout:
+            blocks = gguf_qwen35.blocks_to_hf(blocks, t.layout, t.type)
         yield f"{module}.gguf_type", torch.tensor(int(ggml_type))
         yield f"{module}.gguf_blocks", torch.from_numpy(np.ascontiguousarray(blocks))
 

@@ -40,6 +40,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from pagoda.engine_core.gguf_gemma import NORMS_INCLUDE_ONE
 from pagoda.engine_core.layers.attention import Attention, AttentionMetadata, VarlenMetadata
 from pagoda.engine_core.layers.linear import Linear, MergedLinear
 from pagoda.engine_core.layers.rotary import RotaryEmbedding
@@ -352,13 +353,15 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
 
     def _in_our_layout(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Text-model names; norm weights that scale by (1 + w) as 1 + w in float32 (`GemmaRMSNorm`); stacked
-        experts as each expert's projections (views)."""
+        experts as each expert's projections (views). A GGUF file's norms hold 1 + w already (config.json's
+        NORMS_INCLUDE_ONE, engine_core/gguf_qwen35.py): they load as stored."""
+        include_one = bool(self.cfg.raw.get(NORMS_INCLUDE_ONE))
         for checkpoint_name, tensor in weights:
             name = _text_name(checkpoint_name)
             if name is None:
                 continue
             if name.endswith(_ONE_PLUS_W_NORMS) or name == "model.norm.weight":
-                tensor = tensor.float() + 1.0
+                tensor = tensor.float() if include_one else tensor.float() + 1.0
             if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
                 yield from _expert_pieces(name, tensor)
                 continue

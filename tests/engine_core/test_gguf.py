@@ -110,7 +110,7 @@ def test_an_unsupported_tensor_type_is_refused_naming_the_supported_ones(tmp_pat
 def test_an_unsupported_architecture_is_refused(tmp_path, q4_1_reader):
     overrides = {"general.architecture": ("falcon", GGUFValueType.STRING)}
     path = _small_file(tmp_path / "falcon.gguf", q4_1_reader, [("output_norm.weight", np.ones(576), T.F32)], overrides)
-    supported = "gemma2, gemma3, gpt-oss, llama, phi3, qwen2, qwen2moe, qwen3, qwen3moe"
+    supported = "gemma2, gemma3, gpt-oss, llama, phi3, qwen2, qwen2moe, qwen3, qwen35, qwen35moe, qwen3moe"
     with pytest.raises(ValueError, match=f"GGUF architecture 'falcon' is not supported; supported: {supported}"):
         resolve_model(str(path))
 
