@@ -204,7 +204,7 @@ def config_fields(path: Path, meta: dict) -> dict:
     scaling = meta.get(p + "rope.scaling.type")
     if scaling not in (None, "none"):
         raise ValueError(f"{path}: rope scaling {scaling!r} is not supported for Qwen3.5 files")
-    if config["linear_num_value_heads"] % config["linear_num_key_heads"]:
+    if value_heads % int(config["linear_num_key_heads"]):
         raise ValueError(f"{path}: {value_heads} value heads are not a multiple of the key heads")
     return config
 
