@@ -168,6 +168,7 @@ def config_fields(path: Path, meta: dict) -> dict:
         layers = int(meta[p + "block_count"]) - int(meta.get(p + "nextn_predict_layers") or 0)
         interval = int(meta.get(p + "full_attention_interval") or 4)
         value_heads = int(meta[p + "ssm.time_step_rank"])
+        key_heads = int(meta[p + "ssm.group_count"])
         architecture, model_type = ARCHITECTURES[arch]
         config = {
             "architectures": [architecture],
@@ -183,7 +184,7 @@ def config_fields(path: Path, meta: dict) -> dict:
             "partial_rotary_factor": int(meta.get(p + "rope.dimension_count") or head_dim // 4) / head_dim,
             "linear_conv_kernel_dim": int(meta[p + "ssm.conv_kernel"]),
             "linear_key_head_dim": int(meta[p + "ssm.state_size"]),
-            "linear_num_key_heads": int(meta[p + "ssm.group_count"]),
+            "linear_num_key_heads": key_heads,
             "linear_num_value_heads": value_heads,
             "linear_value_head_dim": int(meta[p + "ssm.inner_size"]) // value_heads,
             "full_attention_interval": interval,
@@ -204,7 +205,7 @@ def config_fields(path: Path, meta: dict) -> dict:
     scaling = meta.get(p + "rope.scaling.type")
     if scaling not in (None, "none"):
         raise ValueError(f"{path}: rope scaling {scaling!r} is not supported for Qwen3.5 files")
-    if value_heads % int(config["linear_num_key_heads"]):
+    if value_heads % key_heads:
         raise ValueError(f"{path}: {value_heads} value heads are not a multiple of the key heads")
     return config
 
