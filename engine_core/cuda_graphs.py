@@ -39,7 +39,11 @@ def model_capturable(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether a CUDA graph can capture the model's forward on `device`: none of its layers reads values on
     the host. A layer that may says so with `reads_host(device)`: a mixture of experts whose fused op runs
     the torch reference, which loops over the experts the tokens chose (Triton turned off, quantized
-    experts, gpt-oss's expert options; engine_core/models/moe.py, gpt_oss.py)."""
+    experts, gpt-oss's expert options; engine_core/models/moe.py, gpt_oss.py). Nor a model with recurrent
+    layers: the decode graphs' inputs carry no state slots (engine_core/state_pool.py)."""
+    recurrent_layers = getattr(model, "recurrent_layers", None)
+    if recurrent_layers is not None and recurrent_layers():
+        return False
     for module in model.modules():
         reads_host = getattr(module, "reads_host", None)
         if reads_host is not None and reads_host(device):

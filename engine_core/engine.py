@@ -160,6 +160,11 @@ class EngineCore:
                 self.runner.kv_layout.describe(),
             )
         capacity = self.kv_manager.token_capacity(config.max_num_batched_tokens)
+        if capacity == 0:
+            raise ValueError(
+                f"the KV cache's {self.kv_manager.pool.num_usable_blocks} blocks cannot hold one block of each of"
+                f" the model's {self.kv_manager.num_groups} KV groups: give it more memory (--kv-cache-memory)"
+            )
         if capacity is None:  # (every group slides: a request of any length holds its windows' blocks)
             capacity = self.model_cfg.max_position_embeddings
         self.max_model_len = self._max_model_len(capacity)

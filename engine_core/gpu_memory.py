@@ -89,7 +89,13 @@ def profile_gpu_memory(runner, num_tokens: int, max_model_len: int, capture_grap
     graph_memory = 0
     if capture_graphs:  # a trial capture of the largest size: the smaller ones share its pool
         graphs = DecodeGraphs(
-            runner.model, runner.config.max_num_seqs, max_model_len, runner.block_size, runner.device, capture=True
+            runner.model,
+            runner.config.max_num_seqs,
+            max_model_len,
+            runner.block_size,
+            runner.device,
+            capture=True,
+            num_groups=len(runner.kv_layout.groups),
         )
         free_before = torch.cuda.mem_get_info()[0]
         graphs.sizes = graphs.sizes[-1:]

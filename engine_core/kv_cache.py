@@ -179,13 +179,6 @@ class KVCacheManager:
     def _set_block_ids(self, request: Request) -> None:
         request.block_ids = [[block.block_id for block in table] for table in self._blocks_of[request.request_id]]
 
-    def window_blocks(self, step_tokens: int) -> int | None:
-        """The most blocks a request ever holds, whatever its length, when a step computes at most
-        `step_tokens` of its tokens; None where a full-attention group keeps them all."""
-        if None in self.windows:
-            return None
-        return sum(-(-(window - 1 + step_tokens) // self.block_size) + 1 for window in self.windows if window)
-
     def blocks_for(self, tokens: int, step_tokens: int) -> int:
         """The most blocks a request of `tokens` tokens holds, over all groups."""
         table = -(-tokens // self.block_size)
@@ -249,8 +242,13 @@ class KVCacheManager:
         tables = self._blocks_of.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self._num_released.pop(request.request_id, None)
-        for table in tables:
-            self.pool.release([block for block in reversed(table) if block is not self.pool.null_block])
+        # (index by index from the tail, across the groups: no group's head goes before another's tail)
+        by_index = [
+            block
+            for index in reversed(range(len(tables[0]) if tables else 0))
+            for block in (table[index] for table in tables)
+        ]
+        self.pool.release([block for block in by_index if block is not self.pool.null_block])
         request.block_ids = []
         if self.states is not None:
             self.states.give_back(request.request_id)

@@ -277,6 +277,7 @@ class ModelRunner:
         # torch.empty: nothing is written up front; on the CPU a background thread maps the pages before
         # blocks need them (engine_core/kv_prefault.py), instead of a page fault at a block's first write.
         self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_cache[:, :, 0].zero_()  # (the null block: what sliding groups' given-back entries point at)
         self.kv_prefault = prefault(self.kv_cache)
         for layer_index, attn in zip(self.model.attention_layer_indices(), self.model.attention_layers(), strict=True):
             attn.kv_group, slot = self.kv_layout.place(layer_index)

@@ -162,6 +162,10 @@ def paged_prefill_attention(
         else:
             query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[None]
             mask = _key_mask(query_pos, seq_lens[b : b + 1], seq_len, sliding_window)[:, None]
+            # Keys no row sees (before the first row's window: the null block where a sliding window's
+            # blocks were given back, never written): zeroed, or NaN there poisons the sum.
+            hidden = ~mask.any(dim=2)[:, :, :, None]  # [1, 1, L, 1]
+            keys, values = keys.masked_fill(hidden, 0.0), values.masked_fill(hidden, 0.0)
             o = _sdpa(q, keys, values, mask, scale, sinks, softcap=softcap)
         out[start:end] = o[0].transpose(0, 1)
     return out

@@ -19,6 +19,7 @@ from pagoda.engine_core.quantization.at_load import quantize_int8_per_channel
 from pagoda.engine_core.quantization.base import pack_shards
 from pagoda.engine_core.sampling_params import SamplingParams
 from pagoda.kernels import ops
+from tests.helpers import run_engine
 
 PROMPTS = [
     "The capital of France is",
@@ -191,3 +192,25 @@ def test_profile_step_runs_the_largest_step_the_scheduler_can_make(default_model
     assert runner.num_blocks == -(-300 // 16) + 1
     runner.release_kv_cache()
     assert runner.kv_cache is None and all(a.key_cache is None for a in runner.model.attention_layers())
+
+
+def test_a_hybrid_models_decode_buffers_carry_every_kv_groups_tables(tmp_path):
+    """Gemma 3 (sliding and full KV groups): decode steps through the persistent buffers (eager, as the
+    trial capture that sizes a GPU's pool runs them) give the tokens of the plain path; a model with
+    recurrent layers (Qwen3.5) is never captured, its decode inputs carrying state slots."""
+    from tests import tiny_models
+
+    for name in ("gemma3", "qwen3_5"):
+        tiny_models.build(name).save_pretrained(tmp_path / name)
+    prompts = [[5, 17, 300, 41] * k for k in (1, 5, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    results = []
+    for graphs in (False, True):
+        engine = EngineCore(EngineConfig(model=str(tmp_path / "gemma3"), num_kv_blocks=64, max_num_seqs=4))
+        assert len(engine.runner.kv_layout.groups) > 1
+        if graphs:
+            engine.runner.enable_decode_graphs(engine.max_model_len, capture=False)
+        results.append(run_engine(engine, prompts, params))
+    assert results[1] == results[0]
+    recurrent = EngineCore(EngineConfig(model=str(tmp_path / "qwen3_5"), num_kv_blocks=32))
+    assert not model_capturable(recurrent.runner.model, torch.device("cuda"))

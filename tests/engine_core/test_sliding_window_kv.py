@@ -128,3 +128,9 @@ def test_a_shared_1024_token_prefix_is_computed_once_on_a_hybrid(tmp_path):
     plain = EngineCore(EngineConfig(**config, enable_prefix_caching=False))
     assert run_engine(plain, prompts, params) == [*first, second]
     assert second == hf_greedy(hf_model, prompts[1], 10, stop_at_eos=False)
+
+
+def test_a_pool_smaller_than_one_block_per_group_is_refused(tmp_path):
+    tiny_models.build("gemma3").save_pretrained(tmp_path / "gemma3")
+    with pytest.raises(ValueError, match=r"cannot hold one block of each of the model's 4 KV groups"):
+        EngineCore(EngineConfig(model=str(tmp_path / "gemma3"), num_kv_blocks=3))

@@ -67,3 +67,22 @@ def test_more_query_rows_than_keys_is_refused():
         cpu.paged_prefill_attention(
             torch.zeros(5, 1, 64), kc, kc, torch.tensor([[1]]), torch.tensor([0, 5]), torch.tensor([4]), 0.125, None
         )
+
+
+@pytest.mark.parametrize("implementation", ["torch_ref", "cpu"])
+def test_given_back_blocks_before_the_window_are_never_read(implementation):
+    """A sliding window's blocks that left it point at the null block (engine_core/kv_cache.py), which holds
+    whatever the pool's memory held: NaN there must not reach the output (the torch reference gathers the
+    whole context and masks it; it zeroes what no row sees)."""
+    from pagoda.kernels.torch_ref import attention as torch_ref
+
+    torch.manual_seed(0)
+    heads, head_dim, block = 2, 64, 4
+    key_cache, value_cache = torch.randn(4, block, heads, head_dim), torch.randn(4, block, heads, head_dim)
+    query = torch.randn(2, heads, head_dim)  # positions 10 and 11 of 12, window 4: keys 7..11 only
+    args = (torch.tensor([0, 2]), torch.tensor([12]), head_dim**-0.5, 4)
+    clean = torch_ref.paged_prefill_attention(query, key_cache, value_cache, torch.tensor([[1, 2, 3]]), *args)
+    key_cache[0], value_cache[0] = float("nan"), float("nan")  # (block 0 stands in for the given-back block 1)
+    kernel = torch_ref.paged_prefill_attention if implementation == "torch_ref" else cpu.paged_prefill_attention
+    out = kernel(query, key_cache, value_cache, torch.tensor([[0, 2, 3]]), *args)
+    torch.testing.assert_close(out, clean)
