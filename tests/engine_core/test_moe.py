@@ -174,13 +174,20 @@ def test_qwen_moe_sliding_window_is_refused(tmp_path):
 def test_prefix_caching_chunks_and_preemption_keep_hfs_tokens(tmp_path, name, mode):
     """Prompts sharing a 40-token prefix, run after the first has cached it: cached prefixes, prompts split
     into chunks (48-token steps), or requests preempted and recomputed (10 KV blocks for prompts of 45 to 70
-    and 24 new tokens), and every request's greedy tokens still equal HF's."""
+    and 24 new tokens, in 16-token steps), and every request's greedy tokens still equal HF's."""
     hf_model, model_dir = _saved(tmp_path, name)
     gen = torch.Generator().manual_seed(3)
     prefix = torch.randint(3, 512, (40,), generator=gen).tolist()
     prompts = [prefix + torch.randint(3, 512, (n,), generator=gen).tolist() for n in (20, 5, 13, 30)]
     expected = [hf_greedy(hf_model, p, 24, stop_at_eos=False) for p in prompts]
-    args = {"chunked": dict(max_num_batched_tokens=48, num_kv_blocks=64), "preempting": dict(num_kv_blocks=10)}[mode]
+    # (preempting: 16-token steps too, so that a request's sliding-window groups hold a few blocks, and
+    # too few blocks for every request at once: Mixtral's layers all slide over 24 tokens, so a decoding
+    # request holds 3 blocks whatever its length, and 10 would hold them all)
+    preempting_blocks = 7 if name == "mixtral" else 10
+    args = {
+        "chunked": dict(max_num_batched_tokens=48, num_kv_blocks=64),
+        "preempting": dict(num_kv_blocks=preempting_blocks, max_num_batched_tokens=16),
+    }[mode]
     engine = EngineCore(EngineConfig(model=str(model_dir), **args))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     tokens = run_engine(engine, prompts[:1], params) + run_engine(engine, prompts[1:], params)
