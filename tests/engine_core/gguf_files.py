@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize, quantize
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagoda.engine_core.default_model import convert_gguf_to_hf, ensure_default_gguf
 from pagoda.engine_core.environment import cache_root
@@ -94,3 +95,26 @@ def float32_dir(gguf_path: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+TINY_VOCAB = 512  # (tiny_models' vocabulary: a file's own tokenizer with as many tokens)
+
+
+def tiny_tokenizer_metadata() -> dict:
+    """A byte-level BPE tokenizer of TINY_VOCAB tokens, as llama.cpp's keys hold one: the 256 bytes (in GPT-2's
+    spelling), then the merges of 16 x 16 pairs of them. (SmolLM2's 49,152 tokens would take the file's
+    tokenizer seconds to read at every new file.)"""
+    alphabet = [bytes_to_unicode()[b] for b in range(256)]
+    letters = alphabet[ord("a") : ord("a") + 16]
+    pairs = [(a, b) for a in letters for b in letters]
+    tokens = alphabet + [a + b for a, b in pairs]
+    assert len(tokens) == TINY_VOCAB
+    array = GGUFValueType.ARRAY
+    return {
+        "tokenizer.ggml.model": ("gpt2", GGUFValueType.STRING),
+        "tokenizer.ggml.tokens": (tokens, array),
+        "tokenizer.ggml.token_type": ([1] * TINY_VOCAB, array),
+        "tokenizer.ggml.merges": ([f"{a} {b}" for a, b in pairs], array),
+        "tokenizer.ggml.bos_token_id": (2, GGUFValueType.UINT32),
+        "tokenizer.ggml.eos_token_id": (1, GGUFValueType.UINT32),
+    }

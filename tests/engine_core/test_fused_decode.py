@@ -17,49 +17,12 @@ from pagoda.engine_core.sampling_params import SamplingParams
 from pagoda.kernels import ops
 from pagoda.kernels.cpu.decoder import FusedDecoder, LayerTensors, Shape
 from tests import tiny_models
+from tests.engine_core.fused_decode_checks import LayeredCheck
 from tests.helpers import hf_greedy, run_engine
 
 
 def _engine(model_dir, **args) -> EngineCore:
     return EngineCore(EngineConfig(model=str(model_dir), max_num_batched_tokens=64, num_kv_blocks=64, **args))
-
-
-class LayeredCheck:
-    """Wraps a model's fused decoder: after each fused call, the layers run one by one on the same
-    inputs, and both results are compared."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self.calls = 0
-        self.batches: set[int] = set()
-        self.worst = 0.0
-        self._original = model.fused_decode.decoder_for
-
-    def __enter__(self) -> LayeredCheck:
-        def decoder_for(model, meta, hidden):
-            fused = self._original(model, meta, hidden)
-            if fused is None:
-                return None
-
-            def checked(positions, hidden, residual, *rest):
-                out = fused(positions, hidden, residual, *rest)
-                h, r = hidden.clone(), None if residual is None else residual.clone()
-                for i in model.layer_range:
-                    h, r = model.layers[i](positions, h, r, meta)
-                for got, want in zip(out, (h, r), strict=True):
-                    scale = want.abs().max().item() + 1e-6
-                    self.worst = max(self.worst, (got - want).abs().max().item() / scale)
-                self.calls += 1
-                self.batches.add(hidden.shape[0])
-                return out
-
-            return checked
-
-        self.model.fused_decode.decoder_for = decoder_for
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.model.fused_decode.decoder_for = self._original
 
 
 # (Gemma's layer is not the C decoder's: tests/engine_core/test_gemma.py checks that it decodes layer by layer)

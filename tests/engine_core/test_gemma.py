@@ -184,7 +184,7 @@ def test_a_vision_language_checkpoint_serves_its_text_model(tmp_path):
 def test_decode_steps_run_layer_by_layer(saved):
     """The fused CPU decoder computes Llama's layer: Gemma's decode steps never take it, even with every
     layer's window alike (mixed windows alone would already keep the C decoder out)."""
-    from tests.engine_core.test_fused_decode import LayeredCheck
+    from tests.engine_core.fused_decode_checks import LayeredCheck
 
     _, _, model_dir, _ = saved
     engine = _engine(model_dir)

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFValueType
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.engine import EngineCore
@@ -28,7 +27,7 @@ from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.sampling_params import SamplingParams
 from pagoda.engine_core.tokenizer import load_tokenizer
 from tests import tiny_models
-from tests.engine_core.gguf_files import float32_dir, write_gguf
+from tests.engine_core.gguf_files import float32_dir, tiny_tokenizer_metadata, write_gguf
 from tests.helpers import greedy_with_first_logprobs, hf_greedy, run_engine
 
 T = GGMLQuantizationType
@@ -68,26 +67,6 @@ def f32_file(family, tmp_path_factory) -> Path:
     """The family's float32 file (read once per module: a file's tokenizer is read into its model directory)."""
     name, hf_model = family
     return _write(tmp_path_factory.mktemp(name) / f"{name}.gguf", name, hf_model)
-
-
-def _tokenizer_metadata() -> dict:
-    """A byte-level BPE tokenizer of VOCAB tokens, as llama.cpp's keys hold one: the 256 bytes (in GPT-2's
-    spelling), then the merges of 16 x 16 pairs of them. (SmolLM2's 49,152 tokens would take the file's
-    tokenizer seconds to read at every new file.)"""
-    alphabet = [bytes_to_unicode()[b] for b in range(256)]
-    letters = alphabet[ord("a") : ord("a") + 16]
-    pairs = [(a, b) for a in letters for b in letters]
-    tokens = alphabet + [a + b for a, b in pairs]
-    assert len(tokens) == VOCAB
-    array = GGUFValueType.ARRAY
-    return {
-        "tokenizer.ggml.model": ("gpt2", GGUFValueType.STRING),
-        "tokenizer.ggml.tokens": (tokens, array),
-        "tokenizer.ggml.token_type": ([1] * VOCAB, array),
-        "tokenizer.ggml.merges": ([f"{a} {b}" for a, b in pairs], array),
-        "tokenizer.ggml.bos_token_id": (2, U32),
-        "tokenizer.ggml.eos_token_id": (1, U32),
-    }
 
 
 def _prompts() -> list[list[int]]:
@@ -154,7 +133,7 @@ def _metadata(model, arch: str, pattern: int | None) -> dict:
         keys["attention.sliding_window_pattern"] = (pattern, U32)
     out = {f"{arch}.{key}": value for key, value in keys.items()}
     out["general.architecture"] = (arch, GGUFValueType.STRING)
-    return out | _tokenizer_metadata()
+    return out | tiny_tokenizer_metadata()
 
 
 # tiny_models' Gemma 3 slides on layers 0, 1 and 3: a period of 3 (Gemma 2 alternates: llama.cpp's default)

@@ -21,7 +21,7 @@ from pagoda.engine_core.gguf_model import read_gguf
 from pagoda.engine_core.sampling_params import SamplingParams
 from tests import tiny_models
 from tests.engine_core.gguf_files import write_gguf
-from tests.engine_core.test_phi3 import ORIGINAL, VARIANTS
+from tests.engine_core.phi3_variants import ORIGINAL, VARIANTS
 from tests.helpers import hf_greedy, run_engine
 
 T = GGMLQuantizationType

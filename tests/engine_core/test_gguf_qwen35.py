@@ -28,8 +28,7 @@ from pagoda.engine_core.loader import load_model, resolve_model
 from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.sampling_params import SamplingParams
 from tests import tiny_models
-from tests.engine_core.gguf_files import float32_dir, write_gguf
-from tests.engine_core.test_gguf_gemma import _tokenizer_metadata
+from tests.engine_core.gguf_files import float32_dir, tiny_tokenizer_metadata, write_gguf
 from tests.helpers import greedy_with_first_logprobs, hf_greedy, run_engine
 
 T = GGMLQuantizationType
@@ -158,7 +157,7 @@ def _metadata(model, arch: str) -> dict:
         keys["feed_forward_length"] = (cfg.intermediate_size, U32)
     out = {f"{arch}.{key}": value for key, value in keys.items()}
     out["general.architecture"] = (arch, GGUFValueType.STRING)
-    return out | _tokenizer_metadata()
+    return out | tiny_tokenizer_metadata()
 
 
 def test_the_config_is_hfs(f32_file, family):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from pagoda.kernels import ops
@@ -49,3 +50,19 @@ def scatter_to_cache(seq_lens, block_size, num_kv_heads, head_dim, gen):
 
 
 SHAPES = [(64, 16, 1), (64, 32, 4), (128, 16, 8), (128, 32, 2)]
+
+
+def run_attention(monkeypatch, libraries, which, function_name, *args, **kwargs):
+    """Attention op `function_name` by the torch reference (`which` None), the native C build ("native"),
+    or one ISA variant's build (a key of `libraries`, the paged_libraries fixture's); skipped where the C
+    kernels are not built."""
+    from pagoda.kernels.cpu import attention as cpu_attention
+    from pagoda.kernels.torch_ref import attention as ref
+
+    if which is None:
+        return getattr(ref, function_name)(*args, **kwargs)
+    if which != "native":
+        monkeypatch.setattr(cpu_attention, "load", lambda: libraries[which])
+    if cpu_attention.load() is None:
+        pytest.skip("the CPU kernels are not built here")
+    return getattr(cpu_attention, function_name)(*args, **kwargs)

@@ -14,10 +14,9 @@ import math
 import pytest
 import torch
 
-from pagoda.kernels.cpu import attention as cpu_attention
 from pagoda.kernels.torch_ref import attention as ref
 from tests.kernels import isa_variants
-from tests.kernels.paged_inputs import scatter_to_cache
+from tests.kernels.paged_inputs import run_attention, scatter_to_cache
 
 # (head_dim, num_kv_heads, query heads per kv head)
 SHAPES = [(32, 2, 2), (20, 1, 4)]  # (20: no vector path in the decode kernel)
@@ -57,16 +56,6 @@ def varlen_libraries(tmp_path_factory):
     return isa_variants.build_all("varlen_attention", tmp_path_factory)
 
 
-def _run(monkeypatch, libraries, which, function_name, *args, **kwargs):
-    if which is None:
-        return getattr(ref, function_name)(*args, **kwargs)
-    if which != "native":
-        monkeypatch.setattr(cpu_attention, "load", lambda: libraries[which])
-    if cpu_attention.load() is None:
-        pytest.skip("the CPU kernels are not built here")
-    return getattr(cpu_attention, function_name)(*args, **kwargs)
-
-
 VARIANTS = ["reference", "native", *(name for name, _ in isa_variants.variants())]
 
 
@@ -85,7 +74,7 @@ def test_decode_with_sinks(
     query = torch.randn(batch, heads, head_dim, generator=gen)
     sinks, scale = _sinks(heads, sink_scale, batch), head_dim**-0.5
     which = {"reference": None}.get(variant, variant)
-    out = _run(
+    out = run_attention(
         monkeypatch,
         paged_libraries,
         which,
@@ -118,7 +107,7 @@ def test_varlen_with_sinks(monkeypatch, varlen_libraries, variant, head_dim, num
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     sinks, scale = _sinks(heads, sink_scale, 7), head_dim**-0.5
     which = {"reference": None}.get(variant, variant)
-    out = _run(
+    out = run_attention(
         monkeypatch, varlen_libraries, which, "varlen_attention", q, k, v, starts, scale, True, window, sinks=sinks
     )
     for b, n in enumerate(lens):
@@ -144,7 +133,7 @@ def test_paged_prefill_with_sinks(
     starts = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()])
     sinks, scale = _sinks(heads, sink_scale, 3), head_dim**-0.5
     which = {"reference": None}.get(variant, variant)
-    out = _run(
+    out = run_attention(
         monkeypatch,
         varlen_libraries,
         which,

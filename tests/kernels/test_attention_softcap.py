@@ -18,8 +18,7 @@ import torch
 
 from pagoda.kernels.torch_ref import attention as ref
 from tests.kernels import isa_variants
-from tests.kernels.paged_inputs import scatter_to_cache
-from tests.kernels.test_attention_sinks import _run
+from tests.kernels.paged_inputs import run_attention, scatter_to_cache
 
 # (head_dim, num_kv_heads, query heads per kv head)
 SHAPES = [(32, 2, 2), (20, 1, 4)]  # (20: no vector path in the decode kernel)
@@ -73,7 +72,7 @@ def test_decode_with_softcap(monkeypatch, paged_libraries, variant, head_dim, nu
     key_cache, value_cache, block_tables, keys, values = scatter_to_cache(seq_lens, 16, num_kv_heads, head_dim, gen)
     query = torch.randn(batch, num_kv_heads * group, head_dim, generator=gen)
     args = (query, key_cache, value_cache, block_tables, torch.tensor(seq_lens), SCALE, window)
-    out = _run(monkeypatch, paged_libraries, _which(variant), "paged_decode_attention", *args, softcap=CAP)
+    out = run_attention(monkeypatch, paged_libraries, _which(variant), "paged_decode_attention", *args, softcap=CAP)
     for b, n in enumerate(seq_lens):
         want = naive(query[b : b + 1], keys[b], values[b], n - 1, SCALE, CAP, window)
         torch.testing.assert_close(out[b : b + 1].double(), want, atol=2e-5, rtol=1e-4)
@@ -92,7 +91,7 @@ def test_varlen_with_softcap(monkeypatch, varlen_libraries, variant, head_dim, n
     v = torch.randn(sum(lens), num_kv_heads, head_dim, generator=gen)
     starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     args = (q, k, v, starts, SCALE, True, window)
-    out = _run(monkeypatch, varlen_libraries, _which(variant), "varlen_attention", *args, softcap=CAP)
+    out = run_attention(monkeypatch, varlen_libraries, _which(variant), "varlen_attention", *args, softcap=CAP)
     for b, n in enumerate(lens):
         s = int(starts[b])
         want = naive(q[s : s + n], k[s : s + n], v[s : s + n], 0, SCALE, CAP, window)
@@ -110,7 +109,7 @@ def test_paged_prefill_with_softcap(monkeypatch, varlen_libraries, variant, head
     query = torch.randn(sum(chunks), num_kv_heads * group, head_dim, generator=gen)
     starts = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()])
     args = (query, key_cache, value_cache, block_tables, starts, torch.tensor(seq_lens), SCALE, window)
-    out = _run(monkeypatch, varlen_libraries, _which(variant), "paged_prefill_attention", *args, softcap=CAP)
+    out = run_attention(monkeypatch, varlen_libraries, _which(variant), "paged_prefill_attention", *args, softcap=CAP)
     for b, (n, c) in enumerate(zip(seq_lens, chunks, strict=True)):
         s = int(starts[b])
         want = naive(query[s : s + c], keys[b], values[b], n - c, SCALE, CAP, window)
@@ -126,13 +125,15 @@ def test_softcap_with_sinks(monkeypatch, paged_libraries, varlen_libraries, vari
     query = torch.randn(2, 4, 32, generator=gen)
     sinks = torch.randn(4, generator=gen)
     args = (query, key_cache, value_cache, block_tables, torch.tensor(seq_lens), SCALE, 5)
-    out = _run(monkeypatch, paged_libraries, _which(variant), "paged_decode_attention", *args, sinks=sinks, softcap=CAP)
+    out = run_attention(
+        monkeypatch, paged_libraries, _which(variant), "paged_decode_attention", *args, sinks=sinks, softcap=CAP
+    )
     for b, n in enumerate(seq_lens):
         want = naive(query[b : b + 1], keys[b], values[b], n - 1, SCALE, CAP, 5, sinks)
         torch.testing.assert_close(out[b : b + 1].double(), want, atol=2e-5, rtol=1e-4)
     q, k, v = (torch.randn(20, h, 32, generator=gen) for h in (4, 2, 2))
     starts = torch.tensor([0, 20])
-    out = _run(
+    out = run_attention(
         monkeypatch, varlen_libraries, _which(variant), "varlen_attention", q, k, v, starts, SCALE, True, None,
         sinks=sinks, softcap=CAP,
     )  # fmt: skip
