@@ -29,6 +29,7 @@ from pagoda.engine_core.models.qwen3_5 import (
     Qwen3_5MoeForConditionalGeneration,
 )
 from pagoda.engine_core.quantization import resolve_method
+from tests import tiny_models
 from tests.quantization_helpers import write_dequantized_checkpoint
 
 BLOCK_SIZE = 8
@@ -36,49 +37,15 @@ NUM_BLOCKS = 64
 NEW_TOKENS = 16
 LOGITS = dict(atol=1e-3, rtol=1e-4)  # (float32, logits ~10: only summation order differs, over up to 16 steps)
 
-COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,  # (partial_rotary_factor 0.25 of HF's default: 8 rotary dims)
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=24,
-    max_position_embeddings=1024,
-    initializer_range=0.25,
-)
-FAMILIES = {
-    # (HF's default layer types: three linear-attention layers, then a full one)
-    "dense": (transformers.Qwen3_5TextConfig, {}),
-    # (a full-attention layer in the middle, and a linear one last: the step's kept rows meet that one)
-    "moe": (
-        transformers.Qwen3_5MoeTextConfig,
-        dict(
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
-        ),
-    ),
-}
+# family -> the tiny model (tests/tiny_models.py: dense with HF's default layer types, three linear-attention
+# layers then a full one; MoE with a full layer in the middle and a linear one last, which the step's kept
+# rows meet)
+FAMILIES = {"dense": "qwen3_5", "moe": "qwen3_5_moe"}
 CLASSES = {"dense": Qwen3_5ForCausalLM, "moe": Qwen3_5MoeForCausalLM}
 
 
 def build_hf(family: str):
-    config_cls, extra = FAMILIES[family]
-    config = config_cls(**COMMON, **extra)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # (HF draws the (1 + w) norms zero and dt_bias one: make them matter)
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("dt_bias"):
-                parameter.normal_(std=0.5)
-    return model
+    return tiny_models.build(FAMILIES[family])
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -330,8 +297,8 @@ def test_a_vision_language_checkpoint_serves_its_text_model(family, tmp_path):
     tensors under model.language_model., a vision tower to skip), generating from a text prompt through its
     own position ids (mrope, the same position on every section): our text model's tokens and logits. The
     dense one ties its embeddings (the config's top-level switch, as Qwen3.5's small models do)."""
-    _, text = FAMILIES[family]
-    text_config = {**COMMON, **text}
+    _, text = tiny_models.ARCHITECTURES[FAMILIES[family]]
+    text_config = {**tiny_models.COMMON, **text}
     if family == "moe":
         text_config.pop("intermediate_size")  # (an all-MoE config has none)
     special = dict(image_token_id=508, video_token_id=509, vision_start_token_id=510, vision_end_token_id=511)
