@@ -250,9 +250,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--int8-activations",
         action="store_true",
-        help="CPU, quantized models: from 2 rows on, round each input row of a quantized linear to int8 and "
-        "use integer dot products where that is faster (W8A8; needs AVX-512 VNNI). Faster batches, but a "
-        "request's tokens then depend on what it is batched with",
+        help="CPU, quantized models: below prefill sizes, round each input row of a quantized linear to int8 "
+        "(one scale per row) and use integer dot products (W8A8 / W4A8; needs AVX-512 VNNI or AVX-VNNI). "
+        "Faster decode, one stream and batched; tokens are those of the rounded activations (a row's result "
+        "does not depend on its batch), which may differ from float activations'",
     )
     g.add_argument(
         "--enforce-eager",

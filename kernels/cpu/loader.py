@@ -74,6 +74,7 @@ _SIGNATURES = {
     "quantized_dequantize_f32": [_POINTER] * 4 + [_I64] * 9,
     "quantized_linear_q8_f32": [_POINTER] * 7 + [_I64] * 10,  # only where the CPU has VNNI
     "quantized_q8_unit": [],
+    "quantized_q8_supported": [_I64] * 3,
     "quantized_q8_workspace": [_I64] * 5,
     "quantized_batch_workspace": [_I64] * 3,
     "panel_linear_f32": [_POINTER] * 4 + [_I64] * 4,
@@ -103,6 +104,7 @@ _RESULTS = {
     "paged_prefill_attention_f32": ctypes.c_int,
     "decoder_scratch_floats": _I64,
     "quantized_q8_unit": _I64,
+    "quantized_q8_supported": _I64,
     "quantized_q8_workspace": _I64,
     "quantized_batch_workspace": _I64,
     "moe_workspace": _I64,

@@ -84,26 +84,28 @@ void quantized_linear_f32(const float *x, const uint8_t *data, const uint16_t *s
 
 /* ---- int8 activations (W8A8 / W4A8): integer dot products --------------------------------------------
  *
- * For batches, where the float path is bound by its multiply-adds: each input row is quantized to int8
- * with one scale per row (dynamic, per token: sx = max|x| / 127, xq = round(x / sx)), and weights stay
- * integers, as unsigned bytes u (the nibble q for 4 bits; q = stored + 128 for 8 bits), so that one
- * VNNI instruction (vpdpbusd: u8 x s8, four products summed into each int32 lane) does 4x the
- * multiply-adds of a float FMA. With w = s * u + m' per group (m' = min, or min - 128 * s for 8 bits):
- *     y[m, n] = sx[m] * sum_g s[n, g] * D[m, n, g] + sum_g m'[n, g] * Xs[m, g] (+ bias)
- * where D is the exact integer sum of u * xq over group g and Xs[m, g] = sx[m] * sum_g xq: the result is
- * exactly what the quantized x (not x) gives with the true weights, up to float rounding; the error
- * against x is at most sum_k |w[n, k]| * sx[m] / 2.
+ * Each input row is quantized to int8 with one scale per row (dynamic, per token: sx = max|x| / 127,
+ * xq = round(x / sx)), and the weights stay integers, as unsigned bytes u (the nibble q for 4 bits;
+ * q = stored + 128 for 8 bits), so that one VNNI instruction (vpdpbusd: u8 x s8, four products summed
+ * into each int32 lane) does 4x the multiply-adds of a float FMA and no weight is widened to a float.
+ * With w = s * u + m' per group (m' = min, or -128 * s for symmetric 8 bits):
+ *     y[m, n] = sx[m] * (sum_g s[n, g] * D[m, n, g] + sum_g m'[n, g] * S[m, g]) (+ bias)
+ * where D is the exact integer sum of u * xq over group g and S[m, g] the exact sum of xq over it: the
+ * result is what the quantized x (not x) gives with the true weights, up to float rounding; the error
+ * against x is at most sum_k |w[n, k]| * sx[m] / 2. A row's result depends on that row alone.
  *
- * Each group's integer sum must be turned into a float and scaled (2 float operations per group, input
- * row and weight row), which for 64-column groups would cost as much as the dot products. So for 4 bits
- * the 128-bit lanes of a vector hold different groups: lane L of "super-unit" (q, j) holds block j of
- * virtual group 4q + L (a virtual group: VB consecutive blocks of one group, VB <= 4 dividing the
- * group's blocks), its low nibbles in the first vector and its high nibbles in the second; xq is
- * rearranged the same way. A quad of virtual groups then needs one conversion and one multiply by a
- * vector of four scales, after 2 * VB dot products. 8-bit weights (usually one group per row) keep the
- * plain column order, in groups of whole vectors.
+ * Layout. A "unit" is one integer vector of a weight row, read with one load: for 4 bits QI_BYTES / 16
+ * consecutive 32-column blocks (16 packed bytes each), for 8 bits QI_BYTES consecutive columns. A 4-bit
+ * unit's low nibbles are columns 0..15 of its blocks, its high nibbles columns 16..31, so each quantized
+ * row is rearranged to match: per unit, a vector whose 128-bit lane L holds columns 0..15 of the unit's
+ * block L, then one with columns 16..31 (zeros past the last block). Each group's integer sums become
+ * floats and are scaled once per input row and weight row (the float work that decides which groups
+ * pay): where a group spans whole units ("grouped") the units' integer sums add up first; where a unit
+ * spans several groups (4 bits in groups of 32 or 64 columns, 8 bits in groups of 32) each block's
+ * int32 lanes take their group's scale from a vector of the unit's scales. The mins' terms join the same
+ * float accumulators, as vectors of m' times vectors of S, so an output needs one horizontal sum.
  * Built only where the CPU has VNNI (AVX-512 VNNI, or AVX-VNNI on 256-bit vectors): elsewhere these
- * functions do not exist and kernels/cpu/__init__.py keeps float activations. */
+ * functions do not exist and kernels/cpu/quantized_matmul.py keeps float activations. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define QI_BYTES 64
 typedef __m512i vi;
@@ -114,18 +116,12 @@ typedef __m512i vi;
 #define vi_float _mm512_cvtepi32_ps
 #define vi_nibbles(v) _mm512_and_si512(v, _mm512_set1_epi8(15))
 #define vi_high(v) _mm512_srli_epi16(v, 4)
-/* Four 16-byte blocks, one per 128-bit lane. */
-INLINE vi load_lanes(const uint8_t *row, const int64_t at[4]) {
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(row + at[0])));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(row + at[1])), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(row + at[2])), 2);
-    return _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(row + at[3])), 3);
+/* The first `bytes` bytes (a multiple of 16), zeros after: a row's last unit, never read past its end. */
+INLINE vi vi_load_first(const uint8_t *p, int64_t bytes) {
+    return _mm512_maskz_loadu_epi8(bytes >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << bytes) - 1), p);
 }
-/* [s0 x4, s1 x4, s2 x4, s3 x4]: one scale per lane. */
-INLINE vf lane_scales(__m128 s) {
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                 _mm512_castps128_ps512(s));
-}
+/* Lane i of the result: s[index[i]] (index < 4). */
+INLINE vf vf_pick(vi index, __m128 s) { return _mm512_permutexvar_ps(index, _mm512_castps128_ps512(s)); }
 #elif defined(__AVXVNNI__) && QL_VL == 8 /* (the float vectors must be as wide as the integer ones) */
 #define QI_BYTES 32
 typedef __m256i vi;
@@ -136,63 +132,98 @@ typedef __m256i vi;
 #define vi_float _mm256_cvtepi32_ps
 #define vi_nibbles(v) _mm256_and_si256(v, _mm256_set1_epi8(15))
 #define vi_high(v) _mm256_srli_epi16(v, 4)
-INLINE vi load_lanes(const uint8_t *row, const int64_t at[2]) {
-    return _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(row + at[1])), _mm_loadu_si128((const __m128i *)(row + at[0])));
+INLINE vi vi_load_first(const uint8_t *p, int64_t bytes) {
+    return _mm256_maskload_epi32((const int *)p, _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(bytes / 4)),
+                                                                    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
-INLINE vf lane_scales(__m128 s) {
-    return _mm256_set_m128(_mm_permute_ps(s, 0x55), _mm_permute_ps(s, 0x00));
-}
+INLINE vf vf_pick(vi index, __m128 s) { return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), index); }
 #else
 #define QI_BYTES 0
 #endif
 #if QI_BYTES
-#define LANES (QI_BYTES / 16)
-#define QI_MR 4 /* register tiles: up to 4 input rows x 3 weight rows (8 bits) or 2 (4 bits: fewer registers */
-#define QI_NR 3 /* left by the wider per-tile state) */
-#define QI_NR4 2
+#define I32_LANES (QI_BYTES / 4)
+#define QI_MR 4       /* register tiles: up to 4 input rows x QI_NR weight rows, or 1 x QI_NR1 */
+#define QI_NR 3
+#define QI_NR1 8
+#define QI_PREFETCH 2 /* one input row: as PREFETCH_TILES, each unit asks for the one this many tiles on */
 
 typedef struct {
     Problem p;
-    const int8_t *xq;  /* [M, row]: 8 bits: x's columns in order; 4 bits: in super-units (see above) */
-    const float *sx;   /* [M] */
-    const float *xs_t; /* [G, M]: sx * the sum of xq over each group */
-    int64_t row;          /* bytes per row of xq */
-    int64_t vb, quads;    /* 4 bits: blocks per virtual group, quads of virtual groups */
-    const int32_t *owner; /* 4 bits: [quads * LANES] the group of each virtual group, -1 past the end */
-    const int32_t *lanes_used; /* 4 bits: [quads] lanes holding a virtual group */
-    int whole;                 /* 4 bits: virtual groups are whole groups */
+    const int8_t *xq;   /* [M, row]: the quantized rows (4 bits: rearranged per unit, see above) */
+    const float *sx;    /* [M] */
+    const float *sums;  /* [M, GP]: S, the sums of xq over each group (zeros past G) */
+    int64_t row, GP;    /* bytes per row of xq; G rounded up to whole float vectors */
+    int64_t units, tail_bytes; /* units per weight row; bytes of its last unit */
+    int64_t span;       /* grouped: units per group (every unit where G is 1); 0 where units span groups */
+    int64_t groups_per_unit;
+    int32_t index[I32_LANES]; /* units spanning groups: lane i's group, counted from the unit's first */
 } Q8;
 
-/* Blocks per virtual group: the largest divisor of the group's blocks that is at most 4. */
-static int64_t virtual_blocks(int64_t group) {
-    const int64_t blocks = group / BLOCK;
-    for (int64_t vb = 4; vb > 1; vb--)
-        if (blocks % vb == 0) return vb;
-    return 1;
+/* Blocks of 32 columns per unit. */
+static inline int64_t blocks_per_unit(int64_t bits) { return QI_BYTES / (bits == 4 ? 16 : 32); }
+
+/* Whether groups of `group` columns (G of them) fit one of the two ways above. */
+int64_t quantized_q8_supported(int64_t G, int64_t group, int64_t bits) {
+    const int64_t per_group = group / BLOCK, per_unit = blocks_per_unit(bits);
+    return group % BLOCK == 0 && (G == 1 || per_group % per_unit == 0 || per_unit % per_group == 0);
 }
 
-static int64_t xq_row_bytes(int64_t Kp, int64_t group, int64_t bits) {
-    if (bits == 8) return Kp;
-    const int64_t vb = virtual_blocks(group), virtual_groups = (Kp / BLOCK + vb - 1) / vb;
-    return (virtual_groups + LANES - 1) / LANES * vb * 2 * QI_BYTES;
+/* Bytes per integer vector. */
+int64_t quantized_q8_unit(void) { return QI_BYTES; }
+
+static int64_t units_of(int64_t Kp, int64_t bits) {
+    const int64_t per_unit = blocks_per_unit(bits);
+    return (Kp / BLOCK + per_unit - 1) / per_unit;
 }
 
-/* m' = the min of w = s * u + m' for the unsigned integers u (see above): the stored min itself;
- * without one, zero for 4 bits and -128 * s for (symmetric) 8 bits. */
+static int64_t xq_row_bytes(int64_t Kp, int64_t bits) { return units_of(Kp, bits) * QI_BYTES * (bits == 4 ? 2 : 1); }
+
+static inline int64_t float_vectors(int64_t G) { return (G + QL_VL - 1) / QL_VL * QL_VL; }
+
+/* m' of w = s * u + m' for the unsigned integers u: the stored min; without one, zero for 4 bits and
+ * -128 * s for (symmetric) 8 bits. */
 static inline float unsigned_min(const Problem *p, int64_t n, int64_t g) {
     if (p->mins) return min_of(p, n, g);
     return p->bits == 4 ? 0.f : -128.f * scale_of(p, n, g);
 }
 
-/* LANES adjacent float16 scales as floats (lanes past LANES zero). */
-INLINE __m128 lane_halves(const uint16_t *row) {
-#if LANES == 4
-    return _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)row));
+/* m'[n, c .. c + QL_VL) as a vector, zeros past G (never read past the row's groups). */
+INLINE vf unsigned_mins(const Problem *p, int64_t n, int64_t c) {
+    const int64_t at = n * p->G + c;
+#if QL_VL == 16
+    const __mmask16 in = p->G - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (p->G - c)) - 1);
+    if (!p->mins) return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, p->scales + at)), vset1(-128.f));
+    if (p->mins_f32) return _mm512_maskz_loadu_ps(in, (const float *)p->mins + at);
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(in, (const uint16_t *)p->mins + at));
 #else
-    int32_t two;
-    memcpy(&two, row, sizeof two);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128(two));
+    if (c + QL_VL <= p->G) {
+        if (p->mins) return p->mins_f32 ? vload((const float *)p->mins + at) : vload_halves((const uint16_t *)p->mins + at);
+        return vfma(vload_halves(p->scales + at), vset1(-128.f), vzero());
+    }
+    float tail[QL_VL] = {0.f};
+    for (int64_t g = c; g < p->G; g++) tail[g - c] = unsigned_min(p, n, g);
+    return vload(tail);
 #endif
+}
+
+/* The scales of the groups unit u of weight row n spans, one per int32 lane (units spanning groups). */
+INLINE vf unit_scales(const Q8 *q, int64_t n, int64_t u, vi index) {
+    const Problem *p = &q->p;
+    const int64_t g0 = u * q->groups_per_unit, count = min64(q->groups_per_unit, p->G - g0);
+    const uint16_t *row = p->scales + n * p->G + g0;
+    __m128 s;
+    if (count == 4) {
+        s = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)row));
+    } else if (count == 2) {
+        int32_t two;
+        memcpy(&two, row, sizeof two);
+        s = _mm_cvtph_ps(_mm_cvtsi32_si128(two));
+    } else { /* (a row's last unit) */
+        float f[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int64_t i = 0; i < count; i++) f[i] = half_to_float(row[i]);
+        s = _mm_loadu_ps(f);
+    }
+    return vf_pick(index, s);
 }
 
 /* xq = round(x / sx) with sx = max|x| / 127 (returned); Kp is a multiple of 8. */
@@ -212,173 +243,175 @@ static float quantize_row(const float *x, int64_t Kp, int8_t *xq) {
     return amax / 127.f;
 }
 
-/* The 4-bit layout of one row of xq (natural order in `in`): for each super-unit (q, j) the low-nibble
- * vector's bytes then the high-nibble vector's, lane L holding columns 0..15 / 16..31 of block
- * (4q + L) * VB + j, or zeros past the last block. */
-static void arrange_row(const int8_t *in, int64_t Kp, int64_t vb, int64_t quads, int8_t *out) {
-    const int64_t blocks = Kp / BLOCK;
-    for (int64_t q = 0; q < quads; q++)
-        for (int64_t j = 0; j < vb; j++) {
-            int8_t *unit = out + (q * vb + j) * 2 * QI_BYTES;
-            for (int64_t lane = 0; lane < LANES; lane++) {
-                const int64_t b = (q * LANES + lane) * vb + j;
-                if (b < blocks) {
-                    memcpy(unit + lane * 16, in + b * BLOCK, 16);
-                    memcpy(unit + QI_BYTES + lane * 16, in + b * BLOCK + 16, 16);
-                } else {
-                    memset(unit + lane * 16, 0, 16);
-                    memset(unit + QI_BYTES + lane * 16, 0, 16);
-                }
+/* One quantized row of Kp columns (natural order in `in`) as the 4-bit units read it (see above). */
+static void arrange_row(const int8_t *in, int64_t Kp, int8_t *out) {
+    const int64_t blocks = Kp / BLOCK, per_unit = blocks_per_unit(4), units = units_of(Kp, 4);
+    for (int64_t u = 0; u < units; u++)
+        for (int64_t lane = 0; lane < per_unit; lane++) {
+            int8_t *low = out + u * 2 * QI_BYTES + lane * 16, *high = low + QI_BYTES;
+            const int64_t b = u * per_unit + lane;
+            if (b < blocks) {
+                memcpy(low, in + b * BLOCK, 16);
+                memcpy(high, in + b * BLOCK + 16, 16);
+            } else {
+                memset(low, 0, 16);
+                memset(high, 0, 16);
             }
         }
 }
 
-/* The tile's outputs: y = sx * dot + sum_g m'[n, g] * Xs[m, g] (+ bias), four weight rows per vector.
- * total[m][n]: the scaled integer sums, lanes still to be added up. The mins' terms are summed over the
- * groups for four input rows at a time (Xs transposed: [G, M], rows m0.. adjacent), then transposed. */
-INLINE void q8_store(const Q8 *q, int64_t m0, int64_t n0, const int MR, const int NR, vf total[QI_MR][QI_NR]) {
-    const Problem *p = &q->p;
-    __m128 off[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
-    for (int64_t g = 0; g < p->G; g++) {
-        const __m128 xv = load_first(q->xs_t + g * p->M + m0, MR);
-        for (int n = 0; n < NR; n++) off[n] = _mm_fmadd_ps(_mm_set1_ps(unsigned_min(p, n0 + n, g)), xv, off[n]);
+/* Unit u of the tile's weight rows times its input rows: into acc (grouped) or, scaled, into total. */
+INLINE void q8_unit(const Q8 *q, int64_t n0, int64_t u, const int LAST, const int8_t *xs, const uint8_t *const *rows, vi index,
+                    vi acc[QI_MR][QI_NR1], vf total[QI_MR][QI_NR1], const int MR, const int NR, const int BITS,
+                    const int GROUPED) {
+    const int64_t stride = BITS == 4 ? q->p.Kp / 2 : q->p.Kp, xstep = BITS == 4 ? 2 * QI_BYTES : QI_BYTES;
+    vi xl[QI_MR], xh[QI_MR];
+    for (int m = 0; m < MR; m++) {
+        xl[m] = vi_load(xs + m * q->row + u * xstep);
+        xh[m] = BITS == 4 ? vi_load(xs + m * q->row + u * xstep + QI_BYTES) : xl[m];
     }
-    _MM_TRANSPOSE4_PS(off[0], off[1], off[2], off[3]); /* now off[m] holds the weight rows n0.. */
-    const __m128 b = load_first(p->bias ? p->bias + n0 : NULL, NR);
+    for (int n = 0; n < NR; n++) {
+        const uint8_t *at = rows[n] + u * QI_BYTES;
+        __builtin_prefetch(at + QI_PREFETCH * NR * stride);
+        const vi w = LAST ? vi_load_first(at, q->tail_bytes) : vi_load(at);
+        const vi low = BITS == 4 ? vi_nibbles(w) : vi_flip(w), high = BITS == 4 ? vi_nibbles(vi_high(w)) : w;
+        if (GROUPED) {
+            for (int m = 0; m < MR; m++) {
+                acc[m][n] = vi_dot(acc[m][n], low, xl[m]);
+                if (BITS == 4) acc[m][n] = vi_dot(acc[m][n], high, xh[m]);
+            }
+        } else {
+            const vf s = unit_scales(q, n0 + n, u, index);
+            for (int m = 0; m < MR; m++) {
+                vi dot = vi_dot(vi_zero(), low, xl[m]);
+                if (BITS == 4) dot = vi_dot(dot, high, xh[m]);
+                total[m][n] = vfma(vi_float(dot), s, total[m][n]);
+            }
+        }
+    }
+}
+
+/* out[m0 .. m0 + MR, n0 .. n0 + NR]. MR, NR, BITS and GROUPED are constants after inlining: the loops
+ * over them unroll and the sums stay in registers. */
+INLINE void q8_tile(const Q8 *q, int64_t m0, int64_t n0, const int MR, const int NR, const int BITS, const int GROUPED) {
+    const Problem *p = &q->p;
+    const int64_t stride = BITS == 4 ? p->Kp / 2 : p->Kp, units = q->units;
+    const uint8_t *rows[QI_NR1];
+    for (int n = 0; n < NR; n++) rows[n] = p->data + (n0 + n) * stride;
+    const int8_t *xs = q->xq + m0 * q->row;
+    const vi index = GROUPED ? vi_zero() : vi_load(q->index);
+    vf total[QI_MR][QI_NR1];
+    for (int m = 0; m < MR; m++)
+        for (int n = 0; n < NR; n++) total[m][n] = vzero();
+    const int64_t span = GROUPED ? q->span : 1;
+    for (int64_t g = 0, u = 0; u < units; g++) {
+        const int64_t last = min64(u + span, units);
+        vi acc[QI_MR][QI_NR1];
+        for (int m = 0; m < MR; m++)
+            for (int n = 0; n < NR; n++) acc[m][n] = vi_zero();
+        for (; u < last && u + 1 < units; u++) q8_unit(q, n0, u, 0, xs, rows, index, acc, total, MR, NR, BITS, GROUPED);
+        if (u < last) q8_unit(q, n0, u++, 1, xs, rows, index, acc, total, MR, NR, BITS, GROUPED); /* (the row's last) */
+        if (GROUPED && p->G > 1)
+            for (int n = 0; n < NR; n++) {
+                const vf s = vset1(scale_of(p, n0 + n, g));
+                for (int m = 0; m < MR; m++) total[m][n] = vfma(vi_float(acc[m][n]), s, total[m][n]);
+            }
+        if (GROUPED && p->G == 1) /* (one group per row: scaled after the horizontal sums, below) */
+            for (int m = 0; m < MR; m++)
+                for (int n = 0; n < NR; n++) total[m][n] = vi_float(acc[m][n]);
+    }
+    const int one = GROUPED && p->G == 1;
+    if ((p->mins || BITS == 8) && !one) /* the mins' terms, m' . S */
+        for (int n = 0; n < NR; n++)
+            for (int64_t c = 0; c < q->GP; c += QL_VL) {
+                const vf mins = unsigned_mins(p, n0 + n, c);
+                for (int m = 0; m < MR; m++) total[m][n] = vfma(mins, vload(q->sums + (m0 + m) * q->GP + c), total[m][n]);
+            }
+    __m128 scale[(QI_NR1 + 3) / 4], mins[(QI_NR1 + 3) / 4]; /* one group per row: 4 weight rows' s and m' */
+    if (one)
+        for (int n = 0; n < NR; n += 4) {
+#define ROW_(f, i) (n + (i) < NR ? f(p, n0 + n + (i), 0) : 0.f)
+            scale[n / 4] = _mm_setr_ps(ROW_(scale_of, 0), ROW_(scale_of, 1), ROW_(scale_of, 2), ROW_(scale_of, 3));
+            mins[n / 4] = _mm_setr_ps(ROW_(unsigned_min, 0), ROW_(unsigned_min, 1), ROW_(unsigned_min, 2), ROW_(unsigned_min, 3));
+#undef ROW_
+        }
     for (int m = 0; m < MR; m++) {
         const vf z = vzero();
-        const __m128 dots = vsum4(total[m][0], NR > 1 ? total[m][1] : z, NR > 2 ? total[m][2] : z, z);
-        const __m128 y = _mm_fmadd_ps(dots, _mm_set1_ps(q->sx[m0 + m]), _mm_add_ps(off[m], b));
-        _mm_maskstore_ps(p->out + (m0 + m) * p->ldo + n0, first_lanes(NR), y);
+        const __m128 sx = _mm_set1_ps(q->sx[m0 + m]);
+        for (int n = 0; n < NR; n += 4) {
+            const int here = NR - n < 4 ? NR - n : 4;
+            __m128 dots = vsum4(total[m][n], here > 1 ? total[m][n + 1] : z, here > 2 ? total[m][n + 2] : z,
+                                here > 3 ? total[m][n + 3] : z);
+            if (one) dots = _mm_fmadd_ps(dots, scale[n / 4], _mm_mul_ps(mins[n / 4], _mm_set1_ps(q->sums[(m0 + m) * q->GP])));
+            const __m128 y = _mm_fmadd_ps(dots, sx, load_first(p->bias ? p->bias + n0 + n : NULL, here));
+            _mm_maskstore_ps(p->out + (m0 + m) * p->ldo + n0 + n, first_lanes(here), y);
+        }
     }
 }
 
-/* 8-bit weights, columns in order: groups of whole vectors. */
-INLINE void q8_tile8(const Q8 *q, int64_t m0, int64_t n0, const int MR, const int NR) {
-    const Problem *p = &q->p;
-    const int64_t units = p->Kp / QI_BYTES, per_group = p->group / QI_BYTES;
-    vf total[QI_MR][QI_NR];
-    for (int m = 0; m < MR; m++)
-        for (int n = 0; n < NR; n++) total[m][n] = vzero();
-    for (int64_t g = 0; g < p->G; g++) {
-        vi acc[QI_MR][QI_NR];
-        for (int m = 0; m < MR; m++)
-            for (int n = 0; n < NR; n++) acc[m][n] = vi_zero();
-        const int64_t last = min64((g + 1) * per_group, units);
-        for (int64_t u = g * per_group; u < last; u++)
-            for (int n = 0; n < NR; n++) {
-                const vi w = vi_flip(vi_load(p->data + (n0 + n) * p->Kp + u * QI_BYTES));
-                for (int m = 0; m < MR; m++)
-                    acc[m][n] = vi_dot(acc[m][n], w, vi_load(q->xq + (m0 + m) * q->row + u * QI_BYTES));
-            }
-        for (int n = 0; n < NR; n++) {
-            const vf s = vset1(scale_of(p, n0 + n, g));
-            for (int m = 0; m < MR; m++) total[m][n] = vfma(vi_float(acc[m][n]), s, total[m][n]);
-        }
+/* One function per (tile shape, bits, grouped): 1 x 1..8, 2..4 x 1..3. */
+#define Q8_FN(MR, NR, BITS, GROUPED)                                                         \
+    static void q8_##MR##_##NR##_##BITS##_##GROUPED(const Q8 *q, int64_t m0, int64_t n0) { \
+        q8_tile(q, m0, n0, MR, NR, BITS, GROUPED);                                          \
     }
-    q8_store(q, m0, n0, MR, NR, total);
-}
-
-/* 4-bit weights: quads of virtual groups, one per lane (see above). */
-INLINE void q8_tile4(const Q8 *q, int64_t m0, int64_t n0, const int MR, const int NR) {
-    const Problem *p = &q->p;
-    const int64_t blocks = p->Kp / BLOCK, vb = q->vb;
-    vf total[QI_MR][QI_NR];
-    for (int m = 0; m < MR; m++)
-        for (int n = 0; n < NR; n++) total[m][n] = vzero();
-    for (int64_t quad = 0; quad < q->quads; quad++) {
-        vi acc[QI_MR][QI_NR];
-        for (int m = 0; m < MR; m++)
-            for (int n = 0; n < NR; n++) acc[m][n] = vi_zero();
-        for (int64_t j = 0; j < vb; j++) {
-            const int8_t *x = q->xq + (quad * vb + j) * 2 * QI_BYTES;
-            int64_t at[LANES]; /* byte offsets of the lanes' blocks; past the end (x is zero there): block 0 */
-            for (int lane = 0; lane < LANES; lane++) {
-                const int64_t b = (quad * LANES + lane) * vb + j;
-                at[lane] = (b < blocks ? b : 0) * (BLOCK / 2);
-            }
-            for (int n = 0; n < NR; n++) {
-                const vi bytes = load_lanes(p->data + (n0 + n) * (p->Kp / 2), at), low = vi_nibbles(bytes), high = vi_nibbles(vi_high(bytes));
-                for (int m = 0; m < MR; m++) {
-                    const int8_t *xm = x + (m0 + m) * q->row;
-                    acc[m][n] = vi_dot(vi_dot(acc[m][n], low, vi_load(xm)), high, vi_load(xm + QI_BYTES));
-                }
-            }
-        }
-        /* The lanes' scales, built in registers (through memory, the store-to-load forwarding stalls):
-         * where every lane holds a whole group, LANES adjacent float16 scales converted at once. */
-        const int32_t *owner = q->owner + quad * LANES;
-        const int adjacent = q->whole && q->lanes_used[quad] == LANES;
-        for (int n = 0; n < NR; n++) {
-            const uint16_t *row = p->scales + (n0 + n) * p->G;
-            const __m128 s = adjacent ? lane_halves(row + quad * LANES)
-                                      : _mm_setr_ps(owner[0] < 0 ? 0.f : half_to_float(row[owner[0]]),
-                                                    owner[1] < 0 ? 0.f : half_to_float(row[owner[1]]),
-                                                    LANES > 2 && owner[2] >= 0 ? half_to_float(row[owner[2]]) : 0.f,
-                                                    LANES > 3 && owner[3] >= 0 ? half_to_float(row[owner[3]]) : 0.f);
-            const vf sv = lane_scales(s);
-            for (int m = 0; m < MR; m++) total[m][n] = vfma(vi_float(acc[m][n]), sv, total[m][n]);
-        }
-    }
-    q8_store(q, m0, n0, MR, NR, total);
-}
-
-#define Q8_FN4(MR, NR) \
-    static void q8_##MR##_##NR##_4(const Q8 *q, int64_t m0, int64_t n0) { q8_tile4(q, m0, n0, MR, NR); }
-#define Q8_FN8(MR, NR) \
-    static void q8_##MR##_##NR##_8(const Q8 *q, int64_t m0, int64_t n0) { q8_tile8(q, m0, n0, MR, NR); }
-Q8_FN4(1, 1) Q8_FN4(1, 2) Q8_FN4(2, 1) Q8_FN4(2, 2) Q8_FN4(3, 1) Q8_FN4(3, 2) Q8_FN4(4, 1) Q8_FN4(4, 2)
-Q8_FN8(1, 1) Q8_FN8(1, 2) Q8_FN8(1, 3) Q8_FN8(2, 1) Q8_FN8(2, 2) Q8_FN8(2, 3)
-Q8_FN8(3, 1) Q8_FN8(3, 2) Q8_FN8(3, 3) Q8_FN8(4, 1) Q8_FN8(4, 2) Q8_FN8(4, 3)
+#define Q8_FNS(BITS, GROUPED)                                                                                    \
+    Q8_FN(1, 1, BITS, GROUPED) Q8_FN(1, 2, BITS, GROUPED) Q8_FN(1, 3, BITS, GROUPED) Q8_FN(1, 4, BITS, GROUPED)  \
+    Q8_FN(1, 5, BITS, GROUPED) Q8_FN(1, 6, BITS, GROUPED) Q8_FN(1, 7, BITS, GROUPED) Q8_FN(1, 8, BITS, GROUPED)  \
+    Q8_FN(2, 1, BITS, GROUPED) Q8_FN(2, 2, BITS, GROUPED) Q8_FN(2, 3, BITS, GROUPED) Q8_FN(3, 1, BITS, GROUPED)  \
+    Q8_FN(3, 2, BITS, GROUPED) Q8_FN(3, 3, BITS, GROUPED) Q8_FN(4, 1, BITS, GROUPED) Q8_FN(4, 2, BITS, GROUPED)  \
+    Q8_FN(4, 3, BITS, GROUPED)
+Q8_FNS(4, 0) Q8_FNS(4, 1) Q8_FNS(8, 0) Q8_FNS(8, 1)
 typedef void (*Q8Fn)(const Q8 *, int64_t, int64_t);
-static const Q8Fn Q8_4[QI_MR][QI_NR] = {{q8_1_1_4, q8_1_2_4}, {q8_2_1_4, q8_2_2_4}, {q8_3_1_4, q8_3_2_4}, {q8_4_1_4, q8_4_2_4}};
-static const Q8Fn Q8_8[QI_MR][QI_NR] = {{q8_1_1_8, q8_1_2_8, q8_1_3_8}, {q8_2_1_8, q8_2_2_8, q8_2_3_8},
-                                        {q8_3_1_8, q8_3_2_8, q8_3_3_8}, {q8_4_1_8, q8_4_2_8, q8_4_3_8}};
+#define Q8_TABLE(BITS, G)                                                                                        \
+    {{q8_1_1_##BITS##_##G, q8_1_2_##BITS##_##G, q8_1_3_##BITS##_##G, q8_1_4_##BITS##_##G, q8_1_5_##BITS##_##G,    \
+      q8_1_6_##BITS##_##G, q8_1_7_##BITS##_##G, q8_1_8_##BITS##_##G},                                            \
+     {q8_2_1_##BITS##_##G, q8_2_2_##BITS##_##G, q8_2_3_##BITS##_##G},                                            \
+     {q8_3_1_##BITS##_##G, q8_3_2_##BITS##_##G, q8_3_3_##BITS##_##G},                                            \
+     {q8_4_1_##BITS##_##G, q8_4_2_##BITS##_##G, q8_4_3_##BITS##_##G}}
+static const Q8Fn Q8_TILES[2][2][QI_MR][QI_NR1] = {{Q8_TABLE(4, 0), Q8_TABLE(4, 1)}, {Q8_TABLE(8, 0), Q8_TABLE(8, 1)}};
 
-static void q8(const Q8 *q, int64_t m0, int64_t n0, int mr, int nr) {
-    (q->p.bits == 4 ? Q8_4 : Q8_8)[mr - 1][nr - 1](q, m0, n0);
-}
-
-/* Bytes per integer vector: for 8 bits, group sizes and Kp must be multiples of it. */
-int64_t quantized_q8_unit(void) { return QI_BYTES; }
-
-/* Floats of workspace quantized_linear_q8_f32 needs: sx, Xs (transposed), the owners table, then the
- * int8 rows. */
+/* Floats of workspace quantized_linear_q8_f32 needs: sx, S, then the int8 rows (natural, then as read). */
 int64_t quantized_q8_workspace(int64_t M, int64_t Kp, int64_t G, int64_t group, int64_t bits) {
-    const int64_t bytes = bits == 4 ? M * (Kp + xq_row_bytes(Kp, group, bits)) : M * Kp;
-    return M + M * G + 2 * (Kp / BLOCK + LANES) + (bytes + 3) / 4;
+    (void)group;
+    const int64_t bytes = M * (Kp + xq_row_bytes(Kp, bits));
+    return M + M * float_vectors(G) + (bytes + 3) / 4 + 16;
 }
 
-/* y = x W^T (+ bias) through int8 activations (see above). workspace: quantized_q8_workspace() floats. */
+/* y = x W^T (+ bias) through int8 activations (see above); the groups must be quantized_q8_supported.
+ * workspace: quantized_q8_workspace() floats. */
 void quantized_linear_q8_f32(const float *x, const uint8_t *data, const uint16_t *scales, const void *mins,
                              const float *bias, float *out, float *workspace, int64_t M, int64_t N, int64_t Kp,
                              int64_t G, int64_t group, int64_t bits, int64_t ldx, int64_t ldo, int64_t num_threads,
                              int64_t mins_f32) {
-    float *sx = workspace, *xs_t = workspace + M;
-    int32_t *owner = (int32_t *)(workspace + M + M * G);
-    int32_t *lanes_used = owner + Kp / BLOCK + LANES;
-    int8_t *natural = (int8_t *)(workspace + M + M * G + 2 * (Kp / BLOCK + LANES)), *xq = natural;
-    const int64_t row = xq_row_bytes(Kp, group, bits), vb = bits == 4 ? virtual_blocks(group) : 1;
-    const int64_t virtual_groups = (Kp / BLOCK + vb - 1) / vb, quads = (virtual_groups + LANES - 1) / LANES;
-    if (bits == 4) {
-        xq = natural + M * Kp; /* the rearranged rows follow the natural ones */
-        for (int64_t v = 0; v < quads * LANES; v++) owner[v] = v < virtual_groups ? (int32_t)(v * vb * BLOCK / group) : -1;
-        for (int64_t quad = 0; quad < quads; quad++) lanes_used[quad] = (int32_t)min64(LANES, virtual_groups - quad * LANES);
-    }
+    const int64_t GP = float_vectors(G), row = xq_row_bytes(Kp, bits), units = units_of(Kp, bits);
+    float *sx = workspace, *sums = workspace + M;
+    int8_t *natural = (int8_t *)(sums + M * GP), *xq = natural + M * Kp;
     for (int64_t m = 0; m < M; m++) {
-        sx[m] = quantize_row(x + m * ldx, Kp, natural + m * Kp);
-        for (int64_t g = 0; g < G; g++) {
+        int8_t *own = natural + m * Kp;
+        sx[m] = quantize_row(x + m * ldx, Kp, own);
+        for (int64_t g = 0; g < GP; g++) {
             int32_t sum = 0;
-            for (int64_t k = g * group; k < min64((g + 1) * group, Kp); k++) sum += natural[m * Kp + k];
-            xs_t[g * M + m] = sx[m] * (float)sum;
+            for (int64_t k = g * group; k < min64((g + 1) * group, Kp); k++) sum += own[k];
+            sums[m * GP + g] = g < G ? (float)sum : 0.f;
         }
-        if (bits == 4) arrange_row(natural + m * Kp, Kp, vb, quads, xq + m * row);
+        if (bits == 4) {
+            arrange_row(own, Kp, xq + m * row);
+        } else {
+            memcpy(xq + m * row, own, Kp);
+            memset(xq + m * row + Kp, 0, row - Kp);
+        }
     }
-    const Q8 q = {{x, NULL, data, scales, mins, bias, out, M, N, Kp, G, group, bits, ldx, ldo, mins_f32}, xq, sx, xs_t, row,
-                  vb, quads, owner, lanes_used, vb * BLOCK == group};
-    /* Strips of 16 tiles, walked one input-row tile at a time: each output row is written in bursts
-     * (see quantized_linear_f32), and the strip's weight rows stay in L1/L2 for all the input rows. */
-    const int64_t nr = bits == 4 ? QI_NR4 : QI_NR, strip = 48, strips = (N + strip - 1) / strip;
+    const int64_t per_unit = blocks_per_unit(bits), per_group = group / BLOCK;
+    const int grouped = G == 1 || per_group % per_unit == 0;
+    Q8 q = {{x, NULL, data, scales, mins, bias, out, M, N, Kp, G, group, bits, ldx, ldo, mins_f32},
+            xq, sx, sums, row, GP, units, (Kp / BLOCK - (units - 1) * per_unit) * (bits == 4 ? 16 : 32),
+            G == 1 ? units : per_group / per_unit, grouped ? 1 : per_unit / per_group, {0}};
+    if (!grouped)
+        for (int i = 0; i < I32_LANES; i++) q.index[i] = (int32_t)(i / (I32_LANES / per_unit) / per_group);
+    const Q8Fn(*tiles)[QI_NR1] = Q8_TILES[bits == 8][grouped];
+    /* Strips of 48 weight rows, walked one input-row tile at a time: each output row is written in bursts,
+     * and the strip's weight rows stay in L1/L2 for all the input rows. */
+    const int64_t nr = M == 1 ? QI_NR1 : QI_NR, strip = 48, strips = (N + strip - 1) / strip;
     if (num_threads > strips) num_threads = strips;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
@@ -386,7 +419,7 @@ void quantized_linear_q8_f32(const float *x, const uint8_t *data, const uint16_t
         const int64_t first = s * strip, last = min64(first + strip, N);
         for (int64_t m0 = 0; m0 < M; m0 += QI_MR)
             for (int64_t n0 = first; n0 < last; n0 += nr)
-                q8(&q, m0, n0, (int)min64(M - m0, QI_MR), (int)min64(last - n0, nr));
+                tiles[min64(M - m0, QI_MR) - 1][min64(last - n0, nr) - 1](&q, m0, n0);
     }
 }
 #endif /* QI_BYTES */

@@ -225,4 +225,8 @@ def test_quantized_weights_decode_fused_as_the_layers_do(tmp_path, kind, int8_ac
         cpu.settings.int8_activations = False  # (the engine set it for the whole process)
     assert check.calls >= 2 * 9 and {1, 5} <= check.batches  # (the fused path really ran)
     assert check.worst < 1e-4
-    assert tokens == layered
+    if not int8_activations:
+        # (With int8 activations a 1-ulp difference between C's and torch's norms can round one activation to
+        # the other side of a step, moving an output by a step's worth: a near-tie between two tokens can
+        # then go either way, so there the per-step check above is the comparison.)
+        assert tokens == layered

@@ -35,11 +35,12 @@ from tests.kernels import isa_variants
 U = 2.0**-24
 
 
-@pytest.fixture(autouse=True)
-def int8_activations_allowed():
-    """This file checks every path of the kernel, the opt-in int8-activation one included."""
-    cpu.settings.int8_activations = True
-    yield
+@pytest.fixture(autouse=True, params=[False, True], ids=["float-activations", "int8-activations"])
+def int8_activations(request):
+    """This file checks every path of the kernel: each test runs with float activations, then with the
+    opt-in int8 ones (which every row count below the oneDNN tiles takes where the CPU has VNNI)."""
+    cpu.settings.int8_activations = request.param
+    yield request.param
     cpu.settings.int8_activations = False
 
 
@@ -219,16 +220,17 @@ def test_quantized_linear_matches_float64(bits, group, k, m, mins):
         _assert_within(y, exact, _kernel_bound(x, packed) if name == "kernel" else _bound(x, packed))
 
 
-@pytest.mark.parametrize("bits,group", [(8, -1), (8, 128), (4, 128)])
-def test_int8_path_computes_with_the_rounded_rows(bits, group):
+@pytest.mark.parametrize("bits,group", [(8, -1), (8, 128), (8, 32), (4, 128), (4, 64), (4, 32)])
+@pytest.mark.parametrize("m", [1, 16])
+def test_int8_path_computes_with_the_rounded_rows(bits, group, m, int8_activations):
     """Exactly the x that int8 activations stand for: sx * round(x / sx) per row (rounded to nearest
     even in float32, as the kernel does), against which only float rounding remains."""
     lib = cpu.load()
-    gen = torch.Generator().manual_seed(bits + group)
+    gen = torch.Generator().manual_seed(bits + group + m)
     packed = _weight(45, 576, bits, group, False, gen)
-    if cpu.path(lib, 16, packed) != "int8":
-        pytest.skip("this CPU has no VNNI: no int8 activations")
-    x = torch.randn(16, 576, generator=gen) * torch.rand(16, 1, generator=gen) * 4
+    if cpu.path(lib, m, packed) != "int8":
+        pytest.skip("int8 activations are off, or this CPU has no VNNI")
+    x = torch.randn(m, 576, generator=gen) * torch.rand(m, 1, generator=gen) * 4
     top = x.abs().amax(dim=1, keepdim=True)
     rounded = torch.round(x * (127.0 / top)) * (top / 127.0)  # float32 throughout, like the kernel
     y = ops.quantized_linear(x, packed)
@@ -236,8 +238,9 @@ def test_int8_path_computes_with_the_rounded_rows(bits, group):
     _assert_within(y, _exact(rounded, packed), float_part)
 
 
-def test_every_path_is_tested():
-    """The shapes above send work down each path the kernel has on this machine."""
+def test_every_path_is_tested(int8_activations):
+    """The shapes above send work down each path the kernel has on this machine: with int8 activations
+    (where the CPU has VNNI) every row count below the oneDNN tiles, every group size, takes them."""
     lib = cpu.load()
     taken = {
         cpu.path(lib, m, _weight(33, k, bits, group, True, torch.Generator().manual_seed(0)))
@@ -246,8 +249,8 @@ def test_every_path_is_tested():
         for k in IN_FEATURES
         for m in ROWS
     }
-    expected = {"fused", "batch", "tiles"} | ({"int8"} if "quantized_linear_q8_f32" in lib else set())
-    assert taken == expected
+    vnni = "quantized_linear_q8_f32" in lib
+    assert taken == ({"int8", "tiles"} if int8_activations and vnni else {"fused", "batch", "tiles"})
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -349,10 +352,22 @@ def test_other_instruction_sets_match_float64(variant_libraries, variant, bits, 
 
 
 def test_int8_activations_are_opt_in():
-    """By default a batch keeps float activations, so a row's result does not depend on its batch."""
     packed = _weight(64, 256, 8, -1, True, torch.Generator().manual_seed(3))
     cpu.settings.int8_activations = False
-    assert cpu.path(cpu.load(), 16, packed) != "int8"
-    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(4))
-    alone = torch.cat([ops.quantized_linear(x[i : i + 1], packed) for i in range(16)])
-    assert torch.allclose(ops.quantized_linear(x, packed), alone, rtol=1e-5, atol=1e-5)
+    assert {cpu.path(cpu.load(), m, packed) for m in (1, 16)} == {"fused", "batch"}
+
+
+@pytest.mark.parametrize("bits,group", [(8, -1), (8, 32), (4, 32), (4, 128)])
+def test_a_row_gives_the_same_bits_in_any_batch(bits, group, int8_activations):
+    """With int8 activations a row is quantized and summed on its own, so its outputs are identical alone
+    and in batches of any size below the oneDNN tiles (float activations: within float rounding)."""
+    gen = torch.Generator().manual_seed(bits * group)
+    packed = _weight(77, 320, bits, group, False, gen)
+    x = torch.randn(40, 320, generator=gen)
+    alone = torch.cat([ops.quantized_linear(x[i : i + 1], packed) for i in range(40)])
+    for size in (2, 5, 16, 40):
+        batched = torch.cat([ops.quantized_linear(x[i : i + size], packed) for i in range(0, 40, size)])
+        if int8_activations and cpu.path(cpu.load(), size, packed) == "int8":
+            assert torch.equal(batched, alone), size
+        else:
+            assert torch.allclose(batched, alone, rtol=1e-5, atol=1e-5), size
