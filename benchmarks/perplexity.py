@@ -14,6 +14,7 @@ logits_all, and its logits go through a float64 log-softmax here.
     python -m benchmarks.perplexity --model gptq=/path/to/checkpoint --model q4k=/path/to/model.gguf
     python -m benchmarks.perplexity --llama-cpp-python .venv-llamacpp/bin/python  # + llama.cpp rows
     python -m benchmarks.perplexity --only float32 int4 --window 512 --stride 256
+    python -m benchmarks.perplexity --int8-activations --tokens 4096   # + int8 and int4 with int8 activations
 
 (Run it with -m from the repository root, or as `python benchmarks/perplexity.py` from there.)
 
@@ -38,6 +39,10 @@ from pathlib import Path
 
 TEXT = Path(__file__).parent / "data" / "persuasion-ch1-6.txt"
 BUILTIN = [("float32", "none"), ("int8", "int8"), ("int4", "int4")]  # (label, --quantization) on the default model
+# --int8-activations: the same weights with int8 activations. Their integer path runs below prefill sizes
+# (kernels/cpu/quantized_matmul.py), so these rows prefill in steps of this many tokens, every one of
+# whose linears then rounds its activations.
+INT8_ACTIVATION_STEP = 64
 
 
 def make_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -56,12 +61,15 @@ def make_windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, i
     return out
 
 
-def pagoda_nll(model: str | None, quantization: str, dtype: str, tokens: list[int], windows) -> tuple[float, int]:
+def pagoda_nll(
+    model: str | None, quantization: str, dtype: str, tokens: list[int], windows, int8_activations: bool = False
+) -> tuple[float, int]:
     """Summed negative log-likelihood of the scored tokens and their count, from an offline LLM."""
     from pagoda.engine_core.llm import LLM
     from pagoda.engine_core.sampling_params import SamplingParams
 
-    llm = LLM(model, quantization=quantization, dtype=dtype)
+    options = {"int8_activations": True, "max_num_batched_tokens": INT8_ACTIVATION_STEP} if int8_activations else {}
+    llm = LLM(model, quantization=quantization, dtype=dtype, **options)
     prompts = [{"prompt_token_ids": tokens[begin:end]} for begin, end, _ in windows]
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -137,6 +145,10 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", metavar="LABEL", help="only these rows (changes need float32)")
     parser.add_argument("--llama-cpp-python", metavar="PYTHON", help="an interpreter that can import llama_cpp")
     parser.add_argument("--gguf", help="the GGUF for the llama.cpp row (default: the default model's Q4_1 GGUF)")
+    parser.add_argument("--tokens", type=int, help="score only the text's first TOKENS tokens (default: all)")
+    parser.add_argument(
+        "--int8-activations", action="store_true", help="also int8 and int4 with int8 activations (needs VNNI)"
+    )
     parser.add_argument("--llama-cpp-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.llama_cpp_worker:
@@ -147,7 +159,7 @@ def main() -> None:
     from pagoda.engine_core.tokenizer import load_tokenizer
 
     model_dir = default_model.ensure_default_model()
-    tokens = load_tokenizer(model_dir).encode(TEXT.read_text(), add_special_tokens=False)
+    tokens = load_tokenizer(model_dir).encode(TEXT.read_text(), add_special_tokens=False)[: args.tokens]
     windows = make_windows(len(tokens), args.window, args.stride)
     extra = parse_models(args.model)
     print(
@@ -157,6 +169,8 @@ def main() -> None:
 
     # (label, engine, model path, --quantization): float32 first, the baseline of every other row.
     rows = [(label, "pagoda", str(model_dir), quantization) for label, quantization in BUILTIN]
+    if args.int8_activations:
+        rows += [(f"{q}, int8 activations", "pagoda-int8-activations", str(model_dir), q) for q in ("int8", "int4")]
     rows += [(label, "pagoda", path, "auto") for label, path in extra]
     python = llama_cpp_python(args.llama_cpp_python)
     with tempfile.TemporaryDirectory(prefix="pagoda-ppl-") as tmp:
@@ -173,7 +187,8 @@ def main() -> None:
             if engine == "llama.cpp":
                 nll, count = llama_cpp_nll(python, path, tokens, windows, args.window)
             else:
-                nll, count = pagoda_nll(path, quantization, args.dtype, tokens, windows)
+                rounded = engine == "pagoda-int8-activations"
+                nll, count = pagoda_nll(path, quantization, args.dtype, tokens, windows, int8_activations=rounded)
             perplexity = math.exp(nll / count)
             if label == "float32":
                 baseline, change = perplexity, "baseline"
