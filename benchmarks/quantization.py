@@ -3,7 +3,7 @@ int8|int4`, and the whole engine (with llama.cpp beside it where llama-cpp-pytho
 
     python -m benchmarks.quantization kernels                # SmolLM2-135M's linear shapes, 1/16/128 rows
     python -m benchmarks.quantization kernels --rows 1 4 16  # other row counts
-    python -m benchmarks.quantization kernels --int8-activations   # the opt-in W8A8 path from 2 rows
+    python -m benchmarks.quantization kernels --no-int8-activations   # float activations at every row count
     python -m benchmarks.quantization kernels --json out.json
     python -m benchmarks.quantization engine --llama-cpp-python .venv-llamacpp/bin/python
 
@@ -295,11 +295,21 @@ def main() -> None:
         "--working-set", type=int, default=256, help="MiB of weight copies each method cycles through (0: one copy)"
     )
     kern.add_argument("--json", type=Path)
-    kern.add_argument("--int8-activations", action="store_true", help="allow the kernel's W8A8 path")
+    kern.add_argument(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the kernel's int8-activation path where the CPU has VNNI (default: on, as the engine)",
+    )
     eng = sub.add_parser("engine", help="the whole engine: fp32 / int8 / int4 / Q4_1 GGUF (+ llama.cpp)")
     eng.add_argument("--threads", type=int, default=2)
     eng.add_argument("--repeats", type=int, default=2)
-    eng.add_argument("--int8-activations", action="store_true", help="allow the kernel's W8A8 path")
+    eng.add_argument(
+        "--int8-activations",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="int8 activations where the CPU has VNNI (default: on, the engine's default)",
+    )
     eng.add_argument("--llama-cpp-python", metavar="PYTHON", help="an interpreter that can import llama_cpp")
     eng.add_argument("--json", type=Path)
     args = parser.parse_args()

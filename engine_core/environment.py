@@ -23,6 +23,7 @@ VARIABLES = {
     "PAGODA_DISABLE_PANEL_LINEAR": "1 = oneDNN's packed weights for CPU float32 linears, not the C panel matmul",
     "PAGODA_DISABLE_FUSED_DECODE": "1 = CPU decode steps run layer by layer in torch, not as one C call per step",
     "PAGODA_DISABLE_AMX": "1 = long prompts' float32 projections on the CPU's vector units, not Intel AMX",
+    "PAGODA_DISABLE_INT8_ACTIVATIONS": "1 = as --no-int8-activations, for every engine of the process and its children",
 }
 
 
@@ -74,7 +75,7 @@ def configure_kernels(int8_activations: bool = False) -> None:
         cpu_kernels=not _flag("PAGODA_DISABLE_CPU_KERNELS"),
         triton=not _flag("PAGODA_DISABLE_TRITON"),
         build_dir=cache_root() / "kernels",
-        int8_activations=int8_activations,
+        int8_activations=int8_activations and not _flag("PAGODA_DISABLE_INT8_ACTIVATIONS"),
         amx=not _flag("PAGODA_DISABLE_AMX"),
     )
 

@@ -94,8 +94,8 @@ def configure(
 ) -> None:
     """Which implementations to use from now on, and where C kernels are built (default: a
     directory per user under the system's temporary directory). `int8_activations`: quantized linears
-    on the CPU may round their input rows to int8 (from 2 rows on, where that is faster): quicker
-    batches, but a request's tokens then depend on what it is batched with. `amx`: the panel linear's
+    on the CPU round their input rows to int8 below prefill sizes, where the CPU has VNNI (faster; the
+    engine turns it on unless told not to, EngineConfig.int8_activations). `amx`: the panel linear's
     bulk rows run on Intel's AMX where the CPU has it (kernels/cpu/amx_matmul.c)."""
     from pagoda.kernels import cpu
 

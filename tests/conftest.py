@@ -15,8 +15,25 @@ from pagoda.engine_core.environment import configure_kernels
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines in tests keep float activations (as --no-int8-activations): most tests compare a quantized
+# engine's greedy tokens with Hugging Face's on the dequantized weights, which only float activations
+# match. The int8 path is tested where a test asks for it (the `int8_activations_on` fixture below, and
+# tests/kernels/test_quantized_linear.py against the rounded rows).
+os.environ.setdefault("PAGODA_DISABLE_INT8_ACTIVATIONS", "1")
+
 # Kernels the tests call directly build where the engine's do (PAGODA_CACHE), not in a temporary directory.
 configure_kernels()
+
+
+@pytest.fixture
+def int8_activations_on(monkeypatch):
+    """Engines made in this test (and servers it starts) round quantized linears' inputs to int8 where the
+    CPU has VNNI, as a user's do by default."""
+    monkeypatch.delenv("PAGODA_DISABLE_INT8_ACTIVATIONS", raising=False)
+    yield
+    from pagoda.kernels import cpu
+
+    cpu.settings.int8_activations = False  # (an engine made in the test set it for the whole process)
 
 
 @pytest.fixture(scope="session")

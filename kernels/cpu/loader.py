@@ -121,8 +121,8 @@ class Settings:
 
     # Where the libraries are built: a directory per user under the system's temporary directory by default.
     build_dir: Path = field(default_factory=lambda: Path(tempfile.gettempdir()) / f"pagoda-kernels-{os.getuid()}")
-    # The quantized linear's "int8" path (quantized_matmul.py) is opt-in: it changes results with the batch a
-    # row is in.
+    # The quantized linear's "int8" path (quantized_matmul.py): off for direct kernel users; the engine turns
+    # it on (EngineConfig.int8_activations).
     int8_activations: bool = False
     # The panel linear's bulk rows may use AMX (panel_matmul.py).
     amx: bool = True

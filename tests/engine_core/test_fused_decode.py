@@ -205,12 +205,14 @@ def _quantized_checkpoint(kind: str, tmp_path) -> tuple[str, dict]:
         pytest.param("ct-tiny-qwen2:w4a16-asym", marks=pytest.mark.slow),
     ],
 )
-def test_quantized_weights_decode_fused_as_the_layers_do(tmp_path, kind, int8_activations):
+def test_quantized_weights_decode_fused_as_the_layers_do(tmp_path, kind, int8_activations, monkeypatch):
     """8- and 4-bit weights of every format run in the C decoder, each projection by the path the
     layer-by-layer forward takes for that batch (one row at a time, register tiles, int8 activations where
     the CPU has VNNI and they are switched on): the same numbers, so the same greedy tokens."""
     from pagoda.kernels import cpu
 
+    if int8_activations:
+        monkeypatch.delenv("PAGODA_DISABLE_INT8_ACTIVATIONS", raising=False)
     model, args = _quantized_checkpoint(kind, tmp_path)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in (5, 12, 17, 30, 9)]

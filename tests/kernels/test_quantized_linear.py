@@ -88,10 +88,17 @@ def _exact(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = No
     return y if bias is None else y + bias.double()
 
 
+def _block_steps(rows: torch.Tensor) -> torch.Tensor:
+    """Each element's int8 step, dx = max|x over its 32-column block| / 127 (the kernel's, Q8_0's)."""
+    k = rows.shape[1]
+    padded = torch.nn.functional.pad(rows.abs(), (0, -k % 32))
+    return (padded.reshape(rows.shape[0], -1, 32).amax(dim=2) / 127).repeat_interleave(32, dim=1)[:, :k]
+
+
 def _int8_bound(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     k = packed.in_features
     rows = x.double().reshape(-1, k)
-    half_step = rows.abs().amax(dim=1, keepdim=True) / 127 / 2
+    half_step = _block_steps(rows) / 2
     w = dequantize(packed).double()
     # The float operations see the unsigned integers (up to 255 for 8 bits) and mins shifted by 128 scales.
     scales = packed.scales.double().abs().repeat_interleave(packed.group_size, dim=1)[:, :k]
@@ -99,7 +106,7 @@ def _int8_bound(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     mins = 0 if offset is None else offset.double().abs().repeat_interleave(packed.group_size, dim=1)[:, :k]
     magnitude = scales * (1 << packed.bits) * 2 + mins
     float_part = 2 * k * U * ((rows.abs() + half_step) @ magnitude.t())
-    return half_step * w.abs().sum(dim=1) + float_part + 1e-30
+    return half_step @ w.abs().t() + float_part + 1e-30
 
 
 def _kernel_bound(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -223,18 +230,18 @@ def test_quantized_linear_matches_float64(bits, group, k, m, mins):
 @pytest.mark.parametrize("bits,group", [(8, -1), (8, 128), (8, 32), (4, 128), (4, 64), (4, 32)])
 @pytest.mark.parametrize("m", [1, 16])
 def test_int8_path_computes_with_the_rounded_rows(bits, group, m, int8_activations):
-    """Exactly the x that int8 activations stand for: sx * round(x / sx) per row (rounded to nearest
-    even in float32, as the kernel does), against which only float rounding remains."""
+    """Exactly the x that int8 activations stand for: dx * round(x / dx) per 32-column block (rounded to
+    nearest even in float32, as the kernel does), against which only float rounding remains."""
     lib = cpu.load()
     gen = torch.Generator().manual_seed(bits + group + m)
     packed = _weight(45, 576, bits, group, False, gen)
     if cpu.path(lib, m, packed) != "int8":
         pytest.skip("int8 activations are off, or this CPU has no VNNI")
     x = torch.randn(m, 576, generator=gen) * torch.rand(m, 1, generator=gen) * 4
-    top = x.abs().amax(dim=1, keepdim=True)
-    rounded = torch.round(x * (127.0 / top)) * (top / 127.0)  # float32 throughout, like the kernel
+    top = x.reshape(m, -1, 32).abs().amax(dim=2, keepdim=True)  # float32 throughout, like the kernel
+    rounded = (torch.round(x.reshape(m, -1, 32) * (127.0 / top)) * (top / 127.0)).reshape(m, -1)
     y = ops.quantized_linear(x, packed)
-    float_part = _int8_bound(x, packed) - (top.double() / 254) * dequantize(packed).double().abs().sum(dim=1)
+    float_part = _int8_bound(x, packed) - (_block_steps(x.double()) / 2) @ dequantize(packed).double().abs().t()
     _assert_within(y, _exact(rounded, packed), float_part)
 
 
