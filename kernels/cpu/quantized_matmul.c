@@ -243,13 +243,14 @@ static void quantize_row(const float *x, int64_t Kp, int8_t *xq, float *dx) {
         __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
         t = _mm_max_ps(t, _mm_movehl_ps(t, t));
         const float amax = _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
-        const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        /* (a block below 127 / FLT_MAX would overflow 127 / amax: it rounds to zeros, off by less than 1e-36) */
+        const __m256 inv = _mm256_set1_ps(amax >= 0x1p-120f ? 127.f / amax : 0.f);
         for (int k = 0; k < BLOCK; k += 8) {
             const __m256i i32 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + k), inv)); /* to nearest */
             const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
             _mm_storel_epi64((__m128i *)(xq + b * BLOCK + k), _mm_packs_epi16(i16, i16));
         }
-        dx[b] = amax / 127.f;
+        dx[b] = amax >= 0x1p-120f ? amax / 127.f : 0.f;
     }
 }
 

@@ -4,8 +4,12 @@ compile nobody waits for any more is cancelled (its worker process killed)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +145,38 @@ def test_compiles_nobody_waits_for_are_cancelled(pool_llm):
     # The workers' successors compile what comes next.
     out = pool_llm.generate("Number:", spec_params(8, regex="[0-9]{2}"), use_tqdm=False)[0].outputs[0]
     assert re.fullmatch("[0-9]{2}", out.text)
+
+
+def _children_named(name: str) -> list[int]:
+    own = str(os.getpid())
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                status = dict(
+                    line.split(":\t", 1) for line in (entry / "status").read_text().splitlines() if ":\t" in line
+                )
+                if status.get("PPid", "").strip() == own and status.get("Name", "").strip() == name:
+                    found.append(int(entry.name))
+    return found
+
+
+def test_workers_of_an_engine_that_ignores_sigterm_still_die_with_it(default_model_dir):
+    """Under `pagoda serve` the engine ignores SIGTERM (its parent decides when it stops), and an ignored
+    signal is inherited across exec: the compile workers must undo that, or their parent-death SIGTERM
+    never arrives and they outlive a kill -9 of the engine."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        llm = LLM(str(default_model_dir), kv_cache_memory="64MiB", structured_output_compile_workers=1)
+        try:
+            llm.generate(["Pick one:"], spec_params(choice=["yes", "no"]), use_tqdm=False)
+            workers = _children_named("pagoda-grammar")
+            assert workers
+            for pid in workers:
+                status = (Path("/proc") / str(pid) / "status").read_text()
+                ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
+                assert not ignored & (1 << (signal.SIGTERM - 1)), f"worker {pid} ignores SIGTERM"
+        finally:
+            llm.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
