@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import struct
 import sys
 import threading
@@ -113,7 +114,9 @@ def main() -> int:
     from pagoda.engine_core.lifecycle import die_with_parent, name_process
 
     name_process("pagoda-grammar")
-    die_with_parent()
+    # SIGKILL: it holds nothing to clean up, and it inherits the engine's ignored SIGTERM under `pagoda
+    # serve` (so a SIGTERM to the process group leaves its compiles running while the server drains).
+    die_with_parent(signal.SIGKILL)
     requests, replies = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     init = read_frame(requests)

@@ -113,22 +113,18 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def die_with_parent() -> None:
-    """SIGTERM this process when its parent dies (Linux), then re-check for the race before arming.
-
-    An ignored signal stays ignored across fork and exec, and an engine under `pagoda serve` ignores
-    SIGTERM (its parent decides when it stops): without the reset below, the grammar workers it starts
-    never got their parent-death signal and outlived a kill -9 until they next read their pipe (seconds
-    on a loaded machine). A process that wants SIGTERM ignored says so after this call, as the engine does."""
-    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def die_with_parent(signum: int = signal.SIGTERM) -> None:
+    """`signum` to this process when its parent dies (Linux), then re-check for the race before arming.
+    A process with nothing to clean up can ask for SIGKILL, which no inherited disposition stops: an
+    ignored signal stays ignored across fork and exec, and an engine under `pagoda serve` ignores SIGTERM
+    (its parent decides when it stops)."""
     parent = os.getppid()
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
     except (OSError, AttributeError):
         return
     if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
 
 class ParentLink:

@@ -5,9 +5,10 @@ compile nobody waits for any more is cancelled (its worker process killed)."""
 from __future__ import annotations
 
 import contextlib
-import os
+import json
 import re
-import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -147,36 +148,53 @@ def test_compiles_nobody_waits_for_are_cancelled(pool_llm):
     assert re.fullmatch("[0-9]{2}", out.text)
 
 
-def _children_named(name: str) -> list[int]:
-    own = str(os.getpid())
+def _children_named(parent: int, name: str) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                status = dict(
-                    line.split(":\t", 1) for line in (entry / "status").read_text().splitlines() if ":\t" in line
-                )
-                if status.get("PPid", "").strip() == own and status.get("Name", "").strip() == name:
+                lines = (entry / "status").read_text().splitlines()
+                status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+                if status.get("PPid", "").strip() == str(parent) and status.get("Name", "").strip() == name:
                     found.append(int(entry.name))
     return found
 
 
-def test_workers_of_an_engine_that_ignores_sigterm_still_die_with_it(default_model_dir):
+_ENGINE_IGNORING_SIGTERM = """
+import json, signal, sys, threading, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as an engine under `pagoda serve` does
+from pagoda.engine_core import LLM, SamplingParams, StructuredOutputsParams
+llm = LLM(sys.argv[1], kv_cache_memory="64MiB", structured_output_compile_workers=1,
+          structured_output_compile_timeout=None, structured_output_max_properties=4000,
+          structured_output_max_bytes=256 * 1024)
+slow = StructuredOutputsParams(json=json.loads(sys.argv[2]))  # a compile of minutes
+threading.Thread(target=llm.generate, args=(["{"], SamplingParams(max_tokens=2, structured_outputs=slow)),
+                 kwargs={"use_tqdm": False}, daemon=True).start()
+time.sleep(2)
+print("compiling", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_workers_of_an_engine_that_ignores_sigterm_die_with_it(default_model_dir):
     """Under `pagoda serve` the engine ignores SIGTERM (its parent decides when it stops), and an ignored
-    signal is inherited across exec: the compile workers must undo that, or their parent-death SIGTERM
-    never arrives and they outlive a kill -9 of the engine."""
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal is inherited across exec: a compile worker's parent-death signal must still end it at once when
+    the engine is killed, even in the middle of a compile (it was SIGTERM, ignored, and a worker lived on
+    until its compile ended and it read its pipe)."""
+    engine = subprocess.Popen(
+        [sys.executable, "-c", _ENGINE_IGNORING_SIGTERM, str(default_model_dir), json.dumps(slow_schema("s"))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        llm = LLM(str(default_model_dir), kv_cache_memory="64MiB", structured_output_compile_workers=1)
-        try:
-            llm.generate(["Pick one:"], spec_params(choice=["yes", "no"]), use_tqdm=False)
-            workers = _children_named("pagoda-grammar")
-            assert workers
-            for pid in workers:
-                status = (Path("/proc") / str(pid) / "status").read_text()
-                ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
-                assert not ignored & (1 << (signal.SIGTERM - 1)), f"worker {pid} ignores SIGTERM"
-        finally:
-            llm.close()
+        assert engine.stdout is not None and engine.stdout.readline().strip() == "compiling"
+        workers = _children_named(engine.pid, "pagoda-grammar")
+        assert workers
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        engine.kill()
+        engine.wait()
+    deadline = time.monotonic() + 2.0
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]
