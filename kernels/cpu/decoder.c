@@ -48,9 +48,9 @@ typedef struct {
     const void *mins;       /* float16 or (mins_f32) float32 [N, G], or NULL */
     int64_t groups, group, bits, mins_f32;
     /* Which quantized path a batch of M rows takes (quantized_matmul.py `RowPlan`, the layer-by-layer
-     * forward's choice): int8 activations for int8_from <= M < int8_until, else register tiles from
-     * batch_from rows on, else one row at a time. */
-    int64_t int8_from, int8_until, batch_from;
+     * forward's choice; the decoder runs only below its oneDNN tiles): int8 activations where int8 is set,
+     * else register tiles from batch_from rows on, else one row at a time. */
+    int64_t int8, batch_from;
 } Weight;
 
 /* One decoder layer's weights and KV cache. */
@@ -104,7 +104,7 @@ static void project(const Model *m, const Weight *w, const float *x, const float
                     int64_t K, int64_t N, int64_t threads, float *workspace) {
     if (w->scales == NULL) {
         m->linear(x, (const float *)w->data, bias, y, M, K, N, threads);
-    } else if (M >= w->int8_from && M < w->int8_until && m->quantized_q8 != NULL) {
+    } else if (w->int8 && m->quantized_q8 != NULL) {
         m->quantized_q8(x, (const uint8_t *)w->data, w->scales, w->mins, bias, y, workspace, M, N, K, w->groups,
                         w->group, w->bits, K, N, threads, w->mins_f32);
     } else {

@@ -30,7 +30,7 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 class _Weight(ctypes.Structure):
     _fields_ = [
         *((name, _P) for name in ("data", "scales", "mins")),
-        *((name, _I64) for name in ("groups", "group", "bits", "mins_f32", "int8_from", "int8_until", "batch_from")),
+        *((name, _I64) for name in ("groups", "group", "bits", "mins_f32", "int8", "batch_from")),
     ]
 
 
@@ -130,8 +130,7 @@ def _weight(lib, w: Projection) -> _Weight:
         group=w.group_size,
         bits=w.bits,
         mins_f32=mins_in_float32(w),
-        int8_from=plan.int8_from,
-        int8_until=plan.int8_until,
+        int8=int(plan.int8),
         batch_from=plan.batch_from,
     )
 

@@ -73,9 +73,8 @@ _SIGNATURES = {
     "quantized_linear_f32": [_POINTER] * 7 + [_I64] * 11,
     "quantized_dequantize_f32": [_POINTER] * 4 + [_I64] * 9,
     "quantized_linear_q8_f32": [_POINTER] * 7 + [_I64] * 10,  # only where the CPU has VNNI
-    "quantized_q8_unit": [],
     "quantized_q8_supported": [_I64] * 3,
-    "quantized_q8_workspace": [_I64] * 5,
+    "quantized_q8_workspace": [_I64] * 4,
     "quantized_batch_workspace": [_I64] * 3,
     "panel_linear_f32": [_POINTER] * 4 + [_I64] * 4,
     "amx_linear_f32": [_POINTER] * 4 + [_I64] * 4,
@@ -103,7 +102,6 @@ _RESULTS = {
     "varlen_attention_workspace": _I64,
     "paged_prefill_attention_f32": ctypes.c_int,
     "decoder_scratch_floats": _I64,
-    "quantized_q8_unit": _I64,
     "quantized_q8_supported": _I64,
     "quantized_q8_workspace": _I64,
     "quantized_batch_workspace": _I64,

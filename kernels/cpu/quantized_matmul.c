@@ -363,15 +363,11 @@ typedef void (*Q8Fn)(const Q8 *, int64_t, int64_t);
 static const Q8Fn Q8_TILES[2][3][QI_MR][QI_NR1] = {{Q8_TABLE(4, 0), Q8_TABLE(4, 1), Q8_TABLE(4, 2)},
                                                    {Q8_TABLE(8, 0), Q8_TABLE(8, 1), Q8_TABLE(8, 2)}};
 
-/* Bytes per integer vector. */
-int64_t quantized_q8_unit(void) { return QI_BYTES; }
-
 /* Floats of workspace quantized_linear_q8_f32 needs: the lanes' dx, X, the blocks' dx, then the int8 rows
  * (natural, then as read). */
-int64_t quantized_q8_workspace(int64_t M, int64_t Kp, int64_t G, int64_t group, int64_t bits) {
-    (void)group;
+int64_t quantized_q8_workspace(int64_t M, int64_t Kp, int64_t G, int64_t bits) {
     const int64_t bytes = M * (Kp + xq_row_bytes(Kp, bits));
-    return M * units_of(Kp, bits) * I32_LANES + M * float_vectors(G) + M * (Kp / BLOCK) + (bytes + 3) / 4 + 16;
+    return M * units_of(Kp, bits) * I32_LANES + M * float_vectors(G) + M * (Kp / BLOCK) + (bytes + 3) / 4;
 }
 
 /* y = x W^T (+ bias) through int8 activations (see above); the groups must be quantized_q8_supported.

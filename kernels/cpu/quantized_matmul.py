@@ -21,12 +21,12 @@ from pagoda.kernels.quantized import PackedWeight, reference_linear
 #   fp32 for 8-bit weights (per channel: scaled once per output) and 0.95-1.15x for 4-bit groups of 32;
 #   up to 64-128 rows it still beats dequantizing for oneDNN;
 # - "int8" (where the CPU has VNNI and `settings.int8_activations` is on), every row count below "tiles":
-#   input rows quantized to int8 per row, integer dot products (one VNNI instruction does 4x a float FMA's
-#   multiply-adds, and no weight is widened to a float). A row's result depends on that row alone, so a
-#   request's tokens do not depend on what it is batched with. Measured against the float paths in the same
-#   run (one thread, 2-core AMD EPYC with AVX-512 VNNI, 2026-12-07, K = 576 and 49152 rows, weights in
-#   L2 / streamed): 8-bit per channel at 16 rows 2.2x "batch", at one row 1.9x "fused"; 4-bit in groups of
-#   32 at 16 rows 1.4x, at one row 1.3-1.6x;
+#   input rows quantized to int8 per 32-column block, integer dot products (one VNNI instruction does 4x a
+#   float FMA's multiply-adds, and no weight is widened to a float). A row's result depends on that row
+#   alone. Against the float paths in the same run (2 threads, weights streamed from memory, 2-core AMD EPYC
+#   with AVX-512 VNNI, 2026-12-07, SmolLM2's shapes): 4-bit in groups of 32 at one row 1.1-1.8x "fused",
+#   at 16 rows 1.1-1.5x "batch"; 8-bit per channel at one row 0.9-1.1x (already near the memory's speed),
+#   at 16 rows 1.2-1.6x;
 # - "tiles" (prefill, from _ONEDNN_ROWS): _TILE_FLOATS of dequantized weight at a time, multiplied by
 #   oneDNN (this machine's fastest float32 matmul, 2x MKL's here) into the output columns of that tile:
 #   its cache blocking wins once the input rows no longer fit the caches beside the weight tile.
@@ -54,12 +54,11 @@ def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
 @dataclass(frozen=True)
 class RowPlan:
     """Which path each row count takes through one packed weight (see the list above): oneDNN tiles from
-    `tiles_from` rows on, else int8 activations for `int8_from <= rows < int8_until` (never where they are
-    equal), register tiles ("batch") from `batch_from`, and below that one row at a time ("fused"). The fused
-    decode step (decoder.py) follows the same plan, so both compute the same numbers."""
+    `tiles_from` rows on, else int8 activations at every row count where `int8`, else register tiles
+    ("batch") from `batch_from`, and below that one row at a time ("fused"). The fused decode step
+    (decoder.py) follows the same plan, so both compute the same numbers."""
 
-    int8_from: int
-    int8_until: int
+    int8: bool
     batch_from: int
     tiles_from: int
 
@@ -67,17 +66,13 @@ class RowPlan:
         """ "fused", "batch", "int8" or "tiles"."""
         if rows >= self.tiles_from:
             return "tiles"
-        if self.int8_from <= rows < self.int8_until:
+        if self.int8:
             return "int8"
         return "fused" if rows < self.batch_from else "batch"
 
 
-_NEVER = 1 << 62
-
-
 def row_plan(lib, packed: PackedWeight) -> RowPlan:
-    int8_from = 1 if _int8_activations_pay(lib, packed) else _NEVER
-    return RowPlan(int8_from, _NEVER, _BATCH_ROWS[packed.bits], _ONEDNN_ROWS[packed.bits])
+    return RowPlan(_int8_activations_pay(lib, packed), _BATCH_ROWS[packed.bits], _ONEDNN_ROWS[packed.bits])
 
 
 def path(lib, rows: int, packed: PackedWeight) -> str:
@@ -88,9 +83,7 @@ def path(lib, rows: int, packed: PackedWeight) -> str:
 def workspace_floats(lib, way: str, rows: int, packed: PackedWeight, threads: int) -> int:
     """Floats of workspace `rows` input rows need through `packed` on C path `way` ("fused", "batch", "int8")."""
     if way == "int8":
-        return lib["quantized_q8_workspace"](
-            rows, packed.padded_in_features, packed.num_groups, packed.group_size, packed.bits
-        )
+        return lib["quantized_q8_workspace"](rows, packed.padded_in_features, packed.num_groups, packed.bits)
     if way == "batch":
         return lib["quantized_batch_workspace"](rows, packed.num_groups, threads)
     return rows * packed.num_groups

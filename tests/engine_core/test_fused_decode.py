@@ -205,26 +205,21 @@ def _quantized_checkpoint(kind: str, tmp_path) -> tuple[str, dict]:
         pytest.param("ct-tiny-qwen2:w4a16-asym", marks=pytest.mark.slow),
     ],
 )
-def test_quantized_weights_decode_fused_as_the_layers_do(tmp_path, kind, int8_activations, monkeypatch):
+def test_quantized_weights_decode_fused_as_the_layers_do(tmp_path, kind, int8_activations, request):
     """8- and 4-bit weights of every format run in the C decoder, each projection by the path the
     layer-by-layer forward takes for that batch (one row at a time, register tiles, int8 activations where
     the CPU has VNNI and they are switched on): the same numbers, so the same greedy tokens."""
-    from pagoda.kernels import cpu
-
     if int8_activations:
-        monkeypatch.delenv("PAGODA_DISABLE_INT8_ACTIVATIONS", raising=False)
+        request.getfixturevalue("int8_activations_on")
     model, args = _quantized_checkpoint(kind, tmp_path)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in (5, 12, 17, 30, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    try:
-        engine = _engine(model, int8_activations=int8_activations, **args)
-        with LayeredCheck(engine.runner.model) as check:
-            tokens = run_engine(engine, prompts[:1], params) + run_engine(engine, prompts, params)
-        engine.runner.model.fused_decode.enabled = False
-        layered = run_engine(engine, prompts[:1], params) + run_engine(engine, prompts, params)
-    finally:
-        cpu.settings.int8_activations = False  # (the engine set it for the whole process)
+    engine = _engine(model, int8_activations=int8_activations, **args)
+    with LayeredCheck(engine.runner.model) as check:
+        tokens = run_engine(engine, prompts[:1], params) + run_engine(engine, prompts, params)
+    engine.runner.model.fused_decode.enabled = False
+    layered = run_engine(engine, prompts[:1], params) + run_engine(engine, prompts, params)
     assert check.calls >= 2 * 9 and {1, 5} <= check.batches  # (the fused path really ran)
     assert check.worst < 1e-4
     if not int8_activations:
