@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from pagoda.engine_core.environment import configure_kernels
+from pagoda.engine_core.environment import cache_root, configure_kernels
 
 # Without a GPU, Triton kernels run on the CPU through Triton's interpreter. `@triton.jit` picks the
 # interpreter when it decorates, so this must be set before any test module imports a kernel.
@@ -73,3 +77,17 @@ def cli_main():
         if handler not in before and type(handler) is logging.StreamHandler:
             root.removeHandler(handler)
     root.setLevel(level)
+
+
+def pytest_unconfigure(config):
+    """The free disk where the suite writes, as the output's last line (also after an internal error): a disk
+    that fills up fails every later test that writes a file, then pytest itself, with errors that do not
+    say why."""
+    free = [f"{_free_gib(where):.1f} GiB free under {where}" for where in (Path(tempfile.gettempdir()), cache_root())]
+    sys.stderr.write("disk: " + ", ".join(free) + "\n")
+
+
+def _free_gib(path: Path) -> float:
+    while not path.is_dir():  # (the cache may not exist yet: its nearest existing folder's disk)
+        path = path.parent
+    return shutil.disk_usage(path).free / 2**30

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -95,15 +96,19 @@ def _files(folder: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def venv(dist, tmp_path_factory) -> Path:
-    """A new venv (no system site-packages) with the CPU torch, then the wheel and its dependencies."""
+def venv(dist, tmp_path_factory) -> Iterator[Path]:
+    """A new venv (no system site-packages) with the CPU torch, then the wheel and its dependencies; removed
+    after the module (about 3 GB, which the rest of the suite's disk needs more)."""
     where = tmp_path_factory.mktemp("wheel-venv") / "venv"
-    _run([sys.executable, "-m", "venv", str(where)], timeout=300)
-    assert "include-system-site-packages = false" in (where / "pyvenv.cfg").read_text()
-    pip = [str(where / "bin" / "python"), "-m", "pip", "install", "-q"]
-    _run([*pip, _torch_pin()], timeout=900)
-    _run([*pip, str(_wheel(dist)), _torch_pin()], timeout=900)
-    return where
+    try:
+        _run([sys.executable, "-m", "venv", str(where)], timeout=300)
+        assert "include-system-site-packages = false" in (where / "pyvenv.cfg").read_text()
+        pip = [str(where / "bin" / "python"), "-m", "pip", "install", "-q"]
+        _run([*pip, _torch_pin()], timeout=900)
+        _run([*pip, str(_wheel(dist)), _torch_pin()], timeout=900)
+        yield where
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 def _environment(venv: Path, home: Path) -> dict[str, str]:
