@@ -248,7 +248,7 @@ class GrammarCompilePool:
         """Start the worker's process and wait until it can compile."""
         backend = self._backend()
         process = subprocess.Popen(
-            [sys.executable, "-m", "pagoda.engine_core.grammar_worker"],
+            [sys.executable, "-m", "pagoda.engine_core.grammar_worker", str(os.getpid())],  # (its parent)
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )

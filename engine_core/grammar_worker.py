@@ -116,7 +116,7 @@ def main() -> int:
     name_process("pagoda-grammar")
     # SIGKILL: it holds nothing to clean up, and it inherits the engine's ignored SIGTERM under `pagoda
     # serve` (so a SIGTERM to the process group leaves its compiles running while the server drains).
-    die_with_parent(signal.SIGKILL)
+    die_with_parent(signal.SIGKILL, parent=int(sys.argv[1]) if len(sys.argv) > 1 else None)
     requests, replies = sys.stdin.fileno(), os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     init = read_frame(requests)

@@ -13,6 +13,7 @@ import ctypes
 import enum
 import gc
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -87,7 +88,8 @@ def init_child_process(name: str, title: str) -> None:
     parent."""
     name_process(name, title)
     configure_logging(log_settings()[0])
-    die_with_parent()
+    started_by = multiprocessing.parent_process()  # (the process that started this one: spawn records it)
+    die_with_parent(parent=started_by.pid if started_by is not None else None)
 
 
 def name_process(name: str, title: str | None = None) -> None:
@@ -113,12 +115,14 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def die_with_parent(signum: int = signal.SIGTERM) -> None:
-    """`signum` to this process when its parent dies (Linux), then re-check for the race before arming.
-    A process with nothing to clean up can ask for SIGKILL, which no inherited disposition stops: an
-    ignored signal stays ignored across fork and exec, and an engine under `pagoda serve` ignores SIGTERM
-    (its parent decides when it stops)."""
-    parent = os.getppid()
+def die_with_parent(signum: int = signal.SIGTERM, parent: int | None = None) -> None:
+    """`signum` to this process when its parent dies (Linux); where `parent` (the pid that started this
+    process) is gone already, at once. A process with nothing to clean up can ask for SIGKILL, which no
+    inherited disposition stops: an ignored signal stays ignored across fork and exec, and an engine under
+    `pagoda serve` ignores SIGTERM (its parent decides when it stops). Without `parent`, only a parent that
+    dies while this call runs is noticed: one that died during this process's imports has already handed it
+    to another (init or a subreaper), whose pid os.getppid() then returns."""
+    parent = os.getppid() if parent is None else parent
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
     except (OSError, AttributeError):
