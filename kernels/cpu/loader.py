@@ -83,7 +83,8 @@ _SIGNATURES = {
     "silu_and_mul_f32": [_POINTER] * 2 + [_I64] * 3,
     "argmax_rows_f32": [_POINTER] * 2 + [_I64] * 4,
     "moe_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 7 + [_I64] * 3,
-    "moe_quantized_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 13 + [_I64] * 3,
+    "moe_quantized_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 14 + [_I64] * 3,
+    "moe_q8_workspace": [_I64] * 7,  # only where the CPU has VNNI
     "moe_mxfp4_f32": [_POINTER] * 5 + [_I64] + [_POINTER] * 9 + [_I64] * 3,
     "moe_workspace": [_I64] * 9,
     "mxfp4_dequantize_f32": [_POINTER] * 3 + [_I64] * 2,
@@ -106,6 +107,7 @@ _RESULTS = {
     "quantized_q8_workspace": _I64,
     "quantized_batch_workspace": _I64,
     "moe_workspace": _I64,
+    "moe_q8_workspace": _I64,
     "moe_f32": ctypes.c_int,
     "moe_quantized_f32": ctypes.c_int,
     "moe_mxfp4_f32": ctypes.c_int,

@@ -17,6 +17,10 @@
  * before the activation, down's before the routing weight, as the reference adds them), and the clamped
  * SwiGLU (layer_math.h) in place of SiLU-and-mul.
  *
+ * Quantized experts may take int8 activations (where the CPU has VNNI and the caller passes their
+ * workspace): each pair's row is quantized per 32 columns, before gate/up and again before down, and the
+ * dense linear's integer tiles (quantized_q8_tiles.h) multiply it, as llama.cpp multiplies its experts.
+ *
  * Work: the pairs' rows are gathered into one array (an expert's pairs adjacent), then the threads share out
  * items of (block of one expert's rows x 32 output columns), for gate/up and again for down. A block is all
  * of an expert's rows but in a long prefill (then ~1 MiB of them, kept in L2 while the expert's tiles pass
@@ -30,7 +34,7 @@
 #include "layer_math.h"
 #include "mxfp4_tiles.h"
 #include "panel_tiles.h"
-#include "quantized_tiles.h"
+#include "quantized_q8_tiles.h"
 
 #define ITEM_COLS 32 /* output columns per work item: a panel tile (TILE_COLS), a quantized chunk (BATCH_COLS) */
 #define SCATTER_COLS 64 /* output columns per thread's share of the weighted sum */
@@ -123,10 +127,25 @@ static void mxfp4_item(const Experts *w, int64_t e, const float *x, int64_t coun
     mxfp4_chunk(&p, n0, width);
 }
 
+#if QI_BYTES
+/* The item's rows (from pair `start` of `all`, the pairs' int8 rows) times weight rows [n0, n0 + width) of
+ * expert e's quantized matrix, through int8 activations. */
+static void q8_item(const Experts *w, int64_t e, const Q8 *all, int64_t start, int64_t count, float *y, int64_t ldy,
+                    int64_t n0, int64_t width) {
+    const int64_t per_row = w->bits == 4 ? w->Kp / 2 : w->Kp, groups = w->N * w->G;
+    Q8 q = q8_rows_from(all, start);
+    q.p.data = w->data + e * w->N * per_row, q.p.scales = w->scales + e * groups;
+    q.p.mins = w->mins == NULL ? NULL : (const char *)w->mins + e * groups * (w->mins_f32 ? 4 : 2);
+    q.p.bias = bias_of(w, e), q.p.out = y, q.p.ldo = ldy, q.p.M = count, q.p.N = w->N, q.p.mins_f32 = w->mins_f32;
+    q8_columns(&q, count, n0, n0 + width);
+}
+#endif
+
 /* y[pairs, N] (row stride ldy) = each pair's row of x (row stride row_stride(w)) times its expert's matrix,
- * shared out over the threads of the enclosing parallel region by (block, column tile). */
-static void project(const Experts *w, const Blocks *b, const float *x, const float *xsums, float *y, int64_t ldy,
-                    float *buffers, int64_t per_thread) {
+ * shared out over the threads of the enclosing parallel region by (block, column tile). `q8`: the pairs'
+ * int8 rows (quantized experts through int8 activations), or NULL. */
+static void project(const Experts *w, const Blocks *b, const float *x, const float *xsums, const void *q8, float *y,
+                    int64_t ldy, float *buffers, int64_t per_thread) {
     const int64_t tiles = (w->N + ITEM_COLS - 1) / ITEM_COLS, ldx = row_stride(w);
     float *buffer = buffers + (int64_t)omp_get_thread_num() * per_thread;
 #pragma omp for schedule(static)
@@ -137,6 +156,10 @@ static void project(const Experts *w, const Blocks *b, const float *x, const flo
             panel_item(w, b->expert[i], x + start * ldx, count, y + start * ldy, ldy, n0, width);
         else if (w->mx_blocks != NULL)
             mxfp4_item(w, b->expert[i], x + start * ldx, count, y + start * ldy, ldy, n0, width);
+#if QI_BYTES
+        else if (q8 != NULL)
+            q8_item(w, b->expert[i], q8, start, count, y + start * ldy, ldy, n0, width);
+#endif
         else
             quantized_item(w, b->expert[i], x + start * ldx, xsums + start * w->G, count, y + start * ldy, ldy, n0,
                            width, buffer);
@@ -179,10 +202,20 @@ static void activate(const float *gate_up, float *out, int64_t I, const float *s
         clamped_swiglu_row(gate_up, out, I, swiglu[0], swiglu[1]);
 }
 
-/* 0 where there is no memory for the blocks (nothing computed). */
+/* Pair p's row (as put_row left it) into the pairs' int8 rows `q8` (a Q8; NULL: float activations). */
+static void quantize_pair(const void *q8, const float *row, int64_t p) {
+#if QI_BYTES
+    if (q8 != NULL) q8_quantize_row(q8, row, p);
+#else
+    (void)q8, (void)row, (void)p;
+#endif
+}
+
+/* 0 where there is no memory for the blocks (nothing computed). `q8_workspace`: quantized experts' int8
+ * activations (moe_q8_workspace floats), or NULL for float activations. */
 static int run(const float *hidden, const int64_t *tokens, const float *weights, const int64_t *experts,
                const int64_t *counts, int64_t active, const Experts *w13, const Experts *w2, const float *swiglu,
-               float *out, float *workspace, int64_t H, int64_t I, int64_t threads) {
+               float *out, float *workspace, float *q8_workspace, int64_t H, int64_t I, int64_t threads) {
     int64_t pairs = 0, most = 0;
     for (int64_t a = 0; a < active; a++) pairs += counts[a], most = counts[a] > most ? counts[a] : most;
     Blocks b13, b2;
@@ -193,18 +226,31 @@ static int run(const float *hidden, const int64_t *tokens, const float *weights,
     float *x = workspace, *gate_up = x + pairs * ld1, *act = gate_up + pairs * 2 * I, *y = act + pairs * ld2;
     float *sums13 = y + pairs * H, *sums2 = sums13 + pairs * G13, *buffers = sums2 + pairs * G2;
     const int64_t per_thread = most * BATCH_COLS + 2 * BATCH_COLS * G;
+    const void *q8_13 = NULL, *q8_2 = NULL; /* (the pairs' int8 rows for each projection) */
+#if QI_BYTES
+    Q8 q13, q2;
+    if (q8_workspace != NULL) {
+        q13 = q8_layout(pairs, ld1, w13->G, w13->group, w13->bits, q8_workspace);
+        q2 = q8_layout(pairs, ld2, w2->G, w2->group, w2->bits, q8_workspace + q8_floats(pairs, ld1, w13->G, w13->bits));
+        q8_13 = &q13, q8_2 = &q2;
+    }
+#endif
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) put_row(w13, hidden + tokens[p] * H, H, x + p * ld1, sums13 + p * G13);
-        project(w13, &b13, x, sums13, gate_up, 2 * I, buffers, per_thread);
+        for (int64_t p = 0; p < pairs; p++) {
+            put_row(w13, hidden + tokens[p] * H, H, x + p * ld1, sums13 + p * G13);
+            quantize_pair(q8_13, x + p * ld1, p);
+        }
+        project(w13, &b13, x, sums13, q8_13, gate_up, 2 * I, buffers, per_thread);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             float *row = act + p * ld2;
             activate(gate_up + p * 2 * I, row, I, swiglu);
             put_row(w2, row, I, row, sums2 + p * G2);
+            quantize_pair(q8_2, row, p);
         }
-        project(w2, &b2, act, sums2, y, H, buffers, per_thread);
+        project(w2, &b2, act, sums2, q8_2, y, H, buffers, per_thread);
         /* The weighted sum, a share of the columns per thread, each token's pairs in ascending expert order. */
 #pragma omp for schedule(static)
         for (int64_t c0 = 0; c0 < H; c0 += SCATTER_COLS) {
@@ -233,24 +279,37 @@ int moe_f32(const float *hidden, const int64_t *tokens, const float *weights, co
             int64_t threads) {
     const Experts up = {.panels = w13, .bias = bias13, .N = 2 * I, .K = H, .Kp = H};
     const Experts down = {.panels = w2, .bias = bias2, .N = H, .K = I, .Kp = I};
-    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, H, I, threads);
+    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, NULL, H, I,
+               threads);
 }
+
+#if QI_BYTES
+/* Floats of q8_workspace moe_quantized_f32 needs for int8 activations over `pairs` pairs (the layouts' Kp,
+ * G and bits; both stacks' groups quantized_q8_supported). */
+int64_t moe_q8_workspace(int64_t pairs, int64_t Kp13, int64_t G13, int64_t bits13, int64_t Kp2, int64_t G2,
+                         int64_t bits2) {
+    return q8_floats(pairs, Kp13, G13, bits13) + q8_floats(pairs, Kp2, G2, bits2);
+}
+#endif
 
 /* moe_f32 with quantized experts: each of w13 and w2 as data, float16 scales, mins (NULL, float16, or
  * float32 where layout says so) and layout = {bits, group size, groups G, padded columns Kp, mins_f32}.
- * workspace: moe_workspace(P, max(counts), H, I, Kp13, Kp2, G13, G2, threads) floats. */
+ * workspace: moe_workspace(P, max(counts), H, I, Kp13, Kp2, G13, G2, threads) floats. q8_workspace:
+ * moe_q8_workspace floats for int8 activations (where the library has moe_q8_workspace), or NULL. */
 int moe_quantized_f32(const float *hidden, const int64_t *tokens, const float *weights, const int64_t *experts,
                       const int64_t *counts, int64_t active, const uint8_t *data13, const uint16_t *scales13,
                       const void *mins13, const int64_t *layout13, const uint8_t *data2, const uint16_t *scales2,
                       const void *mins2, const int64_t *layout2, const float *bias13, const float *bias2,
-                      const float *swiglu, float *out, float *workspace, int64_t H, int64_t I, int64_t threads) {
+                      const float *swiglu, float *out, float *workspace, float *q8_workspace, int64_t H, int64_t I,
+                      int64_t threads) {
     const Experts up = {.data = data13, .scales = scales13, .mins = mins13, .bias = bias13, .N = 2 * I, .K = H,
                         .bits = layout13[0], .group = layout13[1], .G = layout13[2], .Kp = layout13[3],
                         .mins_f32 = layout13[4]};
     const Experts down = {.data = data2, .scales = scales2, .mins = mins2, .bias = bias2, .N = H, .K = I,
                           .bits = layout2[0], .group = layout2[1], .G = layout2[2], .Kp = layout2[3],
                           .mins_f32 = layout2[4]};
-    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, H, I, threads);
+    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, q8_workspace, H,
+               I, threads);
 }
 
 /* moe_f32 with MXFP4 experts (gpt-oss's): w13's blocks [E, 2I, H / 32, 16] and scales [E, 2I, H / 32], w2's
@@ -262,5 +321,6 @@ int moe_mxfp4_f32(const float *hidden, const int64_t *tokens, const float *weigh
                   const float *swiglu, float *out, float *workspace, int64_t H, int64_t I, int64_t threads) {
     const Experts up = {.mx_blocks = blocks13, .mx_scales = scales13, .bias = bias13, .N = 2 * I, .K = H, .Kp = H};
     const Experts down = {.mx_blocks = blocks2, .mx_scales = scales2, .bias = bias2, .N = H, .K = I, .Kp = I};
-    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, H, I, threads);
+    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, NULL, H, I,
+               threads);
 }

@@ -1,7 +1,9 @@
 """The fused mixture-of-experts on the CPU (kernels/cpu/moe.c): routing and grouping in torch (`assign`), then
 one C call per layer for the gathered GEMMs, activation and weighted sum, with the experts in panels
 (`ExpertPanels`), quantized (`PackedExperts`) or MXFP4 (`Mxfp4Experts`, read as the checkpoint stores them),
-and gpt-oss's options (expert biases, clamped SwiGLU) computed in C too. MXFP4 is not repacked into
+and gpt-oss's options (expert biases, clamped SwiGLU) computed in C too. Quantized experts take int8
+activations where the dense quantized linears do (`settings.int8_activations`, a CPU with VNNI): each pair's
+row is quantized per 32 columns and multiplied by the dense linear's integer tiles. MXFP4 is not repacked into
 PackedExperts' layouts: its E2M1 levels are not an affine grid, which INT4's scale * q + min cannot hold, and
 INT8 would hold them at twice the bytes."""
 
@@ -12,7 +14,7 @@ import ctypes
 import torch
 
 from pagoda.kernels.cpu.arguments import THREADED_WORK, as_int64, scratch_buffer
-from pagoda.kernels.cpu.loader import load
+from pagoda.kernels.cpu.loader import load, settings
 from pagoda.kernels.mxfp4 import Mxfp4Experts
 from pagoda.kernels.panels import ExpertPanels
 from pagoda.kernels.quantized import PackedExperts
@@ -100,11 +102,14 @@ def _fused_moe(
     threads = torch.get_num_threads() if work >= THREADED_WORK else 1
     most = max(pairs.counts)
     common = [hidden.data_ptr(), tokens.data_ptr(), weights.data_ptr(), experts.data_ptr(), counts.data_ptr()]
+    q8_floats = 0  # (int8 activations' workspace, after the float one)
     if isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts):
         layout13, layout2 = _layout(w13), _layout(w2)
         floats = lib["moe_workspace"](
             tokens.numel(), most, size, inter, layout13[3], layout2[3], layout13[2], layout2[2], threads
         )
+        if int8_activations(lib, w13, w2):
+            q8_floats = lib["moe_q8_workspace"](tokens.numel(), *_q8_layout(layout13), *_q8_layout(layout2))
         name, stacks = "moe_quantized_f32", [*_pointers(w13), layout13, *_pointers(w2), layout2]
     else:
         floats = lib["moe_workspace"](tokens.numel(), most, size, inter, size, inter, 0, 0, threads)
@@ -115,11 +120,23 @@ def _fused_moe(
             name, stacks = "moe_mxfp4_f32", [*_mxfp4(w13), *_mxfp4(w2)]
     # (gpt-oss's options: the bias rows, then {alpha, limit} of its clamped SwiGLU; 0 where absent)
     options = [0 if b is None else b.data_ptr() for b in biases] + [0 if swiglu is None else swiglu.data_ptr()]
-    workspace = scratch_buffer(floats)
-    done = lib[name](
-        *common, len(pairs.experts), *stacks, *options, out.data_ptr(), workspace.data_ptr(), size, inter, threads
-    )
+    workspace = scratch_buffer(floats + q8_floats)
+    buffers = [workspace.data_ptr()]
+    if name == "moe_quantized_f32":  # (int8 activations' workspace, or NULL: float activations)
+        buffers.append(workspace.data_ptr() + 4 * floats if q8_floats else 0)
+    done = lib[name](*common, len(pairs.experts), *stacks, *options, out.data_ptr(), *buffers, size, inter, threads)
     return _checked(done, out)
+
+
+def int8_activations(lib, w13: ExpertWeights, w2: ExpertWeights) -> bool:
+    """Whether `fused_moe` multiplies these experts through int8 activations: both stacks quantized, int8
+    activations on (`settings.int8_activations`), the library built with them (a CPU with VNNI) and both
+    stacks' groups fitting the integer tiles."""
+    if not (isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts)):
+        return False
+    if not settings.int8_activations or "moe_q8_workspace" not in lib:
+        return False
+    return all(lib["quantized_q8_supported"](layout[2], layout[1], layout[0]) for layout in (_layout(w13), _layout(w2)))
 
 
 def _shape(weights: ExpertPanels | PackedExperts | Mxfp4Experts) -> tuple[int, int, int]:
@@ -150,6 +167,11 @@ def _layout(weights: PackedExperts) -> ctypes.Array:
     first = weights.expert(0)
     mins_f32 = int(weights.mins is not None and weights.mins.dtype == torch.float32)
     return (ctypes.c_int64 * 5)(weights.bits, weights.group_size, first.num_groups, first.padded_in_features, mins_f32)
+
+
+def _q8_layout(layout: ctypes.Array) -> tuple[int, int, int]:
+    """(padded columns, groups, bits) of a stack: what moe_q8_workspace takes of each."""
+    return layout[3], layout[2], layout[0]
 
 
 def _pointers(weights: PackedExperts) -> list[int]:
