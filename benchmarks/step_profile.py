@@ -359,6 +359,8 @@ def print_bound(rows: list[dict], weight_bytes: int, bandwidth: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a model directory or GGUF file (default: the default model)")
+    parser.add_argument("--quantization", default="auto", help="as pagoda serve's --quantization (e.g. int4)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--cases", type=int, nargs="*", default=[1, 16, 64], help="decode batch sizes")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per case")
@@ -382,6 +384,8 @@ def main() -> None:
     args = parser.parse_args()
     engine = EngineCore(
         EngineConfig(
+            **({} if args.model is None else {"model": args.model}),
+            quantization=args.quantization,
             num_threads=args.threads,
             kv_cache_memory=2 * 2**30,
             kv_cache_dtype=args.kv_cache_dtype,

@@ -252,7 +252,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="CPU with AVX-512 VNNI or AVX-VNNI, quantized models: below prefill sizes, round each input row "
-        "of a quantized linear to int8, one scale per 32 columns, and use integer dot products (W8A8 / W4A8): "
+        "of a quantized linear (and every row of quantized MoE experts) to int8, one scale per 32 columns, and "
+        "use integer dot products (W8A8 / W4A8): "
         "faster decode (on by default; elsewhere it changes nothing). --no-int8-activations keeps float "
         "activations, whose tokens are those of the dequantized weights",
     )
