@@ -127,6 +127,19 @@ def test_int8_activations_off_keep_float_activations():
     torch.testing.assert_close(cpu.fused_moe(hidden, logits, w13, w2, routing), expected, atol=2e-6, rtol=1e-5)
 
 
+def test_a_library_without_the_layout_check_keeps_float_activations():
+    """moe.c built alone (as the ISA-variant tests build it) has the int8 tiles but not quantized_matmul.c's
+    check of which groups they fit: its experts keep float activations rather than failing."""
+    lib = {name: fn for name, fn in cpu.load().items() if name != "quantized_q8_supported"}
+    w13, w2 = _layer(4, 32)
+    hidden, logits = _inputs(5)
+    routing = moe.Routing(2, True)
+    assert not cpu_moe.int8_activations(lib, w13, w2)
+    expected = moe.fused_moe(hidden, logits, w13, w2, routing)
+    got = cpu_moe._fused_moe(lib, hidden, logits, w13, w2, routing)
+    torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
+
+
 def test_the_result_does_not_depend_on_the_thread_count():
     w13, w2 = _layer(4, 32, inter=100)
     hidden, logits = _inputs(64)
