@@ -19,7 +19,9 @@
  *
  * Quantized experts may take int8 activations (where the CPU has VNNI and the caller passes their
  * workspace): each pair's row is quantized per 32 columns, before gate/up and again before down, and the
- * dense linear's integer tiles (quantized_q8_tiles.h) multiply it, as llama.cpp multiplies its experts.
+ * dense linear's integer tiles (quantized_q8_tiles.h) multiply it, as llama.cpp multiplies its experts. A
+ * token's row is quantized once per pair, as it is gathered once per pair: the tiles read an expert's rows
+ * adjacent, and rounding a row costs about 1/2,000 of the multiply-adds its expert then does with it.
  *
  * Work: the pairs' rows are gathered into one array (an expert's pairs adjacent), then the threads share out
  * items of (block of one expert's rows x 32 output columns), for gate/up and again for down. A block is all

@@ -108,7 +108,7 @@ def _fused_moe(
         floats = lib["moe_workspace"](
             tokens.numel(), most, size, inter, layout13[3], layout2[3], layout13[2], layout2[2], threads
         )
-        if int8_activations(lib, w13, w2):
+        if _int8_fits(lib, layout13, layout2):
             q8_floats = lib["moe_q8_workspace"](tokens.numel(), *_q8_layout(layout13), *_q8_layout(layout2))
         name, stacks = "moe_quantized_f32", [*_pointers(w13), layout13, *_pointers(w2), layout2]
     else:
@@ -134,9 +134,14 @@ def int8_activations(lib, w13: ExpertWeights, w2: ExpertWeights) -> bool:
     stacks' groups fitting the integer tiles."""
     if not (isinstance(w13, PackedExperts) and isinstance(w2, PackedExperts)):
         return False
+    return _int8_fits(lib, _layout(w13), _layout(w2))
+
+
+def _int8_fits(lib, layout13: ctypes.Array, layout2: ctypes.Array) -> bool:
+    """`int8_activations` for two stacks' `_layout`s."""
     if not settings.int8_activations or not {"moe_q8_workspace", "quantized_q8_supported"} <= lib.keys():
         return False  # (a library built alone, as the ISA-variant tests build moe.c, lacks the check)
-    return all(lib["quantized_q8_supported"](layout[2], layout[1], layout[0]) for layout in (_layout(w13), _layout(w2)))
+    return all(lib["quantized_q8_supported"](layout[2], layout[1], layout[0]) for layout in (layout13, layout2))
 
 
 def _shape(weights: ExpertPanels | PackedExperts | Mxfp4Experts) -> tuple[int, int, int]:

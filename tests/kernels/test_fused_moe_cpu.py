@@ -159,12 +159,15 @@ def test_experts_no_token_chose_are_never_read(kind):
     assert torch.equal(got, clean)
 
 
+@pytest.mark.parametrize("int8_activations", [False, True])
 @pytest.mark.parametrize("kind", ["float32", "int8", "int4"])
-def test_the_result_does_not_depend_on_the_thread_count(kind):
+def test_the_result_does_not_depend_on_the_thread_count(kind, int8_activations):
+    """Also through int8 activations, where quantized experts take them (a CPU with VNNI)."""
     w13, w2 = _packed(kind, *_weights(inter=100))
     hidden, logits = _inputs(64)
     routing = moe.Routing(2, True)
-    threads = torch.get_num_threads()
+    threads, before = torch.get_num_threads(), cpu.settings.int8_activations
+    cpu.settings.int8_activations = int8_activations
     try:
         torch.set_num_threads(1)
         one = cpu.fused_moe(hidden, logits, w13, w2, routing)
@@ -172,6 +175,7 @@ def test_the_result_does_not_depend_on_the_thread_count(kind):
         three = cpu.fused_moe(hidden, logits, w13, w2, routing)
     finally:
         torch.set_num_threads(threads)
+        cpu.settings.int8_activations = before
     assert torch.equal(one, three)
 
 

@@ -140,21 +140,6 @@ def test_a_library_without_the_layout_check_keeps_float_activations():
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
 
 
-def test_the_result_does_not_depend_on_the_thread_count():
-    w13, w2 = _layer(4, 32, inter=100)
-    hidden, logits = _inputs(64)
-    routing = moe.Routing(2, True)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu.fused_moe(hidden, logits, w13, w2, routing)
-        torch.set_num_threads(3)  # (more than this machine's 2 cores: the items split unevenly)
-        three = cpu.fused_moe(hidden, logits, w13, w2, routing)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, three)
-
-
 def test_a_token_s_result_does_not_depend_on_its_batch():
     """Each row is rounded on its own: a token alone gives the bits it gives among 16 others."""
     w13, w2 = _layer(4, 32)
