@@ -12,18 +12,33 @@ full group of 4; gpt-oss's 12 + 12 gives one of each). A model whose layers are 
 group, as before. So is a pipeline stage's or a model with a draft: the stages' layers would leave slots
 empty, and a draft's K/V lives in blocks of the same ids; both keep every layer's blocks (one group,
 sliding only where every layer slides alike).
+
+Layers may differ in their K/V heads and head size (Gemma 4's full layers have wider heads, and fewer, than
+its sliding ones): a group holds layers of one shape, and a block id then holds, per slot, as many elements
+as the widest row needs (the least common multiple of the groups' rows: `row_elements`). A group whose
+token row is smaller views the same memory as `block_scale` times as many blocks of its own shape, its
+block b being pool block b / block_scale's first part; the attention layers scale their block ids by it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+KVShape = tuple[int, int]  # (K/V heads, head size) of a layer's cache, this rank's
 
 
 @dataclass(frozen=True)
 class KVGroup:
     window: int | None  # the sliding window of its layers (None: full attention)
     layers: tuple[int, ...]  # the model's layer indices, in slot order
+    shape: KVShape = (0, 0)  # its layers' K/V heads and head size
+
+    @property
+    def row(self) -> int:
+        """Elements of one token's keys (or values) in one layer."""
+        return self.shape[0] * self.shape[1]
 
 
 @dataclass(frozen=True)
@@ -34,6 +49,15 @@ class KVLayout:
     @property
     def windows(self) -> tuple[int | None, ...]:
         return tuple(group.window for group in self.groups)
+
+    @property
+    def row_elements(self) -> int:
+        """Elements per token and slot in the pool: a multiple of every group's row."""
+        return math.lcm(*(group.row for group in self.groups))
+
+    def block_scale(self, group: int) -> int:
+        """How many of group `group`'s blocks one pool block spans (1 where its rows are the pool's)."""
+        return self.row_elements // self.groups[group].row
 
     def place(self, layer: int) -> tuple[int, int]:
         """(group, slot) of layer `layer` (a model layer index)."""
@@ -50,20 +74,28 @@ class KVLayout:
         return ", ".join(kinds)
 
 
-def plan_layout(windows: list[int | None], layers: Sequence[int], split: bool) -> KVLayout:
-    """The groups of the attention layers in `layers` (this rank's), given every model layer's window.
-    `split=False` (pipeline stages, a draft model): one group of them all, sliding only where every layer
-    slides alike."""
+def plan_layout(windows: list[int | None], layers: Sequence[int], split: bool, shapes: Sequence[KVShape]) -> KVLayout:
+    """The groups of the attention layers in `layers` (this rank's layers that keep K/V), given every model
+    layer's window and each held layer's K/V shape (`shapes`, in the order of `layers`). `split=False`
+    (pipeline stages, a draft model): one group of them all, sliding only where every layer slides alike,
+    which needs every layer's K/V shape alike."""
     held = list(layers)
-    kinds = list(dict.fromkeys(windows[i] for i in held))  # (in the order of their first layer)
+    shape_of = dict(zip(held, shapes, strict=True))
+    kinds = list(dict.fromkeys((windows[i], shape_of[i]) for i in held))  # (in the order of their first layer)
     if not split or len(kinds) == 1:
+        if len(set(shapes)) > 1:
+            raise ValueError(
+                "the model's layers keep K/V of different shapes "
+                f"({', '.join(f'{h} heads of {d}' for h, d in dict.fromkeys(shapes))}), which needs a KV group "
+                "per shape: not available with pipeline parallel or a draft model"
+            )
         shared = set(windows)
         window = shared.pop() if len(shared) == 1 else None
-        return KVLayout((KVGroup(window, tuple(held)),), len(held))
-    by_kind = {kind: [i for i in held if windows[i] == kind] for kind in kinds}
+        return KVLayout((KVGroup(window, tuple(held), shapes[0]),), len(held))
+    by_kind = {kind: [i for i in held if (windows[i], shape_of[i]) == kind] for kind in kinds}
     size = min(len(members) for members in by_kind.values())
     groups = []
-    for kind, members in by_kind.items():
+    for (window, shape), members in by_kind.items():
         for start in range(0, len(members), size):
-            groups.append(KVGroup(kind, tuple(members[start : start + size])))
+            groups.append(KVGroup(window, tuple(members[start : start + size]), shape))
     return KVLayout(tuple(groups), size)

@@ -31,7 +31,8 @@ from pagoda.engine_core.config import EngineConfig, resolve_dtype, resolve_kv_ca
 from pagoda.engine_core.cuda_graphs import DecodeGraphs, model_capturable
 from pagoda.engine_core.environment import configure_kernels
 from pagoda.engine_core.gpu_memory import profile_gpu_memory
-from pagoda.engine_core.kv_groups import KVLayout, plan_layout
+from pagoda.engine_core.kv_groups import KVLayout
+from pagoda.engine_core.kv_pool import allocate_pool, bind_pool, kv_bytes_per_block, plan_model_layout
 from pagoda.engine_core.kv_prefault import KVPoolPrefault, prefault
 from pagoda.engine_core.layers.attention import AttentionMetadata
 from pagoda.engine_core.loader import load_model, weight_bytes
@@ -72,15 +73,6 @@ class StepResult:
     prompt_logprobs: dict[str, PromptLogprobsChunk]
     # requests that sampled no token because their logits were not finite (NaN or infinite): failed
     failed: set[str] = field(default_factory=set)
-
-
-def kv_bytes_per_block(
-    model_cfg: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int, num_layers: int
-) -> int:
-    """Bytes one block takes in a rank's KV pool, which holds `num_kv_heads` heads of `num_layers`
-    layers (its pipeline stage's; with several KV groups, the largest group's)."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * model_cfg.head_dim * element
 
 
 @dataclass
@@ -161,7 +153,6 @@ class ModelRunner:
             config.enable_expert_parallel,
         )
         self.num_layers = len(self.model.attention_layers())  # this stage's
-        self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
         self.weight_bytes = weight_bytes(self.model)
         logger.info(
             "Weights: %s, %.1f MiB in memory%s",
@@ -207,8 +198,7 @@ class ModelRunner:
         windows = self.model.attention_windows()
         if self.draft is not None and set(self.draft.model.attention_windows()) != set(windows):
             windows = [None] * len(windows)  # (the draft attends otherwise: every block is kept)
-        split = self.pipe is None and self.draft is None
-        return plan_layout(windows, self.model.attention_layer_indices(), split)
+        return plan_model_layout(self.model, windows, split=self.pipe is None and self.draft is None)
 
     def _allocate_state_pool(self) -> int:
         """Bind each recurrent layer its state pools, `num_state_slots` + 1 rows (row 0: padding rows'),
@@ -231,9 +221,7 @@ class ModelRunner:
         return total
 
     def _num_blocks(self) -> int:
-        per_block = kv_bytes_per_block(
-            self.model_cfg, self.block_size, self.kv_cache_dtype, self.num_kv_heads, self.kv_layout.slots
-        )
+        per_block = kv_bytes_per_block(self.kv_layout, self.block_size, self.kv_cache_dtype)
         if self.draft is not None:  # every block exists in both pools
             per_block += self.draft.kv_bytes_per_block()
         if self.config.num_kv_blocks is not None:
@@ -269,20 +257,15 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One key and one value tensor per layer slot of a block (engine_core/kv_groups.py), bound into the
-        attention layers with their KV group."""
-        cfg = self.model_cfg
+        attention layers with their KV group (engine_core/kv_pool.py)."""
         self.release_kv_cache()
         self.num_blocks = num_blocks
-        shape = (self.kv_layout.slots, 2, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         # torch.empty: nothing is written up front; on the CPU a background thread maps the pages before
         # blocks need them (engine_core/kv_prefault.py), instead of a page fault at a block's first write.
-        self.kv_cache = torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
+        self.kv_cache = allocate_pool(self.kv_layout, num_blocks, self.block_size, self.kv_cache_dtype, self.device)
         self.kv_cache[:, :, 0].zero_()  # (the null block: what sliding groups' given-back entries point at)
         self.kv_prefault = prefault(self.kv_cache)
-        for layer_index, attn in zip(self.model.attention_layer_indices(), self.model.attention_layers(), strict=True):
-            attn.kv_group, slot = self.kv_layout.place(layer_index)
-            attn.key_cache = self.kv_cache[slot, 0]
-            attn.value_cache = self.kv_cache[slot, 1]
+        bind_pool(self.model, self.kv_layout, self.kv_cache, self.block_size)
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
 

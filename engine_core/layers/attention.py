@@ -79,6 +79,12 @@ class Attention(nn.Module):
         self.key_cache: torch.Tensor | None = None  # bound by the model runner
         self.value_cache: torch.Tensor | None = None
         self.kv_group = 0  # whose block tables and slots it uses (engine_core/kv_groups.py), bound with them
+        # A group whose K/V rows are smaller than the pool's views the pool as `block_scale` times as many
+        # blocks of its own shape: pool block b is its block b * block_scale (KVLayout.block_scales).
+        self.block_scale = 1
+        # False: a layer that reads another layer's K/V (Gemma 4's KV-shared layers), bound to that layer's
+        # cache; it is given that layer's k/v of the step and writes nothing.
+        self.writes_kv = True
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata | VarlenMetadata
@@ -97,7 +103,13 @@ class Attention(nn.Module):
                 softcap=self.softcap,
             )
         slot_mapping, block_tables = meta.slot_mapping[self.kv_group], meta.block_tables[self.kv_group]
-        ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, slot_mapping)
+        if self.block_scale != 1:
+            assert self.key_cache is not None
+            block_size = self.key_cache.shape[1]
+            block_tables = block_tables * self.block_scale
+            slot_mapping = slot_mapping + (slot_mapping // block_size) * ((self.block_scale - 1) * block_size)
+        if self.writes_kv:
+            ops.reshape_and_cache(k, v, self.key_cache, self.value_cache, slot_mapping)
         nd = meta.num_decodes  # one token each, so also the number of decode tokens
         if nd == q.shape[0]:
             return ops.paged_decode_attention(

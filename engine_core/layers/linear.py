@@ -136,8 +136,10 @@ def _spans(
     head_dim = (in_features if parallel == "row" else out_sizes[0]) // heads.num_heads
     if parallel == "row":  # (the output projection: its inputs are the query heads)
         return q_heads.scaled(head_dim), whole_out
-    # (column-parallel with heads: the merged Q, K, V projection)
-    return whole_in, [q_heads.scaled(head_dim), kv_heads.scaled(head_dim), kv_heads.scaled(head_dim)]
+    # (column-parallel with heads: the merged Q, K, V projection, or its first parts: Q and K where the
+    # values are the keys, Gemma 4's `attention_k_eq_v`; Q alone in a layer that reads another's K/V)
+    parts = [q_heads.scaled(head_dim), kv_heads.scaled(head_dim), kv_heads.scaled(head_dim)]
+    return whole_in, parts[: len(out_sizes)]
 
 
 class Linear(nn.Module):

@@ -1,4 +1,4 @@
-"""Rotary position embedding tables (default, linear, llama3, YaRN and LongRoPE scaling), computed as HF
+"""Rotary position embedding tables (default, linear, llama3, YaRN, LongRoPE and proportional scaling), computed as HF
 computes them, over all of a head's dimensions or its first `rotary_dim` (partial rotary: Phi-4-mini's 3/4).
 
 LongRoPE (Phi-3, Phi-4-mini) divides each frequency by a factor from one of two lists: `short_factor` for
@@ -102,6 +102,17 @@ def _longrope_inv_freq(
     return inv_freq, float(attention_factor)
 
 
+def _proportional_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Proportional RoPE (Gemma 4's full layers; HF's `_compute_proportional_rope_parameters`): the first
+    `partial_rotary_factor` of the head's frequencies as the default rope over the whole head computes them,
+    the rest zero, so those dimension pairs (i, i + head_dim / 2) are not rotated; all divided by `factor`.
+    Unlike partial rotary (`rotary_dim`), the rotated pairs stay half a head apart."""
+    rotated = int(float(scaling.get("partial_rotary_factor", 1.0)) * inv_freq.shape[0])
+    inv_freq = inv_freq.clone()
+    inv_freq[rotated:] = 0.0
+    return inv_freq / float(scaling.get("factor", 1.0))
+
+
 class RotaryEmbedding(nn.Module):
     cos_sin_cache: torch.Tensor  # [max_position, rot]: cos, then sin (a buffer: nn.Module types it loosely)
 
@@ -134,6 +145,8 @@ class RotaryEmbedding(nn.Module):
         elif rope_type == "longrope":
             context = context_len or max_position
             inv_freq, attention_factor = _longrope_inv_freq(rotary_dim, theta, scaling, max_position, context)
+        elif rope_type == "proportional":
+            inv_freq = _proportional_inv_freq(inv_freq, scaling)
         elif rope_type != "default":
             raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
         freqs = positions[:, None] * inv_freq[None, :]

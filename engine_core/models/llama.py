@@ -118,6 +118,11 @@ class LlamaForCausalLM(CheckpointLoading, nn.Module):
         """The model's layer index of each of `attention_layers` (every layer of this stage has one here)."""
         return list(self.layer_range)
 
+    def kv_sources(self) -> list[int]:
+        """For every model layer, the layer whose K/V cache its attention reads: its own here. A family whose
+        later layers reuse an earlier layer's K/V (Gemma 4) names that layer; such a layer keeps no cache."""
+        return list(range(self.cfg.num_layers))
+
     def recurrent_layers(self) -> Sequence[nn.Module]:
         """The layers holding a recurrent state per sequence, bound to the runner's state pools (none here;
         engine_core/models/qwen3_5.py has some)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pagoda.engine_core.kv_pool import allocate_pool, bind_pool, kv_bytes_per_block, plan_model_layout
 from pagoda.engine_core.kv_prefault import KVPoolPrefault, prefault
 from pagoda.engine_core.loader import load_model, resolve_model, weight_bytes
 from pagoda.engine_core.model_config import ModelConfig
@@ -37,7 +38,8 @@ class DraftModel:
         self.block_size = block_size
         self.model = load_model(model_dir, self.model_cfg, dtype, device, quantization=_quantization(self.model_cfg))
         self.num_layers = len(self.model.attention_layers())
-        self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads
+        # (one group: its blocks are the target's ids, kept as the target keeps them)
+        self.kv_layout = plan_model_layout(self.model, self.model.attention_windows(), split=False)
         self.kv_cache: torch.Tensor | None = None
         self.kv_prefault: KVPoolPrefault | None = None
         logger.info(
@@ -48,18 +50,14 @@ class DraftModel:
         )
 
     def kv_bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.model_cfg.head_dim * element
+        return kv_bytes_per_block(self.kv_layout, self.block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """As many blocks as the target's pool, bound into the draft's attention layers."""
         self.release_kv_cache()
-        shape = (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.model_cfg.head_dim)
-        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = allocate_pool(self.kv_layout, num_blocks, self.block_size, self.dtype, self.device)
         self.kv_prefault = prefault(self.kv_cache)  # (as the target's pool: engine_core/kv_prefault.py)
-        for index, attn in enumerate(self.model.attention_layers()):
-            attn.key_cache = self.kv_cache[index, 0]
-            attn.value_cache = self.kv_cache[index, 1]
+        bind_pool(self.model, self.kv_layout, self.kv_cache, self.block_size)
 
     def release_kv_cache(self) -> None:
         for attn in self.model.attention_layers():
