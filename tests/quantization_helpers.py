@@ -48,7 +48,7 @@ def write_dequantized_checkpoint(model: torch.nn.Module, source_dir: Path, targe
                     module.shard(i, weight),
                     None if module.bias is None else module.shard(i, module.bias),
                 )
-                for i, name in enumerate(_SHARDS[leaf])
+                for i, name in enumerate(_SHARDS[leaf][: len(module.out_sizes)])  # (Q and K alone: Gemma 4)
             ]
         for name, w, b in pieces:
             checkpoint = "model.embed_tokens" if (name == "lm_head" and tied) else (

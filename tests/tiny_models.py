@@ -17,7 +17,8 @@ sliding ones), their soft-capping tight and their norms (HF draws them zero: its
 large, so that all of them matter; their tied embedding is drawn small (its rows scaled by sqrt(hidden) would
 otherwise outweigh the layers, and every prompt's tokens repeat its last); HF's eager attention (the one
 with soft-capping) is their reference. qwen3_5 and qwen3_5_moe are as small, three Gated DeltaNet layers to
-one full-attention layer, their (1 + w) norms and dt_bias drawn so that they matter.
+one full-attention layer, their (1 + w) norms and dt_bias drawn so that they matter. gemma4 has six such
+layers (see its entry), its norms (w, not 1 + w) drawn around one and its layer scalars between 0.5 and 1.5.
 """
 
 from __future__ import annotations
@@ -165,7 +166,30 @@ ARCHITECTURES["qwen3_5_moe"] = (
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
     ),
 )
+# Gemma 4: six layers (sliding, sliding, full, twice), the last two reading the K/V of the last earlier
+# layer of their kind and twice as wide in their MLPs; full layers with wider heads (48) and one K/V head whose
+# values are its keys; per-layer inputs of 16 per layer; proportional rope on the full layers
+ARCHITECTURES["gemma4"] = (
+    transformers.Gemma4TextConfig,
+    dict(
+        _SMALL,
+        num_hidden_layers=6,
+        head_dim=16,
+        global_head_dim=48,
+        num_global_key_value_heads=1,
+        attention_k_eq_v=True,
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=512,
+        final_logit_softcapping=4.0,
+        tie_word_embeddings=True,
+    ),
+)
 GEMMA = ("gemma2", "gemma3")
+EAGER = (*GEMMA, "gemma4")  # (HF's eager attention is their reference: soft-capping, Gemma 4's unscaled scores)
 QWEN3_5 = ("qwen3_5", "qwen3_5_moe")
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # (the rest are dense)
 
@@ -176,7 +200,7 @@ def build(name: str, **overrides) -> transformers.PreTrainedModel:
     config_cls, extra = ARCHITECTURES[name]
     config = config_cls(**{**COMMON, **extra, **overrides})
     torch.manual_seed(0)
-    attention = {"attn_implementation": "eager"} if name in GEMMA else {}
+    attention = {"attn_implementation": "eager"} if name in EAGER else {}
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **attention).eval()
     if name in ("qwen2", "qwen2_moe"):  # make sure the QKV biases matter
         for layer in model.model.layers:
@@ -187,11 +211,15 @@ def build(name: str, **overrides) -> transformers.PreTrainedModel:
             torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
             torch.nn.init.normal_(layer.mlp.experts.gate_up_proj_bias, std=0.5)
             torch.nn.init.normal_(layer.mlp.experts.down_proj_bias, std=0.5)
-    if name in GEMMA:  # (HF draws the norms zero, so their 1 + w would be 1: make w matter)
+    if name in EAGER:  # (HF draws Gemma 2/3's norms zero, so their 1 + w would be 1: make w matter)
+        gemma4 = name == "gemma4"  # (its norms scale by w: drawn around one)
         for module_name, parameter in model.named_parameters():
             if module_name.endswith("norm.weight"):
-                torch.nn.init.normal_(parameter, std=2.0)
+                torch.nn.init.normal_(parameter, mean=1.0 if gemma4 else 0.0, std=0.5 if gemma4 else 2.0)
         torch.nn.init.normal_(model.model.embed_tokens.weight, std=0.05)
+    if name == "gemma4":  # (HF's layer scalars are one: make them matter)
+        for layer in model.model.layers:
+            torch.nn.init.uniform_(layer.layer_scalar, 0.5, 1.5)
     if name in QWEN3_5:  # (HF draws the (1 + w) norms zero and dt_bias one: make them matter)
         for module_name, parameter in model.named_parameters():
             if module_name.endswith("norm.weight") or module_name.endswith("dt_bias"):

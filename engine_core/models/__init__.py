@@ -9,6 +9,7 @@ import torch
 from pagoda.engine_core.layers.attention import Attention, VarlenMetadata
 from pagoda.engine_core.models.bert import BertModel
 from pagoda.engine_core.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagoda.engine_core.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from pagoda.engine_core.models.gpt_oss import GptOssForCausalLM
 from pagoda.engine_core.models.llama import LlamaForCausalLM, Qwen3ForCausalLM
 from pagoda.engine_core.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -38,6 +39,9 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # (its text model only)
+    # per-layer inputs, KV shared across the last layers, wider full layers (engine_core/models/gemma4.py)
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,  # (its text model only)
     "Phi3ForCausalLM": Phi3ForCausalLM,  # fused checkpoint projections, LongRoPE (engine_core/models/phi3.py)
     # Hybrid: Gated DeltaNet linear attention (a recurrent state per sequence) and full attention
     # (engine_core/models/qwen3_5.py); the vision-language checkpoints' text model only

@@ -119,7 +119,7 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
         return self.post_feedforward_layernorm(hidden), residual
 
 
-def _layer_kinds(cfg: ModelConfig, sliding_every: int) -> tuple[str, ...]:
+def layer_kinds(cfg: ModelConfig, sliding_every: int) -> tuple[str, ...]:
     """Each layer's attention kind: the config's `layer_types`, else HF's default pattern (a full layer every
     `sliding_every` layers, the others sliding)."""
     if cfg.layer_types:
@@ -133,29 +133,52 @@ def _layer_kinds(cfg: ModelConfig, sliding_every: int) -> tuple[str, ...]:
     )
 
 
-class Gemma2ForCausalLM(LlamaForCausalLM):
-    qk_norm = False
-    sliding_every = 2  # (HF's Gemma2Config default: sliding, full, sliding, ...)
+def check_gelu_tanh(cfg: ModelConfig) -> None:
+    """Gemma's MLPs compute GeGLU with the tanh approximation: refuse a config naming another activation."""
+    activation = cfg.raw.get("hidden_activation") or cfg.raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in _GELU_TANH:
+        raise ValueError(f"{cfg.architecture}: hidden activation {activation!r} is not supported (gelu_pytorch_tanh)")
+
+
+class GemmaEmbeddingAndHead(LlamaForCausalLM):
+    """What every Gemma adds around its layers: the embedding scaled by sqrt(hidden_size), that factor first
+    rounded to the model's dtype (as HF multiplies the looked-up rows), and the final logit soft-capping
+    (`final_logit_softcapping`, 0: none). The fused CPU decode step stays off: the C decoder runs Llama's
+    layer, not Gemma's."""
+
     embed_scale: torch.Tensor  # (a buffer: sqrt(hidden_size) in the weights' dtype)
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pooling: bool = False):
-        activation = cfg.raw.get("hidden_activation") or cfg.raw.get("hidden_act") or "gelu_pytorch_tanh"
-        if activation not in _GELU_TANH:
-            raise ValueError(
-                f"{cfg.architecture}: hidden activation {activation!r} is not supported (gelu_pytorch_tanh)"
-            )
+        super().__init__(cfg, dtype, pooling)
+        scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=torch.float32).to(dtype)
+        self.register_buffer("embed_scale", scale, persistent=False)
+        self.final_softcap = float(cfg.raw.get("final_logit_softcapping") or 0.0)
+        self.fused_decode.enabled = False
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids) * self.embed_scale
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        assert self.lm_head is not None
+        logits = self.lm_head(hidden)
+        if self.final_softcap:  # (HF: in the model's dtype, before float32; elementwise, so per vocab slice)
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return self.tp.gather_last_dim(logits.float(), self.cfg.vocab_size)
+
+
+class Gemma2ForCausalLM(GemmaEmbeddingAndHead):
+    qk_norm = False
+    sliding_every = 2  # (HF's Gemma2Config default: sliding, full, sliding, ...)
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pooling: bool = False):
+        check_gelu_tanh(cfg)
         if cfg.raw.get("use_bidirectional_attention"):
             raise ValueError(f"{cfg.architecture}: bidirectional attention (an embedding Gemma) is not supported")
-        self.kinds = _layer_kinds(cfg, self.sliding_every)
+        self.kinds = layer_kinds(cfg, self.sliding_every)
         self.local_rotary: RotaryEmbedding | None = None  # (built with the first sliding layer that needs it)
         super().__init__(cfg, dtype, pooling)
         if self.norm is not None:
             self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # HF multiplies the looked-up rows by sqrt(hidden_size) rounded to the weights' dtype.
-        scale = torch.tensor(math.sqrt(cfg.hidden_size), dtype=torch.float32).to(dtype)
-        self.register_buffer("embed_scale", scale, persistent=False)
-        self.final_softcap = float(cfg.raw.get("final_logit_softcapping") or 0.0)
-        self.fused_decode.enabled = False  # (the C decoder runs the Llama layer, not Gemma's)
 
     def attention_windows(self) -> list[int | None]:
         return [self.cfg.sliding_window if kind == "sliding_attention" else None for kind in self.kinds]
@@ -169,16 +192,6 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     def sliding_rotary(self, rotary: RotaryEmbedding) -> RotaryEmbedding:
         """The sliding layers' rotary table: the model's (Gemma 2: one for all layers)."""
         return rotary
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().embed(input_ids) * self.embed_scale
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        assert self.lm_head is not None
-        logits = self.lm_head(hidden)
-        if self.final_softcap:  # (HF: in the model's dtype, before float32; elementwise, so per vocab slice)
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return self.tp.gather_last_dim(logits.float(), self.cfg.vocab_size)
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], assembler: LinearAssembler | None = None
@@ -219,11 +232,14 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         return self.local_rotary
 
 
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The text model of a Gemma 3 vision-language checkpoint: its config's `text_config` (ModelConfig), its
-    tensors under `language_model.model.` (what transformers writes, also in 5.x) or `model.language_model.`
-    (its in-memory names), the LM head (if stored) under `language_model.lm_head.` or `lm_head.`; the vision
-    tower's and projector's are skipped. Images are not supported."""
+class VisionCheckpointText(LlamaForCausalLM):
+    """Mixed in before a text model's class: the text model of a vision-language checkpoint. Its config's
+    `text_config` (ModelConfig); its tensors under `language_model.model.` (what transformers writes for
+    Gemma 3, also in 5.x) or `model.language_model.` (in-memory names, Gemma 4's), the LM head (if stored)
+    under `language_model.lm_head.` or `lm_head.`; the other towers' (`towers`: vision, audio, their
+    projectors) are skipped. Images are not supported."""
+
+    towers: tuple[str, ...] = ()  # (the name prefixes of the other towers' tensors)
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], assembler: LinearAssembler | None = None
@@ -238,16 +254,21 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         text_name = self._text_name(name)
         return None if text_name is None else super().checkpoint_slices(text_name, assembled)
 
-    @staticmethod
-    def _text_name(name: str) -> str | None:
-        """The text model's name for a checkpoint tensor (as a Gemma3ForCausalLM checkpoint names it); None
-        for the vision tower's and the projector's."""
+    def _text_name(self, name: str) -> str | None:
+        """The text model's name for a checkpoint tensor (as its ...ForCausalLM checkpoint names it); None
+        for the other towers'."""
         for prefix, ours in _TEXT_PREFIXES:
             if name.startswith(prefix):
                 return ours + name.removeprefix(prefix)
-        if name.startswith(("model.", "lm_head.")) and not name.startswith(_VISION_PREFIXES):
+        if name.startswith(("model.", "lm_head.")) and not name.startswith(self.towers):
             return name  # (already a text model's name)
         return None
+
+
+class Gemma3ForConditionalGeneration(VisionCheckpointText, Gemma3ForCausalLM):
+    """Gemma 3's vision-language checkpoints: their text model (`VisionCheckpointText`)."""
+
+    towers = ("model.vision_tower.", "model.multi_modal_projector.")
 
 
 _TEXT_PREFIXES = (
@@ -255,4 +276,3 @@ _TEXT_PREFIXES = (
     ("model.language_model.", "model."),
     ("language_model.lm_head.", "lm_head."),
 )
-_VISION_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
