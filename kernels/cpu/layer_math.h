@@ -84,6 +84,29 @@ static void silu_and_mul(const float *gu, float *out, int64_t rows, int64_t n, i
     }
 }
 
+/* Gemma 4's expert activation (kernels/torch_ref/moe.py `GeGLU`) of one row: with gate and up the halves of
+ * gu ([2 n]), out = gelu_tanh(gate) * up, where gelu_tanh(g) = g (1 + tanh(u)) / 2 with u = sqrt(2 / pi) (g +
+ * 0.044715 g^3), computed as g / (1 + e^(-2u)) (the same value: (1 + tanh(u)) / 2 is sigmoid(2u)). */
+static inline void geglu_row(const float *gu, float *y, int64_t n) {
+    const float *gate = gu, *up = gu + n;
+    const float k = -2.0f * 0.7978845608028654f; /* -2 sqrt(2 / pi) */
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(0.044715f), vk = _mm256_set1_ps(k);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(c, g), _mm256_mul_ps(g, g), g);
+        const __m256 e = exp_clamped(_mm256_mul_ps(vk, inner));
+        const __m256 gelu = _mm256_div_ps(g, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) {
+        const float g = gate[i];
+        y[i] = g / (1.0f + expf(k * (g + 0.044715f * g * g * g))) * up[i];
+    }
+}
+
 /* gpt-oss's expert activation (kernels/torch_ref/moe.py `ClampedSwiGLU`) of one row: with gate and up the
  * halves of gu ([2 n]), gate clamped above at `limit` and up to [-limit, limit], out = (up + 1) * gate *
  * sigmoid(alpha * gate), the sigmoid's product as silu_and_mul computes it, gate / (1 + e^(-alpha gate)).

@@ -15,7 +15,7 @@
  *
  * gpt-oss's experts also take optional per-expert biases, added to each projection's output (gate/up's
  * before the activation, down's before the routing weight, as the reference adds them), and the clamped
- * SwiGLU (layer_math.h) in place of SiLU-and-mul.
+ * SwiGLU (layer_math.h) in place of SiLU-and-mul; Gemma 4's take GeGLU.
  *
  * Quantized experts may take int8 activations (where the CPU has VNNI and the caller passes their
  * workspace): each pair's row is quantized per 32 columns, before gate/up and again before down, and the
@@ -195,13 +195,16 @@ int64_t moe_workspace(int64_t pairs, int64_t most, int64_t H, int64_t I, int64_t
     return pairs * (Kp13 + 2 * I + Kp2 + H + G13 + G2) + threads * (most * BATCH_COLS + 2 * BATCH_COLS * G);
 }
 
-/* The activation of one row of gate/up outputs: SiLU-and-mul, or where `swiglu` = {alpha, limit} is not NULL
- * gpt-oss's clamped SwiGLU (one row, this thread: layer_math.h's math). */
-static void activate(const float *gate_up, float *out, int64_t I, const float *swiglu) {
-    if (swiglu == NULL)
+/* The activation of one row of gate/up outputs (one row, this thread: layer_math.h's math): SiLU-and-mul where
+ * `activation` is NULL, else by its kind activation[0]: 1, gpt-oss's clamped SwiGLU with {alpha, limit} =
+ * activation[1..2]; 2, Gemma 4's GeGLU. */
+static void activate(const float *gate_up, float *out, int64_t I, const float *activation) {
+    if (activation == NULL)
         silu_and_mul(gate_up, out, 1, I, 1);
+    else if (activation[0] == 1.0f)
+        clamped_swiglu_row(gate_up, out, I, activation[1], activation[2]);
     else
-        clamped_swiglu_row(gate_up, out, I, swiglu[0], swiglu[1]);
+        geglu_row(gate_up, out, I);
 }
 
 /* Pair p's row (as put_row left it) into the pairs' int8 rows `q8` (a Q8; NULL: float activations). */
@@ -216,7 +219,7 @@ static void quantize_pair(const void *q8, const float *row, int64_t p) {
 /* 0 where there is no memory for the blocks (nothing computed). `q8_workspace`: quantized experts' int8
  * activations (moe_q8_workspace floats), or NULL for float activations. */
 static int run(const float *hidden, const int64_t *tokens, const float *weights, const int64_t *experts,
-               const int64_t *counts, int64_t active, const Experts *w13, const Experts *w2, const float *swiglu,
+               const int64_t *counts, int64_t active, const Experts *w13, const Experts *w2, const float *activation,
                float *out, float *workspace, float *q8_workspace, int64_t H, int64_t I, int64_t threads) {
     int64_t pairs = 0, most = 0;
     for (int64_t a = 0; a < active; a++) pairs += counts[a], most = counts[a] > most ? counts[a] : most;
@@ -248,7 +251,7 @@ static int run(const float *hidden, const int64_t *tokens, const float *weights,
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             float *row = act + p * ld2;
-            activate(gate_up + p * 2 * I, row, I, swiglu);
+            activate(gate_up + p * 2 * I, row, I, activation);
             put_row(w2, row, I, row, sums2 + p * G2);
             quantize_pair(q8_2, row, p);
         }
@@ -272,16 +275,16 @@ static int run(const float *hidden, const int64_t *tokens, const float *weights,
  * tokens [P] and their routing weights [P], grouped by expert: experts [active] (local ids, ascending),
  * counts [active]. w13: panels of every expert's gate then up rows [2I, H] ([E, pad32(2I) / 16, H, 16]);
  * w2: panels of every expert's down projection [H, I] ([E, pad32(H) / 16, I, 16]). gpt-oss's options:
- * bias13 [E, 2I] and bias2 [E, H] (each NULL: none), and swiglu = {alpha, limit} for its clamped SwiGLU
- * (NULL: SiLU-and-mul). workspace: moe_workspace(P, max(counts), H, I, H, I, 0, 0, threads) floats.
+ * bias13 [E, 2I] and bias2 [E, H] (each NULL: none); activation: NULL for SiLU-and-mul, else {kind, ...}
+ * (`activate`). workspace: moe_workspace(P, max(counts), H, I, H, I, 0, 0, threads) floats.
  * Returns 0 where there is no memory for its bookkeeping (nothing computed), else 1. */
 int moe_f32(const float *hidden, const int64_t *tokens, const float *weights, const int64_t *experts,
             const int64_t *counts, int64_t active, const float *w13, const float *w2, const float *bias13,
-            const float *bias2, const float *swiglu, float *out, float *workspace, int64_t H, int64_t I,
+            const float *bias2, const float *activation, float *out, float *workspace, int64_t H, int64_t I,
             int64_t threads) {
     const Experts up = {.panels = w13, .bias = bias13, .N = 2 * I, .K = H, .Kp = H};
     const Experts down = {.panels = w2, .bias = bias2, .N = H, .K = I, .Kp = I};
-    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, NULL, H, I,
+    return run(hidden, tokens, weights, experts, counts, active, &up, &down, activation, out, workspace, NULL, H, I,
                threads);
 }
 
@@ -302,7 +305,7 @@ int moe_quantized_f32(const float *hidden, const int64_t *tokens, const float *w
                       const int64_t *counts, int64_t active, const uint8_t *data13, const uint16_t *scales13,
                       const void *mins13, const int64_t *layout13, const uint8_t *data2, const uint16_t *scales2,
                       const void *mins2, const int64_t *layout2, const float *bias13, const float *bias2,
-                      const float *swiglu, float *out, float *workspace, float *q8_workspace, int64_t H, int64_t I,
+                      const float *activation, float *out, float *workspace, float *q8_workspace, int64_t H, int64_t I,
                       int64_t threads) {
     const Experts up = {.data = data13, .scales = scales13, .mins = mins13, .bias = bias13, .N = 2 * I, .K = H,
                         .bits = layout13[0], .group = layout13[1], .G = layout13[2], .Kp = layout13[3],
@@ -310,7 +313,7 @@ int moe_quantized_f32(const float *hidden, const int64_t *tokens, const float *w
     const Experts down = {.data = data2, .scales = scales2, .mins = mins2, .bias = bias2, .N = H, .K = I,
                           .bits = layout2[0], .group = layout2[1], .G = layout2[2], .Kp = layout2[3],
                           .mins_f32 = layout2[4]};
-    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, q8_workspace, H,
+    return run(hidden, tokens, weights, experts, counts, active, &up, &down, activation, out, workspace, q8_workspace, H,
                I, threads);
 }
 
@@ -320,9 +323,9 @@ int moe_quantized_f32(const float *hidden, const int64_t *tokens, const float *w
 int moe_mxfp4_f32(const float *hidden, const int64_t *tokens, const float *weights, const int64_t *experts,
                   const int64_t *counts, int64_t active, const uint8_t *blocks13, const uint8_t *scales13,
                   const uint8_t *blocks2, const uint8_t *scales2, const float *bias13, const float *bias2,
-                  const float *swiglu, float *out, float *workspace, int64_t H, int64_t I, int64_t threads) {
+                  const float *activation, float *out, float *workspace, int64_t H, int64_t I, int64_t threads) {
     const Experts up = {.mx_blocks = blocks13, .mx_scales = scales13, .bias = bias13, .N = 2 * I, .K = H, .Kp = H};
     const Experts down = {.mx_blocks = blocks2, .mx_scales = scales2, .bias = bias2, .N = H, .K = I, .Kp = I};
-    return run(hidden, tokens, weights, experts, counts, active, &up, &down, swiglu, out, workspace, NULL, H, I,
+    return run(hidden, tokens, weights, experts, counts, active, &up, &down, activation, out, workspace, NULL, H, I,
                threads);
 }

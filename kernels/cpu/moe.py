@@ -19,7 +19,7 @@ from pagoda.kernels.mxfp4 import Mxfp4Experts
 from pagoda.kernels.panels import ExpertPanels
 from pagoda.kernels.quantized import PackedExperts
 from pagoda.kernels.torch_ref import moe as reference
-from pagoda.kernels.torch_ref.moe import ClampedSwiGLU, ExpertWeights, Routing, assign
+from pagoda.kernels.torch_ref.moe import Activation, ClampedSwiGLU, ExpertWeights, GeGLU, Routing, assign
 
 _LAYOUTS = (ExpertPanels, PackedExperts, Mxfp4Experts)  # (what moe.c reads; w13 and w2 alike)
 
@@ -33,7 +33,7 @@ def fused_moe(
     *,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
-    activation: ClampedSwiGLU | None = None,
+    activation: Activation | None = None,
 ) -> torch.Tensor:
     """Same contract as `pagoda.kernels.torch_ref.moe.fused_moe`. The C kernel takes float32 tokens on the CPU
     with experts in a layout it reads (`runs_in_c`); anything else runs the reference."""
@@ -79,7 +79,7 @@ def _fused_moe(
     *,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
-    activation: ClampedSwiGLU | None = None,
+    activation: Activation | None = None,
 ) -> torch.Tensor:
     tokens_count, size = hidden.shape
     (experts13, rows13, cols13), (experts2, rows2, inter) = _shape(w13), _shape(w2)
@@ -89,7 +89,7 @@ def _fused_moe(
             f"[{rows2}, {inter}]: expected E x [2I, {size}] and E x [{size}, I]"
         )
     biases = [_bias(w13_bias, (experts13, rows13), "w13_bias"), _bias(w2_bias, (experts2, rows2), "w2_bias")]
-    swiglu = None if activation is None else torch.tensor([activation.alpha, activation.limit], dtype=torch.float32)
+    act = _activation_floats(activation)
     out = torch.zeros(tokens_count, size, dtype=torch.float32)
     pairs = assign(router_logits, routing, hidden.dtype)
     if not pairs.experts:
@@ -118,14 +118,25 @@ def _fused_moe(
         else:
             assert isinstance(w13, Mxfp4Experts) and isinstance(w2, Mxfp4Experts)
             name, stacks = "moe_mxfp4_f32", [*_mxfp4(w13), *_mxfp4(w2)]
-    # (gpt-oss's options: the bias rows, then {alpha, limit} of its clamped SwiGLU; 0 where absent)
-    options = [0 if b is None else b.data_ptr() for b in biases] + [0 if swiglu is None else swiglu.data_ptr()]
+    # (the options: the bias rows (gpt-oss), then the activation's floats; 0 where absent)
+    options = [0 if b is None else b.data_ptr() for b in biases] + [0 if act is None else act.data_ptr()]
     workspace = scratch_buffer(floats + q8_floats)
     buffers = [workspace.data_ptr()]
     if name == "moe_quantized_f32":  # (int8 activations' workspace, or NULL: float activations)
         buffers.append(workspace.data_ptr() + 4 * floats if q8_floats else 0)
     done = lib[name](*common, len(pairs.experts), *stacks, *options, out.data_ptr(), *buffers, size, inter, threads)
     return _checked(done, out)
+
+
+def _activation_floats(activation: Activation | None) -> torch.Tensor | None:
+    """moe.c's `activation` argument: NULL for SiLU-and-mul, else {kind, parameters}: {1, alpha, limit} for
+    gpt-oss's clamped SwiGLU, {2} for Gemma 4's GeGLU."""
+    if activation is None:
+        return None
+    if isinstance(activation, ClampedSwiGLU):
+        return torch.tensor([1.0, activation.alpha, activation.limit], dtype=torch.float32)
+    assert isinstance(activation, GeGLU)
+    return torch.tensor([2.0, 0.0, 0.0], dtype=torch.float32)
 
 
 def int8_activations(lib, w13: ExpertWeights, w2: ExpertWeights) -> bool:

@@ -1,10 +1,10 @@
 """Mixture-of-experts in plain torch: routing, the experts' grouped GEMMs and the weighted sum as one op,
-written to match Hugging Face's float math (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss: `*TopKRouter` and
-`*Experts` in transformers 5)."""
+written to match Hugging Face's float math (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss, Gemma 4: `*TopKRouter`
+/ `*Router` and `*Experts` in transformers 5)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,8 @@ class Routing:
     `expert_offset .. expert_offset + local_experts - 1` (None: all of them) and only the tokens' pairs with
     those experts are computed here; the ranks' partial sums are added by the caller.
     `softmax_after_topk` (gpt-oss): the top-k logits are picked first and the softmax runs over those k
-    (`route`)."""
+    (`route`). `expert_scales` (Gemma 4's per_expert_scale, [E] over every expert): each pair's weight is
+    multiplied by its expert's scale after the renormalization."""
 
     top_k: int
     renormalize: bool = False
@@ -52,6 +53,14 @@ class Routing:
     expert_offset: int = 0
     local_experts: int | None = None
     softmax_after_topk: bool = False
+    expert_scales: torch.Tensor | None = field(default=None, compare=False)
+
+    def weights_and_ids(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`route`'s (weights, expert ids) of every token, the weights scaled by `expert_scales`."""
+        weights, ids = route(router_logits, self.top_k, self.renormalize, self.softmax_after_topk)
+        if self.expert_scales is not None:
+            weights = weights * self.expert_scales[ids]
+        return weights, ids
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,20 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+@dataclass(frozen=True)
+class GeGLU:
+    """Gemma 4's expert activation (HF's `Gemma4TextExperts`, gelu_pytorch_tanh): gelu with the tanh
+    approximation of the gate half, times the up half."""
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+# An expert activation other than SiLU-and-mul (None).
+Activation = ClampedSwiGLU | GeGLU
+
+
 @dataclass
 class Assignment:
     """A batch's (token, expert) pairs grouped by expert: the experts some token chose (local ids,
@@ -86,7 +109,7 @@ class Assignment:
 def assign(router_logits: torch.Tensor, routing: Routing, hidden_dtype: torch.dtype) -> Assignment:
     """Route every token, then group the pairs by expert (one host read: the chosen experts' ids and
     counts). Experts no token chose, and under expert parallel other ranks' experts, are absent."""
-    weights, ids = route(router_logits, routing.top_k, routing.renormalize, routing.softmax_after_topk)
+    weights, ids = routing.weights_and_ids(router_logits)
     if routing.weights_in_hidden_dtype:
         weights = weights.to(hidden_dtype)
     flat, pair_weights = ids.reshape(-1), weights.reshape(-1)
@@ -125,7 +148,7 @@ def fused_moe(
     *,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
-    activation: ClampedSwiGLU | None = None,
+    activation: Activation | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] for tokens `hidden` [T, H].
 
@@ -137,7 +160,7 @@ def fused_moe(
     dtype in ascending expert order (as HF's loop does).
 
     gpt-oss's options: `w13_bias` [E, 2I] and `w2_bias` [E, H] added to each expert's projections, and its
-    `activation` in place of silu(gate) * up."""
+    `activation` in place of silu(gate) * up (Gemma 4's too: `GeGLU`)."""
     out = torch.zeros_like(hidden)
     pairs = assign(router_logits, routing, hidden.dtype)
     start = 0

@@ -77,9 +77,11 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GELU: tl.constexpr,
 ):
     """Program (block, N tile): rows block * BLOCK_M ... of the intermediate, columns of this N tile:
-    silu(x W_gate^T) * (x W_up^T) for each row's token x and the block's expert. Padding rows give zeros."""
+    silu(x W_gate^T) * (x W_up^T) for each row's token x and the block's expert (GELU: gelu with the tanh
+    approximation instead of silu, Gemma 4's GeGLU). Padding rows give zeros."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= num_experts:  # past the last expert's run: nothing to compute, and nobody reads it
@@ -106,10 +108,14 @@ def _gate_up_kernel(
         up = _dot(x, tl.load(up_cols + k[:, None], mask=w_mask, other=0.0), up, UPCAST, DOT_PRECISION)
 
     dtype = out_ptr.dtype.element_ty
-    # The reference rounds the linear's output, then silu (F.silu), then the product (silu_and_mul).
+    # The reference rounds the linear's output, then silu (F.silu) or gelu (F.gelu), then the product.
     gate = _round(gate, dtype)
-    silu = _round(gate / (1.0 + tl.exp(-gate)), dtype)
-    act = silu * _round(up, dtype)
+    if GELU:  # (gelu_tanh(g) = g sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3): (1 + tanh u) / 2 = sigmoid 2u)
+        inner = gate + 0.044715 * gate * gate * gate
+        glu = _round(gate / (1.0 + tl.exp(-1.5957691216057308 * inner)), dtype)
+    else:
+        glu = _round(gate / (1.0 + tl.exp(-gate)), dtype)
+    act = glu * _round(up, dtype)
     offsets = rows[:, None].to(tl.int64) * stride_om + n[None, :]
     tl.store(out_ptr + offsets, act.to(dtype), mask=n_mask[None, :])
 
@@ -223,7 +229,7 @@ def _group_pairs(
     rank's expert. `sorted pairs` lists each expert's pairs (tokens ascending) in a run padded to a
     multiple of `block_m` with the sentinel T * k; `block experts` names each block's expert
     (`num_experts` past the last run)."""
-    weights, ids = _reference.route(router_logits, routing.top_k, routing.renormalize)
+    weights, ids = routing.weights_and_ids(router_logits)
     ids, order = ids.sort(dim=-1)  # the reference adds a token's experts in ascending order
     weights = weights.gather(-1, order)
     local = ids - routing.expert_offset
@@ -267,10 +273,11 @@ def fused_moe(
     **options,
 ) -> torch.Tensor:
     """The routed experts' weighted sum [T, H] for tokens `hidden` [T, H] (fp32, fp16 or bf16); arguments
-    as the reference's. Keyword `options` (expert biases, other activations), gpt-oss's routing and packed
-    or quantized experts (ExpertPanels, PackedExperts, Mxfp4Experts) run the reference, which holds their
-    math."""
-    if options or routing.softmax_after_topk or not isinstance(w13, torch.Tensor):
+    as the reference's, Gemma 4's GeGLU activation and expert scales too. Other keyword `options` (expert
+    biases, gpt-oss's activation), gpt-oss's routing and packed or quantized experts (ExpertPanels,
+    PackedExperts, Mxfp4Experts) run the reference, which holds their math."""
+    gelu = isinstance(options.get("activation"), _reference.GeGLU) and options.keys() == {"activation"}
+    if (options and not gelu) or routing.softmax_after_topk or not isinstance(w13, torch.Tensor):
         return _reference.fused_moe(hidden, router_logits, w13, w2, routing, **options)
     num_tokens, hidden_size = hidden.shape
     num_experts, two_inter, _ = w13.shape
@@ -309,6 +316,7 @@ def fused_moe(
         BLOCK_K=block_k,
         UPCAST=upcast,
         DOT_PRECISION=precision,
+        GELU=gelu,
         num_warps=num_warps,
         num_stages=_NUM_STAGES,
     )

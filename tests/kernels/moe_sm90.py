@@ -64,13 +64,16 @@ def compile_for_sm90() -> list[dict]:
             blocks = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=False)
             blocks["DOT_PRECISION"] = tri._dot_precision(dtype)
             common = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32")
-            gate_up = build(
-                tri._gate_up_kernel,
-                dict(hidden_ptr=pointer, w13_ptr=pointer, out_ptr=pointer, **common),
-                [*gemm_ints, "stride_hm", "stride_we", "stride_wn", "stride_om"],
-                dict(TOP_K=top_k, **blocks),
-                num_warps,
-                tri._NUM_STAGES,
+            gate_up, geglu = (
+                build(
+                    tri._gate_up_kernel,
+                    dict(hidden_ptr=pointer, w13_ptr=pointer, out_ptr=pointer, **common),
+                    [*gemm_ints, "stride_hm", "stride_we", "stride_wn", "stride_om"],
+                    dict(TOP_K=top_k, GELU=gelu, **blocks),
+                    num_warps,
+                    tri._NUM_STAGES,
+                )
+                for gelu in (False, True)  # (SiLU; Gemma 4's GeGLU)
             )
             down = build(
                 tri._down_kernel,
@@ -81,7 +84,8 @@ def compile_for_sm90() -> list[dict]:
                 tri._NUM_STAGES,
             )
             shape = dict(dtype=name, pairs=pairs, blocks=[block_m, block_n, block_k], warps=num_warps)
-            rows += [dict(kernel="gate_up", **shape, **gate_up), dict(kernel="down", **shape, **down)]
+            rows += [dict(kernel="gate_up", **shape, **gate_up), dict(kernel="gate_up_geglu", **shape, **geglu)]
+            rows.append(dict(kernel="down", **shape, **down))
         summed = build(
             tri._sum_kernel,
             dict(pair_out_ptr=pointer, local_ids_ptr="*i32", out_ptr=pointer),

@@ -80,10 +80,10 @@ def _inputs(tokens: int, dtype: torch.dtype, seed: int, experts: int = E, routed
     return hidden, logits, w13, w2
 
 
-def _check(hidden, logits, w13, w2, routing) -> torch.Tensor:
+def _check(hidden, logits, w13, w2, routing, **options) -> torch.Tensor:
     with poisoned_empty():
-        got = tri.fused_moe(hidden, logits, w13, w2, routing)
-    expected = ref.fused_moe(hidden, logits, w13, w2, routing)
+        got = tri.fused_moe(hidden, logits, w13, w2, routing, **options)
+    expected = ref.fused_moe(hidden, logits, w13, w2, routing, **options)
     assert got.shape == expected.shape and got.dtype == expected.dtype
     assert not got.isnan().any(), "NaN in the kernel's output"
     if expected.numel():
@@ -135,6 +135,19 @@ def test_expert_parallel_counts_only_this_ranks_experts(dtype, offset, local):
     logits[0, offset : offset + local] -= 100  # token 0 chooses none of this rank's experts: zeros
     got = _check(hidden, logits, w13, w2, ref.Routing(2, True, True, expert_offset=offset, local_experts=local))
     assert (got[0] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gemma4s_geglu_and_expert_scales_match_the_reference(dtype, monkeypatch):
+    """Gemma 4's experts run in the kernel (not the reference): gelu-tanh gates, each pair's weight times its
+    expert's scale."""
+    hidden, logits, w13, w2 = _inputs(9, dtype, seed=11)
+    scales = torch.rand(E, generator=make_generator(12)) + 0.5
+    routing = ref.Routing(2, True, False, expert_scales=scales)
+    got = _check(hidden, logits, w13, w2, routing, activation=ref.GeGLU())
+    assert not torch.allclose(got.float(), ref.fused_moe(hidden, logits, w13, w2, routing).float(), atol=1e-3)
+    monkeypatch.setattr(ref, "fused_moe", None)  # (the kernel computes it: the reference is never called)
+    assert torch.equal(tri.fused_moe(hidden, logits, w13, w2, routing, activation=ref.GeGLU()), got)
 
 
 def test_an_unchosen_experts_nan_weights_never_reach_the_output():
@@ -219,7 +232,7 @@ def test_kernels_compile_for_sm90_within_shared_memory():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(rows) == 3 * 5
+    assert len(rows) == 3 * 7  # (per dtype: gate_up, gate_up_geglu and down at two sizes, and the sum)
     for row in rows:
         assert row["shared"] < SHARED_MEMORY_LIMIT, row
         assert row["spill_stack"] == 0, row  # registers spilled to local memory
