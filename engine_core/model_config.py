@@ -190,7 +190,7 @@ def _moe_fields(cfg: dict) -> dict:
     # Other MoE families (OLMoE, PhiMoE, ...) read as dense here and are refused by the model registry.
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     if not experts or cfg.get("model_type") not in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", *_QWEN3_5_MOE):
-        return {}
+        return _gemma4_moe_fields(cfg)
     if cfg.get("model_type") == "gpt_oss":  # (every layer MoE; a softmax over the top-k logits)
         return dict(
             num_experts=experts,
@@ -213,6 +213,19 @@ def _moe_fields(cfg: dict) -> dict:
         decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+    )
+
+
+def _gemma4_moe_fields(cfg: dict) -> dict:
+    """Gemma 4's MoE block (`enable_moe_block`: 26B-A4B), beside each layer's dense MLP: `top_k_experts` of
+    `num_experts` experts of `moe_intermediate_size`, their weights renormalized (HF's Gemma4TextRouter)."""
+    if cfg.get("model_type") != "gemma4_text" or not cfg.get("enable_moe_block"):
+        return {}
+    return dict(
+        num_experts=int(cfg["num_experts"]),
+        num_experts_per_tok=int(cfg["top_k_experts"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=True,
     )
 
 

@@ -18,7 +18,8 @@ large, so that all of them matter; their tied embedding is drawn small (its rows
 otherwise outweigh the layers, and every prompt's tokens repeat its last); HF's eager attention (the one
 with soft-capping) is their reference. qwen3_5 and qwen3_5_moe are as small, three Gated DeltaNet layers to
 one full-attention layer, their (1 + w) norms and dt_bias drawn so that they matter. gemma4 has six such
-layers (see its entry), its norms (w, not 1 + w) drawn around one and its layer scalars between 0.5 and 1.5.
+layers (see its entry), its norms (w, not 1 + w) drawn around one and its layer scalars between 0.5 and 1.5;
+gemma4_moe adds its MoE block, the router's scales drawn too.
 """
 
 from __future__ import annotations
@@ -188,8 +189,17 @@ ARCHITECTURES["gemma4"] = (
         tie_word_embeddings=True,
     ),
 )
+# Gemma 4 with its MoE block beside each layer's dense MLP (26B-A4B's): 2 of 8 GeGLU experts of 32
+ARCHITECTURES["gemma4_moe"] = (
+    transformers.Gemma4TextConfig,
+    dict(ARCHITECTURES["gemma4"][1], enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32),
+)
 GEMMA = ("gemma2", "gemma3")
-EAGER = (*GEMMA, "gemma4")  # (HF's eager attention is their reference: soft-capping, Gemma 4's unscaled scores)
+EAGER = (
+    *GEMMA,
+    "gemma4",
+    "gemma4_moe",
+)  # (HF's eager attention is their reference: soft-capping, Gemma 4's unscaled scores)
 QWEN3_5 = ("qwen3_5", "qwen3_5_moe")
 MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")  # (the rest are dense)
 
@@ -212,14 +222,17 @@ def build(name: str, **overrides) -> transformers.PreTrainedModel:
             torch.nn.init.normal_(layer.mlp.experts.gate_up_proj_bias, std=0.5)
             torch.nn.init.normal_(layer.mlp.experts.down_proj_bias, std=0.5)
     if name in EAGER:  # (HF draws Gemma 2/3's norms zero, so their 1 + w would be 1: make w matter)
-        gemma4 = name == "gemma4"  # (its norms scale by w: drawn around one)
+        gemma4 = name.startswith("gemma4")  # (its norms scale by w: drawn around one)
         for module_name, parameter in model.named_parameters():
             if module_name.endswith("norm.weight"):
                 torch.nn.init.normal_(parameter, mean=1.0 if gemma4 else 0.0, std=0.5 if gemma4 else 2.0)
         torch.nn.init.normal_(model.model.embed_tokens.weight, std=0.05)
-    if name == "gemma4":  # (HF's layer scalars are one: make them matter)
+    if name.startswith("gemma4"):  # (HF's layer scalars and router scales are one: make them matter)
         for layer in model.model.layers:
             torch.nn.init.uniform_(layer.layer_scalar, 0.5, 1.5)
+            if name == "gemma4_moe":
+                torch.nn.init.uniform_(layer.router.scale, 0.5, 1.5)
+                torch.nn.init.uniform_(layer.router.per_expert_scale, 0.5, 1.5)
     if name in QWEN3_5:  # (HF draws the (1 + w) norms zero and dt_bias one: make them matter)
         for module_name, parameter in model.named_parameters():
             if module_name.endswith("norm.weight") or module_name.endswith("dt_bias"):

@@ -16,18 +16,26 @@ checkpoints), as Hugging Face's modeling_gemma4.py computes it:
   K/V of the step from it. With `use_double_wide_mlp` their MLPs are twice as wide;
 - per-layer input embeddings (PLE): a second table gives every token a small vector per layer, added to a
   projection of the token's embedding; after its MLP each layer gates that vector with its hidden state and
-  adds it back, projected, to the residual stream; then each layer's output is scaled by its `layer_scalar`.
+  adds it back, projected, to the residual stream; then each layer's output is scaled by its `layer_scalar`;
+- the MoE block (`enable_moe_block`, Gemma 4 26B-A4B): beside each layer's dense MLP a mixture of experts
+  (`Gemma4MoE`, on the shared `MoEMLP` and `ops.fused_moe`) whose router norms its input on its own and
+  scales each chosen expert's weight (`per_expert_scale`), whose experts compute GeGLU; the two outputs are
+  normed apart and added. Checkpoints stack the experts (`experts.gate_up_proj` [E, 2I, H], `down_proj`):
+  they load as each expert's projections (`stacked_expert_pieces`), so quantization at load and expert
+  parallel work as for the other MoE families.
 
-Tensor parallel splits the attention heads and the MLPs as for Gemma 3; the per-layer-input linears and
-table are replicated. Refused at build: pipeline parallel (the per-layer inputs come from the first stage's
-tokens, and the KV-shared layers read earlier layers' caches), the MoE block (`enable_moe_block`, Gemma 4's
-26B-A4B: its experts use GeGLU, which the fused MoE op does not compute) and bidirectional attention.
+Tensor parallel splits the attention heads, the MLPs and the experts as for Gemma 3 and the MoE families;
+the per-layer-input linears and table are replicated. Refused at build: pipeline parallel (the per-layer
+inputs come from the first stage's tokens, and the KV-shared layers read earlier layers' caches) and
+bidirectional attention.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +53,12 @@ from pagoda.engine_core.models.gemma import (
     layer_kinds,
 )
 from pagoda.engine_core.models.llama_layers import RMSNorm, _bulk_after
+from pagoda.engine_core.models.moe import EXPERT_PROJECTIONS, MoEMLP, stacked_expert_pieces
 from pagoda.engine_core.parallel.distributed import building_group
 from pagoda.engine_core.parallel.sharding import AttentionHeads
+from pagoda.engine_core.quantization.assembly import LinearAssembler
 from pagoda.kernels import ops
+from pagoda.kernels.torch_ref.moe import GeGLU
 
 SharedKV = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer kind -> the keys and values of this step
 
@@ -162,12 +173,51 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim), _bulk_after(meta, keep))
 
 
+class _RouterScales(nn.Module):
+    """The router's scales (a module of their own: an `MoEMLP`'s own parameters are its stacked experts)."""
+
+    def __init__(self, hidden: int, experts: int, dtype: torch.dtype):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(experts, dtype=dtype), requires_grad=False)
+
+
+class Gemma4MoE(MoEMLP):
+    """The MoE block of a layer (HF's Gemma4TextRouter and Gemma4TextExperts): the router reads the residual
+    stream, RMS-normed without a weight, times `router.scale` and hidden_size^-0.5; softmax over every
+    expert, top-k, renormalized, each weight times its expert's `router.per_expert_scale`; the experts
+    compute GeGLU on the layer's other normed input. The checkpoint's `router.proj` is our `gate`."""
+
+    unit: torch.Tensor  # (a buffer: the router's norm has no weight)
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__(cfg, dtype, weights_in_hidden_dtype=False)  # (HF scales in float32, then rounds)
+        self.router = _RouterScales(cfg.hidden_size, cfg.num_experts, dtype)
+        self.register_buffer("unit", torch.ones(cfg.hidden_size, dtype=dtype), persistent=False)
+        self.eps, self.root = cfg.rms_norm_eps, cfg.hidden_size**-0.5
+
+    def forward(self, x: torch.Tensor, experts_input: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        """The experts' sum for `experts_input`, routed by `x` (the residual stream); this rank's part summed
+        over the ranks."""
+        assert experts_input is not None
+        logits = self.gate(ops.rms_norm(x, self.unit, self.eps) * self.router.scale * self.root).float()
+        routing = replace(self.routing, expert_scales=self.router.per_expert_scale)
+        w13, w2 = self.experts()
+        return self.tp.all_reduce(ops.fused_moe(experts_input, logits, w13, w2, routing, activation=GeGLU()))
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, spec: LayerSpec, index: int, rotary: RotaryEmbedding):
         super().__init__()
         size, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = Gemma4Attention(cfg, dtype, spec, index, rotary)
         self.mlp = GemmaMLP(cfg, dtype, spec.intermediate_size)
+        self.moe: Gemma4MoE | None = None
+        if cfg.is_moe:
+            self.moe = Gemma4MoE(cfg, dtype)
+            self.post_feedforward_layernorm_1 = RMSNorm(size, eps, dtype)
+            self.pre_feedforward_layernorm_2 = RMSNorm(size, eps, dtype)
+            self.post_feedforward_layernorm_2 = RMSNorm(size, eps, dtype)
         self.input_layernorm = RMSNorm(size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(size, eps, dtype)
         self.pre_feedforward_layernorm = RMSNorm(size, eps, dtype)
@@ -190,15 +240,20 @@ class Gemma4DecoderLayer(nn.Module):
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """HF's Gemma4TextDecoderLayer: r = x + post_attention_norm(attn(input_norm(x))); then
-        h = r + post_ff_norm(mlp(pre_ff_norm(r))); with per-layer inputs h += norm(proj(gelu(gate(h)) * input));
-        the output is h * layer_scalar. `keep`: as Llama's layer's."""
+        h = r + post_ff_norm(mlp(pre_ff_norm(r))), where the MoE block makes that mlp(...)
+        post_ff_norm_1(mlp(pre_ff_norm(r))) + post_ff_norm_2(moe(r, pre_ff_norm_2(r))); with per-layer inputs
+        h += norm(proj(gelu(gate(h)) * input)); the output is h * layer_scalar. `keep`: as Llama's layer's."""
         residual = hidden
         hidden = self.self_attn(positions, self.input_layernorm(hidden), meta, shared, keep)
         if keep is not None:
             residual = residual[keep]
             per_layer_input = per_layer_input[keep] if per_layer_input is not None else None
         hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
-        hidden = residual + self.post_feedforward_layernorm(self.mlp(hidden, _bulk_after(meta, keep)))
+        hidden = self.mlp(hidden, _bulk_after(meta, keep))
+        if self.moe is not None:
+            experts = self.moe(residual, self.pre_feedforward_layernorm_2(residual))
+            hidden = self.post_feedforward_layernorm_1(hidden) + self.post_feedforward_layernorm_2(experts)
+        hidden = residual + self.post_feedforward_layernorm(hidden)
         if per_layer_input is not None:
             assert self.per_layer_input_gate is not None and self.per_layer_projection is not None
             assert self.post_per_layer_input_norm is not None
@@ -220,11 +275,6 @@ class Gemma4ForCausalLM(GemmaEmbeddingAndHead):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pooling: bool = False):
         check_gelu_tanh(cfg)
-        if cfg.raw.get("enable_moe_block"):
-            raise ValueError(
-                f"{cfg.architecture}: the MoE block (enable_moe_block, Gemma 4's 26B-A4B) is not supported yet: "
-                "its experts compute GeGLU, which the fused MoE op does not"
-            )
         if cfg.raw.get("use_bidirectional_attention") == "all":
             raise ValueError(f"{cfg.architecture}: bidirectional attention (an embedding Gemma) is not supported")
         self.specs = layer_specs(cfg)
@@ -308,6 +358,66 @@ class Gemma4ForCausalLM(GemmaEmbeddingAndHead):
         full = hidden.new_empty(positions.shape[0], hidden.shape[1])  # (the other rows: never read)
         full[keep] = hidden
         return full
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], assembler: LinearAssembler | None = None
+    ) -> None:
+        super().load_weights(self._experts_apart(weights, cut=assembler is None), assembler)
+
+    def _experts_apart(
+        self, weights: Iterable[tuple[str, torch.Tensor]], cut: bool
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stacked experts as each expert's projections; under tensor parallel without a quantization
+        assembler (which cuts after converting), each cut to this rank's intermediate rows (read whole:
+        gate's and up's rows are two ranges of the stacked tensor)."""
+        for name, tensor in weights:
+            match = _STACKED.match(name.removeprefix("model."))
+            if match is None:
+                yield name, tensor
+                continue
+            moe = self._moe(int(match[1]))
+            for piece_name, piece in stacked_expert_pieces(name, tensor):
+                part = moe.checkpoint_slices("w2" if piece_name.endswith("down_proj.weight") else "w13")
+                yield piece_name, piece[part] if cut and part is not None else piece
+
+    def _moe(self, layer: int) -> Gemma4MoE:
+        moe = getattr(self.layers[layer], "moe", None)
+        if moe is None:
+            raise ValueError(f"{self.cfg.architecture}: layer {layer} has experts, but the config sets no MoE block")
+        return moe
+
+    def checkpoint_slices(self, name: str, assembled: bool) -> tuple[slice, ...] | None:
+        short = name.removeprefix("model.")
+        if _STACKED.match(short):
+            return None  # (read whole: `_experts_apart` cuts each expert)
+        match = _EXPERT.match(short)
+        if match is not None:
+            return None if assembled else self._moe(int(match[1])).checkpoint_slices(EXPERT_PROJECTIONS[match[3]][0])
+        return super().checkpoint_slices(name, assembled)
+
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        short = name.removeprefix("model.")
+        match = _ROUTER.match(short)
+        if match is not None:
+            return f"layers.{match[1]}.moe.{_ROUTER_PARAMS[match[2]]}", None
+        match = _STACKED.match(short)
+        if match is not None:  # (the loader's question whether to read it: `_experts_apart` splits it)
+            return f"layers.{match[1]}.moe.{'w13' if match[2] == 'gate_up_proj' else 'w2'}", None
+        match = _EXPERT.match(short)
+        if match is not None:
+            expert = self._moe(int(match[1])).local_expert(int(match[2]))
+            if expert is None:  # (expert parallel: another rank's)
+                return None
+            param, half = EXPERT_PROJECTIONS[match[3]]
+            return f"layers.{match[1]}.moe.{param}", expert if half is None else 2 * expert + half
+        return super()._target(name)
+
+
+# A layer's MoE block in a checkpoint: its router's tensors, its experts stacked or apart.
+_ROUTER = re.compile(r"^layers\.(\d+)\.router\.(proj\.weight|scale|per_expert_scale)$")
+_ROUTER_PARAMS = {"proj.weight": "gate.weight", "scale": "router.scale", "per_expert_scale": "router.per_expert_scale"}
+_STACKED = re.compile(r"^layers\.(\d+)\.experts\.(gate_up_proj|down_proj)$")
+_EXPERT = re.compile(r"^layers\.(\d+)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 class Gemma4ForConditionalGeneration(VisionCheckpointText, Gemma4ForCausalLM):

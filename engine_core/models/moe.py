@@ -46,6 +46,7 @@ declines MoE layers (fused_decode.py), and CUDA graphs are not captured where th
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import cast
 
 import torch
@@ -85,7 +86,7 @@ _EXPERT = re.compile(
     rf"^layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(?:{'|'.join(_EXPERT_KINDS)})$"
 )
 # projection -> (our stacked parameter, which half of w13: gate 0, up 1; None for w2)
-_EXPERT_PROJ = {
+EXPERT_PROJECTIONS = {
     "gate_proj": ("w13", 0),
     "up_proj": ("w13", 1),
     "down_proj": ("w2", None),
@@ -293,7 +294,7 @@ class MoEForCausalLM(LlamaForCausalLM):
     def _target(self, name: str) -> tuple[str, int | None] | None:
         short = name.removeprefix("model.")
         match = _EXPERT.match(short)
-        if match is not None and match[3] in _EXPERT_PROJ:  # (other names: the Llama mapping refuses them)
+        if match is not None and match[3] in EXPERT_PROJECTIONS:  # (other names: the Llama mapping refuses them)
             layer = match[1]
             if not self._on_this_stage(f"layers.{layer}"):
                 return None
@@ -301,7 +302,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             expert = cast(MoEMLP, self.get_submodule(f"layers.{layer}.mlp")).local_expert(int(match[2]))
             if expert is None:
                 return None
-            param, half = _EXPERT_PROJ[match[3]]
+            param, half = EXPERT_PROJECTIONS[match[3]]
             return f"layers.{layer}.mlp.{param}", expert if half is None else 2 * expert + half
         return super()._target(name.replace(".block_sparse_moe.", ".mlp."))
 
@@ -316,3 +317,18 @@ class Qwen2MoeForCausalLM(MoEForCausalLM):
 
 class MixtralForCausalLM(MoEForCausalLM):
     weights_in_hidden_dtype = False
+
+
+def stacked_expert_pieces(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stacked experts as transformers 5 holds them in memory (`experts.gate_up_proj` [E, 2I, H]: gate rows
+    then up rows; `experts.down_proj` [E, H, I]) as each expert's projections (views), named as transformers
+    writes experts apart (`experts.E.gate_proj.weight`, ...)."""
+    prefix = name.rpartition(".")[0]
+    if name.endswith("gate_up_proj"):
+        inter = tensor.shape[1] // 2
+        for expert in range(tensor.shape[0]):
+            yield f"{prefix}.{expert}.gate_proj.weight", tensor[expert, :inter]
+            yield f"{prefix}.{expert}.up_proj.weight", tensor[expert, inter:]
+    else:
+        for expert in range(tensor.shape[0]):
+            yield f"{prefix}.{expert}.down_proj.weight", tensor[expert]

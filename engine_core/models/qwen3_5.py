@@ -48,7 +48,7 @@ from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.gemma import GemmaRMSNorm
 from pagoda.engine_core.models.llama import LlamaForCausalLM
 from pagoda.engine_core.models.llama_layers import _bulk_after
-from pagoda.engine_core.models.moe import MoEForCausalLM
+from pagoda.engine_core.models.moe import MoEForCausalLM, stacked_expert_pieces
 from pagoda.engine_core.parallel.distributed import building_group, building_stage
 from pagoda.engine_core.quantization.assembly import LinearAssembler
 from pagoda.kernels import ops
@@ -363,7 +363,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             if name.endswith(_ONE_PLUS_W_NORMS) or name == "model.norm.weight":
                 tensor = tensor.float() if include_one else tensor.float() + 1.0
             if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-                yield from _expert_pieces(name, tensor)
+                yield from stacked_expert_pieces(name, tensor)
                 continue
             yield name, tensor
 
@@ -404,17 +404,3 @@ def _text_name(name: str) -> str | None:
     if name.startswith(("model.visual.", "mtp.")):
         return None
     return name
-
-
-def _expert_pieces(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """Stacked experts (`experts.gate_up_proj` [E, 2I, H]: gate rows then up rows; `experts.down_proj`
-    [E, H, I]) as each expert's projections, the names transformers writes."""
-    prefix = name.rpartition(".")[0]
-    if name.endswith("gate_up_proj"):
-        inter = tensor.shape[1] // 2
-        for expert in range(tensor.shape[0]):
-            yield f"{prefix}.{expert}.gate_proj.weight", tensor[expert, :inter]
-            yield f"{prefix}.{expert}.up_proj.weight", tensor[expert, inter:]
-    else:
-        for expert in range(tensor.shape[0]):
-            yield f"{prefix}.{expert}.down_proj.weight", tensor[expert]

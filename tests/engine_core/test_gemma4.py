@@ -200,7 +200,8 @@ def test_a_multimodal_checkpoint_serves_its_text_model(tmp_path):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32), "MoE block"),
+        # (a config with the MoE block over a checkpoint without experts)
+        (dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32), "missing weights"),
         (dict(use_bidirectional_attention="all"), "bidirectional"),
         (dict(num_kv_shared_layers=6), "leaves no layer"),
     ],
@@ -220,3 +221,73 @@ def test_pipeline_parallel_is_refused(saved):
     _, model_dir, _ = saved
     with pytest.raises(Exception, match="pipeline parallel is not supported"):
         greedy_with_first_logprobs(model_dir, _prompts()[:1], 1, pipeline_parallel_size=2, num_kv_blocks=64)
+
+
+# ---- the MoE block (Gemma 4 26B-A4B's): tests/tiny_models.py's gemma4_moe ----
+
+
+@pytest.fixture(scope="module")
+def saved_moe(tmp_path_factory):
+    """(HF model, its checkpoint directory, HF's greedy tokens for `_prompts()`): experts stacked in the
+    checkpoint, as transformers writes them."""
+    model = tiny_models.build("gemma4_moe")
+    out = tmp_path_factory.mktemp("gemma4_moe")
+    model.save_pretrained(out)
+    expected = [hf_greedy(model, p, NEW_TOKENS, stop_at_eos=False) for p in _prompts()]
+    return model, out, expected
+
+
+def test_the_moe_block_matches_hf(saved_moe):
+    """Whole prompts and 16-token chunks; the experts ran in the fused op with GeGLU (the C kernel, on the
+    experts packed into panels)."""
+    _, model_dir, expected = saved_moe
+    engine = _engine(model_dir)
+    moe = engine.runner.model.decoder_layers()[0].moe
+    assert moe is not None and moe.packed13 is not None  # (float32 panels: kernels/cpu/moe.c)
+    assert _greedy(engine, _prompts()) == expected
+    assert _greedy(_engine(model_dir, max_num_batched_tokens=16), _prompts()) == expected
+
+
+@pytest.mark.parametrize("undo", ["expert scales", "router scale"])
+def test_the_routers_scales_change_the_tokens(saved_moe, undo):
+    _, model_dir, expected = saved_moe
+    engine = _engine(model_dir)
+    for layer in engine.runner.model.decoder_layers():
+        (layer.moe.router.per_expert_scale if undo == "expert scales" else layer.moe.router.scale).fill_(1.0)
+    assert _greedy(engine, _prompts()) != expected
+
+
+def test_the_moe_block_at_int4_serves_its_own_dequantized_weights(saved_moe, tmp_path):
+    """`quantization="int4"`: the experts quantized as each arrives from the stacked tensors; the tokens of a
+    float32 checkpoint holding its dequantized weights (at least 3 of the 4 prompts identical)."""
+    from safetensors.torch import load_file, save_file
+
+    _, model_dir, _ = saved_moe
+    engine = _engine(model_dir, quantization="int4")
+    moe = engine.runner.model.decoder_layers()[0].moe
+    assert moe.packed13 is not None and moe.packed13.bits == 4
+    tokens = _greedy(engine, _prompts())
+    reference = write_dequantized_checkpoint(engine.runner.model, model_dir, tmp_path / "dequantized")
+    tensors = load_file(reference / "model.safetensors")  # (the helper names experts under our `moe.`)
+    save_file({n.replace(".moe.experts.", ".experts."): t for n, t in tensors.items()}, reference / "model.safetensors")
+    want = _greedy(_engine(reference), _prompts())
+    assert identical_count(tokens, want) >= len(want) - 1, (tokens, want)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_the_moe_block_splits_over_two_ranks(saved_moe, expert_parallel):
+    """TP=2 (each expert's intermediate rows split, cut from the stacked tensors as they load) and EP=2 (whole
+    experts per rank): tokens and first-step logprobs as one rank's."""
+    _, model_dir, _ = saved_moe
+    runs = [
+        greedy_with_first_logprobs(model_dir, _prompts(), NEW_TOKENS, num_kv_blocks=64),
+        greedy_with_first_logprobs(
+            model_dir,
+            _prompts(),
+            NEW_TOKENS,
+            tensor_parallel_size=2,
+            enable_expert_parallel=expert_parallel,
+            num_kv_blocks=64,
+        ),
+    ]
+    compare_runs(runs, min_identical=len(LENGTHS) - 1)
