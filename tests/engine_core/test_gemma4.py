@@ -97,6 +97,19 @@ def test_prefix_caching_keeps_hfs_tokens(saved):
     assert engine.scheduler.stats().prefix_cache_hits >= 32
 
 
+def test_preemption_keeps_hfs_tokens(saved):
+    """Too few blocks for every request at once (16-token steps): requests are preempted and recomputed, the
+    KV-shared layers reading their sources' recomputed blocks, and the tokens stay HF's."""
+    hf_model, model_dir, _ = saved
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (45, 30, 52, 38)]
+    want = [hf_greedy(hf_model, p, 24, stop_at_eos=False) for p in prompts]
+    engine = _engine(model_dir, num_kv_blocks=24, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert run_engine(engine, prompts, params) == want
+    assert engine.scheduler.stats().num_preemptions > 0
+
+
 def _undo_proportional_rope(model) -> None:
     """The full layers rotate every frequency of their heads (the default rope) instead of a quarter."""
     full = model.rotaries["full_attention"]
