@@ -99,6 +99,9 @@ class EngineConfig:
     max_joint_prefill_tokens: int = 384
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
+    # Models with recurrent layers: states kept at block boundaries of prompts, which a cached prefix resumes
+    # from (engine_core/state_snapshots.py); 0 turns prefix caching off for them.
+    recurrent_state_snapshots: int = 16
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
     num_threads: int | None = None  # torch intra-op threads on CPU (per rank); default = torch's choice
@@ -138,6 +141,8 @@ class EngineConfig:
             raise ValueError("block_size must be one of 8, 16, 32, 64, 128")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1 or self.max_joint_prefill_tokens < 1:
             raise ValueError("max_num_batched_tokens, max_joint_prefill_tokens and max_num_seqs must be positive")
+        if self.recurrent_state_snapshots < 0:
+            raise ValueError("recurrent_state_snapshots must be 0 or more")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.load_format not in ("auto", "dummy"):
@@ -281,6 +286,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         dest="enable_prefix_caching",
         action="store_false",
         help="turn automatic prefix caching off (on by default)",
+    )
+    g.add_argument(
+        "--recurrent-state-snapshots",
+        type=int,
+        default=EngineConfig.recurrent_state_snapshots,
+        help="models with recurrent layers (Qwen3.5): how many states to keep at prompt block boundaries for "
+        "prefix caching, each a copy of every recurrent layer's state (0: no prefix caching for them)",
     )
     g.add_argument(
         "--max-model-len",
@@ -453,6 +465,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        recurrent_state_snapshots=args.recurrent_state_snapshots,
         seed=args.seed,
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -141,18 +141,19 @@ class EngineCore:
         # pipeline parallel, finished in the step that starts it).
         self.in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
         recurrent = self.runner.num_state_slots > 0
-        if recurrent and config.enable_prefix_caching:
+        if recurrent and config.enable_prefix_caching and not self.runner.num_state_snapshots:
             logger.info(
-                "prefix caching is off: %s's recurrent layers cannot resume a cached prefix (their state at a"
-                " block boundary is not kept)",
+                "prefix caching is off: %s's recurrent layers keep no state snapshots to resume a cached prefix"
+                " from (--recurrent-state-snapshots 0)",
                 self.model_cfg.architecture,
             )
         self.kv_manager = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
-            enable_caching=config.enable_prefix_caching and not recurrent,
+            enable_caching=config.enable_prefix_caching,
             windows=self.runner.kv_layout.windows,
             state_slots=self.runner.num_state_slots,
+            state_snapshots=self.runner.num_state_snapshots,
         )
         if any(self.runner.kv_layout.windows):
             logger.info(

@@ -9,7 +9,8 @@ window's blocks plus the ones the next step writes, while a full-attention group
 A request's full blocks are published in the pool's prefix cache under their chained content hash (and
 their group) once the scheduler has scheduled their tokens. A new request first takes the longest run
 of cached blocks that matches its prompt and that every group can resume from: full groups need every
-block before the resume point, sliding groups only those of the window before it. It takes them (one
+block before the resume point, sliding groups only those of the window before it, and a model's recurrent
+layers a snapshot of their state taken at that point (engine_core/state_snapshots.py). It takes them (one
 more reference each, no compute) and computes only the rest; the last prompt token is always computed,
 because its logits are needed.
 """
@@ -22,6 +23,7 @@ from pagoda.engine_core.block_hash import extend_block_hashes
 from pagoda.engine_core.block_pool import BlockPool, KVCacheBlock
 from pagoda.engine_core.request import Request
 from pagoda.engine_core.state_pool import StatePool
+from pagoda.engine_core.state_snapshots import SNAPSHOT_INTERVAL, StateSnapshots
 
 
 class KVCacheManager:
@@ -35,9 +37,13 @@ class KVCacheManager:
         enable_caching: bool = True,
         windows: Sequence[int | None] = (None,),
         state_slots: int = 0,
+        state_snapshots: int = 0,
     ):
         """`windows`: each KV group's sliding window (None: full attention); one full group by default.
-        `state_slots`: the recurrent group's slots (engine_core/state_pool.py; 0: the model has none)."""
+        `state_slots`: the recurrent group's slots (engine_core/state_pool.py; 0: the model has none).
+        `state_snapshots`: rows kept for recurrent states at block boundaries, after the slots' rows
+        (engine_core/state_snapshots.py); a model with recurrent layers resumes no cached prefix without
+        them."""
         if len(windows) > 255:
             raise ValueError(f"{len(windows)} KV groups: at most 255")
         self.block_size = block_size
@@ -45,6 +51,12 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.windows = tuple(windows)
         self.states = StatePool(state_slots) if state_slots else None
+        self.snapshots = StateSnapshots(state_snapshots, state_slots + 1) if state_slots and state_snapshots else None
+        if self.states is not None and self.snapshots is None:
+            self.enable_caching = False  # (nothing to resume the recurrent layers from)
+        # Prompt chunks of a recurrent model end at these multiples of the block size (and at the prompt's
+        # last boundary), where the state is snapshotted.
+        self.snapshot_interval = max(1, SNAPSHOT_INTERVAL // block_size) * block_size
         # Admission keeps a few blocks spare so running requests can grow without instant preemption.
         self.watermark_blocks = int(watermark * self.pool.num_usable_blocks)
         self._blocks_of: dict[str, list[list[KVCacheBlock]]] = {}  # [group][block index]
@@ -75,6 +87,9 @@ class KVCacheManager:
                 resume = min(resume, next((i for i, block in enumerate(found[g]) if block is None), resume))
         while resume > 0 and not self._windows_cached(found, resume):
             resume -= 1
+        if self.snapshots is not None:  # (and the recurrent layers' state at the resume point)
+            while resume > 0 and self.snapshots.lookup(hashes[resume - 1]) is None:
+                resume -= 1
         hits = []
         for index in range(resume):
             row = []
@@ -101,6 +116,45 @@ class KVCacheManager:
                 if any(block is None for block in found[g][first:resume]):
                     return False
         return True
+
+    def snapshot_cap(self, request: Request, num_new: int) -> int:
+        """`num_new` tokens of a request about to be computed, cut to end at its next snapshot point (where a
+        recurrent model's state is worth keeping): every `snapshot_interval` tokens of its prompt, and the
+        prompt's last block boundary before its last token (what a longer prompt starting with it, a next
+        turn, resumes from)."""
+        point = self._next_snapshot_point(request)
+        if point is None:
+            return num_new
+        return min(num_new, point - request.num_computed_tokens)
+
+    def _next_snapshot_point(self, request: Request) -> int | None:
+        if self.snapshots is None or not self.enable_caching or not request.reads_prefix_cache:
+            return None
+        last = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+        computed = request.num_computed_tokens
+        if computed >= last:
+            return None
+        return min(last, (computed // self.snapshot_interval + 1) * self.snapshot_interval)
+
+    def snapshot_save(self, request: Request, computed_before: int) -> tuple[int, int] | None:
+        """(slot, row): the copy that keeps a request's state as its step leaves it, where the step took it
+        from `computed_before` to a snapshot point not kept yet; None otherwise."""
+        if self.snapshots is None or not self.enable_caching or not request.reads_prefix_cache:
+            return None
+        computed = request.num_computed_tokens
+        if computed % self.block_size or computed > request.num_prompt_tokens - 1:
+            return None
+        last = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+        if (computed != last and computed % self.snapshot_interval) or computed <= computed_before:
+            return None
+        row = self.snapshots.reserve(self.block_hashes(request)[computed // self.block_size - 1])
+        return None if row is None else (request.state_slot, row)
+
+    def snapshot_load(self, request: Request, num_hit_blocks: int) -> tuple[int, int]:
+        """(row, slot): the copy that gives a request resuming after `num_hit_blocks` cached blocks its
+        recurrent state there."""
+        assert self.snapshots is not None
+        return self.snapshots.load(self.block_hashes(request)[num_hit_blocks - 1]), request.state_slot
 
     def head_hash(self, request: Request) -> bytes | None:
         """The hash of the request's first block, if it has a full one (and caching is on)."""
@@ -257,6 +311,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the number of blocks that were cached."""
         self._num_cached_blocks = {rid: len(tables[0]) for rid, tables in self._blocks_of.items()}
+        if self.snapshots is not None:
+            self.snapshots.reset()
         return self.pool.reset_cache()
 
     @property
@@ -266,6 +322,8 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """The pool's invariants, and the state pool's: every slot held by a request that holds blocks."""
         self.pool.check_integrity()
+        if self.snapshots is not None:
+            self.snapshots.check_integrity()
         if self.states is not None:
             self.states.check_integrity()
             missing = [rid for rid in self._blocks_of if self.states.slot_of(rid) is None]

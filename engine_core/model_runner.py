@@ -169,6 +169,11 @@ class ModelRunner:
         # A recurrent state slot per running request (engine_core/state_pool.py), allocated before the KV
         # pool is sized (on a GPU, the profile sees it in use); none for a model without recurrent layers.
         self.num_state_slots = config.max_num_seqs if self.model.recurrent_layers() else 0
+        # Rows after the slots' for states kept at block boundaries, what a cached prefix resumes from
+        # (engine_core/state_snapshots.py); none where prefix caching is off.
+        self.num_state_snapshots = (
+            config.recurrent_state_snapshots if self.num_state_slots and config.enable_prefix_caching else 0
+        )
         self.state_bytes = self._allocate_state_pool()
         # Long prompts' rows as bulk rows, where the linears then compute them otherwise (AMX; float32 panels)
         self.bulk_prompts = self.dtype == torch.float32 and ops.bulk_rows_differ(self.device)
@@ -201,24 +206,38 @@ class ModelRunner:
         return plan_model_layout(self.model, windows, split=self.pipe is None and self.draft is None)
 
     def _allocate_state_pool(self) -> int:
-        """Bind each recurrent layer its state pools, `num_state_slots` + 1 rows (row 0: padding rows'),
-        zeroed; returns their bytes."""
+        """Bind each recurrent layer its state pools, `num_state_slots` + 1 rows (row 0: padding rows') and
+        `num_state_snapshots` more, zeroed; returns their bytes."""
         total = 0
         if not self.num_state_slots:
             return total
-        rows = self.num_state_slots + 1
+        rows = self.num_state_slots + 1 + self.num_state_snapshots
         for layer in self.model.recurrent_layers():
             (conv_shape, conv_dtype), (state_shape, state_dtype) = self.model.recurrent_state_shapes()
             layer.conv_states = torch.zeros((rows, *conv_shape), dtype=conv_dtype, device=self.device)
             layer.recurrent_states = torch.zeros((rows, *state_shape), dtype=state_dtype, device=self.device)
             total += layer.conv_states.nbytes + layer.recurrent_states.nbytes
         logger.info(
-            "Recurrent state pool: %d slots (one per running request) x %.2f MiB = %.1f MiB, beside the KV pool",
+            "Recurrent state pool: %d slots (one per running request) and %d snapshots (for cached prefixes)"
+            " x %.2f MiB = %.1f MiB, beside the KV pool",
             self.num_state_slots,
+            self.num_state_snapshots,
             total / rows / 2**20,
             total / 2**20,
         )
         return total
+
+    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Copy recurrent states between rows of every recurrent layer's pools, (source, destination) pairs:
+        snapshots into slots, or slots into snapshots (engine_core/state_snapshots.py)."""
+        if not copies:
+            return
+        source = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
+        destination = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
+        for layer in self.model.recurrent_layers():
+            for name in ("conv_states", "recurrent_states"):
+                pool: torch.Tensor = getattr(layer, name)
+                pool.index_copy_(0, destination, pool.index_select(0, source))
 
     def _num_blocks(self) -> int:
         per_block = kv_bytes_per_block(self.kv_layout, self.block_size, self.kv_cache_dtype)
@@ -344,7 +363,9 @@ class ModelRunner:
             )
         else:
             inputs = self.to_device(step, rows)
+            self._copy_states(sched.state_loads)
             hidden = self.model(*inputs)
+            self._copy_states(sched.state_saves)
         if self.draft is not None:  # the draft's K/V for every token the target computes, in the same slots
             self.draft.model(*(inputs or self.to_device(step)))
         pending = PendingStep(requests, counts, sampling, proposals, wanted, rows, len(step.token_ids), hidden)

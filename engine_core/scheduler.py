@@ -32,6 +32,11 @@ class SchedulerOutput:
     # Speculative decoding: request id -> the proposed tokens this step verifies (scheduled after the
     # request's last token, and counted in its scheduled tokens).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Models with recurrent layers (engine_core/state_snapshots.py): (snapshot row, state slot) copies the
+    # runner makes before the forward pass (requests resuming a cached prefix), and (slot, row) copies
+    # after it (chunks that ended where a state is kept).
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:
@@ -136,12 +141,15 @@ class Scheduler:
         for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
             request.num_computed_tokens += n  # advanced now, so the next schedule plans the next chunk
             self.kv.cache_full_blocks(request)  # their K/V are written in this step, before any reader
+            save = self.kv.snapshot_save(request, request.num_computed_tokens - n)
+            if save is not None:
+                out.state_saves.append(save)
         return out
 
     def _with_proposals(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """How many tokens a running request computes: the rest of its prompt (or its last token), and
         when it decodes, its proposed tokens too, as many as the budget takes."""
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_new = self.kv.snapshot_cap(request, min(request.num_tokens - request.num_computed_tokens, budget))
         spec = request.spec_token_ids[: budget - 1]
         if not spec or num_new != 1:
             return num_new
@@ -184,12 +192,18 @@ class Scheduler:
             hits = self.kv.computed_blocks(request) if request.num_computed_tokens == 0 else []
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
+            if self.kv.snapshots is not None:  # (cut where the recurrent state is kept, from the resume point)
+                request.num_computed_tokens += num_hit_tokens
+                num_new = self.kv.snapshot_cap(request, num_new)
+                request.num_computed_tokens -= num_hit_tokens
             if prefill_tokens and prefill_tokens + num_new > self.max_joint_prefill_tokens:
                 break
             # The free-block watermark applies only when others run: alone, a request may use it all.
             if not self.kv.allocate_slots(request, num_new, admitting=bool(self.running), hit_blocks=hits):
                 break
             self.waiting.popleft()
+            if hits and self.kv.snapshots is not None:
+                out.state_loads.append(self.kv.snapshot_load(request, len(hits)))
             if request.num_computed_tokens == 0:
                 if request.reads_prefix_cache:  # (no lookup was made for the others)
                     self.kv.record_lookup(request.num_tokens, num_hit_tokens)

@@ -1,8 +1,9 @@
 """Qwen3.5 in the engine: its Gated DeltaNet layers keep a recurrent state per running request in the state
 pool (engine_core/state_pool.py), its full-attention layers paged KV. Greedy tokens equal HF generate's
 under chunked prefill, a batch joining and leaving, preemption (recompute from a fresh state) and aborts;
-the pool holds exactly one slot per running request; prefix caching is off and speculative decoding
-refused for these models. (test_tiny_models.py checks the dense and MoE models on the golden lengths.)"""
+the pool holds exactly one slot per running request; prefix caching is off without state snapshots
+(test_recurrent_prefix_cache.py tests it with them) and speculative decoding refused for these models.
+(test_tiny_models.py checks the dense and MoE models on the golden lengths.)"""
 
 from __future__ import annotations
 
@@ -67,10 +68,11 @@ def test_the_state_pool_holds_one_slot_per_running_request(saved):
     assert states.num_free == states.num_slots
 
 
-def test_prefix_caching_is_off_and_speculation_refused(saved):
+def test_prefix_caching_is_off_without_snapshots_and_speculation_refused(saved):
     hf_model, path = saved
-    engine = EngineCore(EngineConfig(model=str(path), num_kv_blocks=32, enable_prefix_caching=True))
-    assert not engine.kv_manager.enable_caching
+    config = EngineConfig(model=str(path), num_kv_blocks=32, enable_prefix_caching=True, recurrent_state_snapshots=0)
+    engine = EngineCore(config)
+    assert not engine.kv_manager.enable_caching and engine.kv_manager.snapshots is None
     prompt = _prompts([40])[0]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert run_engine(engine, [prompt, prompt], params) == [hf_greedy(hf_model, prompt, 8, stop_at_eos=False)] * 2
