@@ -227,13 +227,13 @@ class ModelRunner:
         )
         return total
 
-    def _copy_states(self, copies: list[tuple[int, int]]) -> None:
-        """Copy recurrent states between rows of every recurrent layer's pools, (source, destination) pairs:
-        snapshots into slots, or slots into snapshots (engine_core/state_snapshots.py)."""
-        if not copies:
+    def _copy_states(self, copies: np.ndarray | None) -> None:
+        """Copy recurrent states between rows of every recurrent layer's pools, [N, 2] (source, destination)
+        rows: snapshots into slots, or slots into snapshots (engine_core/state_snapshots.py)."""
+        if copies is None or not len(copies):
             return
-        source = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
-        destination = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
+        source = torch.from_numpy(np.ascontiguousarray(copies[:, 0])).to(self.device)
+        destination = torch.from_numpy(np.ascontiguousarray(copies[:, 1])).to(self.device)
         for layer in self.model.recurrent_layers():
             for name in ("conv_states", "recurrent_states"):
                 pool: torch.Tensor = getattr(layer, name)
@@ -344,6 +344,7 @@ class ModelRunner:
         counts = [sched.num_scheduled_tokens[i] for i in order]
         proposals = sched.spec_token_ids
         step = prepare_step(requests, counts, self.block_size, proposals, bulk_requests)
+        step.state_loads, step.state_saves = _copies(sched.state_loads), _copies(sched.state_saves)
         sampling = []  # a request samples once its tokens are all computed: at its last row, or at each proposal
         for i, r in enumerate(requests):
             drafts = proposals.get(r.request_id, ())
@@ -363,9 +364,9 @@ class ModelRunner:
             )
         else:
             inputs = self.to_device(step, rows)
-            self._copy_states(sched.state_loads)
+            self._copy_states(step.state_loads)
             hidden = self.model(*inputs)
-            self._copy_states(sched.state_saves)
+            self._copy_states(step.state_saves)
         if self.draft is not None:  # the draft's K/V for every token the target computes, in the same slots
             self.draft.model(*(inputs or self.to_device(step)))
         pending = PendingStep(requests, counts, sampling, proposals, wanted, rows, len(step.token_ids), hidden)
@@ -436,7 +437,9 @@ class ModelRunner:
             assert self.pipe is not None
             activations = self.pipe.recv_activations(len(step.token_ids), self.model_cfg.hidden_size, self.dtype)
             activations = activations.to(self.device)
+        self._copy_states(step.state_loads)
         out = self.model(*self.to_device(step, rows), activations)
+        self._copy_states(step.state_saves)
         if self.pipe is None:
             self._run_heads(out, rows)
             return
@@ -570,3 +573,8 @@ def _rank_description(group: TPGroup, stage) -> str:
     if stage.count > 1:
         parts.append(f"pipeline stage {stage.index + 1} of {stage.count}")
     return f" ({', '.join(parts)})" if parts else ""
+
+
+def _copies(pairs: list[tuple[int, int]]) -> np.ndarray | None:
+    """A scheduler's (source, destination) state copies as StepInputs carries them; None for none."""
+    return np.array(pairs, dtype=np.int64).reshape(-1, 2) if pairs else None

@@ -27,6 +27,11 @@ class StepInputs:
     # starts it at position 0 (its slot is zeroed first)
     state_slots: np.ndarray | None = None
     fresh_states: np.ndarray | None = None
+    # [N, 2] (source row, destination row) copies of recurrent states in every recurrent layer's pools
+    # (engine_core/state_snapshots.py): before the forward pass (snapshots into the slots of requests
+    # resuming a cached prefix), and after it (slots into snapshots). Every rank makes them.
+    state_loads: np.ndarray | None = None
+    state_saves: np.ndarray | None = None
 
 
 def prepare_step(

@@ -25,6 +25,8 @@ _ARRAYS = (
     "query_start_loc",
     "state_slots",
     "fresh_states",
+    "state_loads",
+    "state_saves",
     "prompt_spans",
     "sample_rows",
 )
@@ -67,6 +69,8 @@ def encode_step(step: StepInputs, rows: LogitsRows) -> list[bytes | memoryview]:
         np.ascontiguousarray(step.query_start_loc, dtype=np.int64),
         _or_empty(step.state_slots),
         _or_empty(step.fresh_states),
+        _or_empty(step.state_loads),
+        _or_empty(step.state_saves),
         np.ascontiguousarray(rows.prompt_spans, dtype=np.int64),
         np.ascontiguousarray(rows.sample_rows, dtype=np.int64),
     ]
@@ -115,5 +119,7 @@ def decode(buffer: bytes | memoryview) -> StepMessage | int:
         bulk_rows_from=header.bulk_rows_from,
         state_slots=arrays["state_slots"],
         fresh_states=arrays["fresh_states"].astype(bool),
+        state_loads=arrays["state_loads"].reshape(-1, 2),
+        state_saves=arrays["state_saves"].reshape(-1, 2),
     )
     return StepMessage(step, LogitsRows(arrays["prompt_spans"], arrays["sample_rows"]))

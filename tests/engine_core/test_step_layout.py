@@ -59,3 +59,21 @@ def test_other_ranks_receive_where_the_bulk_rows_start():
     assert not isinstance(message, int)
     assert message.step.bulk_rows_from == step.bulk_rows_from == 1
     assert message.step.num_decodes == 1 and message.step.token_ids.tolist() == step.token_ids.tolist()
+
+
+def test_other_ranks_receive_the_steps_state_copies():
+    """A recurrent model's snapshot copies (engine_core/state_snapshots.py) travel with the step: every rank
+    copies the same rows of its own state pools."""
+    requests = [_request("decode", 20, 22, outputs=2), _request("long", 40, 40)]
+    step = prepare_step(requests, [1, 40], BLOCK)
+    step.state_loads = np.array([[9, 2]], dtype=np.int64)
+    step.state_saves = np.array([[1, 7], [2, 8]], dtype=np.int64)
+    rows = LogitsRows(np.zeros((0, 2), dtype=np.int64), np.array([0, 40], dtype=np.int64))
+    message = step_message.decode(b"".join(bytes(part) for part in step_message.encode_step(step, rows)))
+    assert not isinstance(message, int)
+    assert message.step.state_loads.tolist() == [[9, 2]]
+    assert message.step.state_saves.tolist() == [[1, 7], [2, 8]]
+    empty = step_message.decode(
+        b"".join(bytes(part) for part in step_message.encode_step(prepare_step(requests, [1, 40], BLOCK), rows))
+    )
+    assert not isinstance(empty, int) and empty.step.state_loads.shape == (0, 2)
