@@ -85,11 +85,12 @@ class KVCacheManager:
         for g, window in enumerate(self.windows):
             if window is None:
                 resume = min(resume, next((i for i, block in enumerate(found[g]) if block is None), resume))
-        while resume > 0 and not self._windows_cached(found, resume):
+        snapshots = self.snapshots  # (a recurrent model's layers also need their state at the resume point)
+        while resume > 0 and (
+            not self._windows_cached(found, resume)
+            or (snapshots is not None and snapshots.lookup(hashes[resume - 1]) is None)
+        ):
             resume -= 1
-        if self.snapshots is not None:  # (and the recurrent layers' state at the resume point)
-            while resume > 0 and self.snapshots.lookup(hashes[resume - 1]) is None:
-                resume -= 1
         hits = []
         for index in range(resume):
             row = []

@@ -134,6 +134,8 @@ class Scheduler:
         scheduled.
         """
         out = SchedulerOutput()
+        if self.kv.snapshots is not None:
+            self.kv.snapshots.begin_step()
         limit = max_requests if max_requests is not None else self.max_num_seqs
         budget = self._schedule_running(out, self.max_num_batched_tokens, exclude, limit)
         if not out.preempted:

@@ -33,6 +33,7 @@ class StateSnapshots:
         self.first_row = first_row
         self._row_of: OrderedDict[bytes, int] = OrderedDict()  # block hash -> row, least recently used first
         self._free = list(range(first_row + capacity - 1, first_row - 1, -1))  # (pop() gives the lowest)
+        self._this_step: set[int] = set()  # rows reserved in the step being scheduled: not to be taken again
         self.saved = 0  # snapshots taken, cumulative
         self.loaded = 0  # of which resumed from, cumulative
 
@@ -54,25 +55,35 @@ class StateSnapshots:
         self.loaded += 1
         return row
 
+    def begin_step(self) -> None:
+        """A new step is being scheduled: the rows reserved for the last one hold their states now."""
+        self._this_step.clear()
+
     def reserve(self, block_hash: bytes) -> int | None:
         """A row for the state after the block `block_hash` ends, the least recently used snapshot's where
-        none is free; None where that state is kept already."""
+        none is free; None where that state is kept already, or where every row is another copy of this
+        step's (two copies into one row in one step would leave it holding either state)."""
         if block_hash in self._row_of:
             self._row_of.move_to_end(block_hash)
             return None
         if self._free:
             row = self._free.pop()
         else:
-            _, row = self._row_of.popitem(last=False)
+            oldest = next((h for h, r in self._row_of.items() if r not in self._this_step), None)
+            if oldest is None:
+                return None
+            row = self._row_of.pop(oldest)
         self._row_of[block_hash] = row
+        self._this_step.add(row)
         self.saved += 1
         return row
 
     def reset(self) -> int:
-        """Forget every snapshot; returns how many there were."""
+        """Forget every snapshot (between steps: every copy made); returns how many there were."""
         count = len(self._row_of)
         self._free.extend(self._row_of.values())
         self._row_of.clear()
+        self._this_step.clear()
         return count
 
     def check_integrity(self) -> None:

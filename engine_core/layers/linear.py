@@ -133,12 +133,14 @@ def _spans(
             return split_rows(in_features, rank, world), whole_out
         return whole_in, [split_rows(size, rank, world) for size in out_sizes]
     q_heads, kv_heads = heads.of_rank(rank, world)
-    head_dim = (in_features if parallel == "row" else out_sizes[0]) // heads.num_heads
     if parallel == "row":  # (the output projection: its inputs are the query heads)
-        return q_heads.scaled(head_dim), whole_out
+        return q_heads.scaled(in_features // heads.num_heads), whole_out
     # (column-parallel with heads: the merged Q, K, V projection, or its first parts: Q and K where the
-    # values are the keys, Gemma 4's `attention_k_eq_v`; Q alone in a layer that reads another's K/V)
-    parts = [q_heads.scaled(head_dim), kv_heads.scaled(head_dim), kv_heads.scaled(head_dim)]
+    # values are the keys, Gemma 4's `attention_k_eq_v`; Q alone in a layer that reads another's K/V. A
+    # query head's rows may be wider than a K/V head's: Qwen3.5's hold its output gate too.)
+    q_size = out_sizes[0] // heads.num_heads
+    kv_size = out_sizes[1] // heads.num_kv_heads if len(out_sizes) > 1 else 0
+    parts = [q_heads.scaled(q_size), kv_heads.scaled(kv_size), kv_heads.scaled(kv_size)]
     return whole_in, parts[: len(out_sizes)]
 
 

@@ -28,8 +28,17 @@ sigmoid(shared_expert_gate(x)) (`MoEMLP`, engine_core/models/moe.py). Checkpoint
 text model under `model.language_model.`; the vision tower (`model.visual.`) and the multi-token-prediction
 head (`mtp.`) are skipped.
 
-Not supported (refused at build): tensor and pipeline parallel, activations other than SiLU. The fused CPU
-decode step is off (it runs Llama's layer).
+Tensor parallel: each rank holds whole heads. The gated attention splits as Llama's does (a query head's rows
+hold its output gate too); a Gated DeltaNet layer holds a contiguous share of its key heads and of its value
+heads (which follow the key heads, `linear_num_value_heads` / `linear_num_key_heads` per key head), so its
+recurrent state is per rank too, and its output projection is row-parallel. The checkpoint's `in_proj_qkv`
+and `conv1d` stack all query heads, then all key heads, then all value heads: at load their rows are put in
+rank-major order (each rank's query, key and value heads together), so that each rank's share is one
+contiguous run (`_rank_major`); the others split as ordinary column-parallel rows. That needs float weights
+(or quantization at load): a quantized checkpoint's `in_proj_qkv` under tensor parallel is refused.
+
+Not supported (refused at build): pipeline parallel, activations other than SiLU. The fused CPU decode step
+is off (it runs Llama's layer).
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from pagoda.engine_core.models.llama import LlamaForCausalLM
 from pagoda.engine_core.models.llama_layers import _bulk_after
 from pagoda.engine_core.models.moe import MoEForCausalLM, stacked_expert_pieces
 from pagoda.engine_core.parallel.distributed import building_group, building_stage
+from pagoda.engine_core.parallel.sharding import AttentionHeads
 from pagoda.engine_core.quantization.assembly import LinearAssembler
 from pagoda.kernels import ops
 
@@ -115,19 +125,30 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         raw = cfg.raw
-        self.num_k_heads, self.num_v_heads = int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"])
+        self.tp = building_group()
+        k_heads, v_heads = int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"])
+        world = self.tp.world_size
+        if k_heads % world or v_heads % world:
+            raise ValueError(
+                f"{cfg.architecture}: tensor_parallel_size {world} must divide the linear attention's {k_heads} "
+                f"key heads and {v_heads} value heads"
+            )
+        self.num_k_heads, self.num_v_heads = k_heads // world, v_heads // world  # (this rank's)
         self.head_k_dim, self.head_v_dim = int(raw["linear_key_head_dim"]), int(raw["linear_value_head_dim"])
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_width = int(raw.get("linear_conv_kernel_dim") or 4)
-        heads = self.num_v_heads
-        self.in_proj = MergedLinear(cfg.hidden_size, [self.conv_dim, self.value_dim, heads, heads], False, dtype)
+        key_all, value_all = k_heads * self.head_k_dim, v_heads * self.head_v_dim  # (every rank's)
+        self.in_proj = MergedLinear(
+            cfg.hidden_size, [2 * key_all + value_all, value_all, v_heads, v_heads], False, dtype, parallel="column"
+        )
         self.conv1d = DepthwiseConvWeight(self.conv_dim, self.conv_width, dtype)
+        heads = self.num_v_heads
         self.A_log = nn.Parameter(torch.empty(heads, dtype=dtype), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(heads, dtype=dtype), requires_grad=False)
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps, dtype)
-        self.out_proj = Linear(self.value_dim, cfg.hidden_size, False, dtype)
+        self.out_proj = Linear(value_all, cfg.hidden_size, False, dtype, parallel="row")
         self.conv_states: torch.Tensor | None = None  # bound by the model runner
         self.recurrent_states: torch.Tensor | None = None
 
@@ -197,11 +218,16 @@ class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rotary: RotaryEmbedding):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = cfg.num_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
+        heads = AttentionHeads(cfg.num_heads, cfg.num_kv_heads)
         # (merged as Llama's: q_proj, k_proj, v_proj load as its shards 0, 1, 2; the query part is twice q_size)
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [2 * q_size, kv_size, kv_size], cfg.attention_bias, dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.attention_bias, dtype)
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, [2 * q_size, kv_size, kv_size], cfg.attention_bias, dtype, parallel="column", heads=heads
+        )
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.attention_bias, dtype, parallel="row", heads=heads)
+        # This rank's heads (all of them without tensor parallel).
+        self.num_heads = self.qkv_proj.out_sizes[0] // (2 * self.head_dim)
+        self.num_kv_heads = self.qkv_proj.out_sizes[1] // self.head_dim
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
@@ -283,8 +309,8 @@ def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pooling: bool = False):
         name = cfg.architecture
-        if building_group().parallel or building_stage().count > 1:
-            raise ValueError(f"{name}: tensor and pipeline parallel are not supported for this family yet")
+        if building_stage().count > 1:
+            raise ValueError(f"{name}: pipeline parallel is not supported for this family yet")
         activation = cfg.raw.get("hidden_act") or "silu"
         if activation != "silu":
             raise ValueError(f"{name}: hidden activation {activation!r} is not supported (silu)")
@@ -349,12 +375,16 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], assembler: LinearAssembler | None = None
     ) -> None:
-        super().load_weights(self._in_our_layout(weights), assembler)
+        super().load_weights(self._in_our_layout(weights, assembled=assembler is not None), assembler)
 
-    def _in_our_layout(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _in_our_layout(
+        self, weights: Iterable[tuple[str, torch.Tensor]], assembled: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Text-model names; norm weights that scale by (1 + w) as 1 + w in float32 (`GemmaRMSNorm`); stacked
-        experts as each expert's projections (views). A GGUF file's norms hold 1 + w already (config.json's
-        NORMS_INCLUDE_ONE, engine_core/gguf_qwen35.py): they load as stored."""
+        experts as each expert's projections (views); under tensor parallel the linear attention's tensors
+        that `checkpoint_slices` reads whole cut to this rank's heads (`_rank_major`). A GGUF file's norms
+        hold 1 + w already (config.json's NORMS_INCLUDE_ONE, engine_core/gguf_qwen35.py): they load as
+        stored."""
         include_one = bool(self.cfg.raw.get(NORMS_INCLUDE_ONE))
         for checkpoint_name, tensor in weights:
             name = _text_name(checkpoint_name)
@@ -365,7 +395,35 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
                 yield from stacked_expert_pieces(name, tensor)
                 continue
+            if self.tp.parallel and name.endswith(_PER_HEAD):
+                tensor = self._rank_share(name, tensor, assembled)
             yield name, tensor
+
+    def _rank_share(self, name: str, tensor: torch.Tensor, assembled: bool) -> torch.Tensor:
+        """Under tensor parallel, a linear-attention tensor read whole: `in_proj_qkv` and `conv1d` rows in
+        rank-major order, then (but for a quantization assembler's linear, which cuts after converting) this
+        rank's run of them; A_log's and dt_bias's entries of this rank's value heads."""
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            raw = self.cfg.raw
+            key_all = int(raw["linear_num_key_heads"]) * int(raw["linear_key_head_dim"])
+            value_all = int(raw["linear_num_value_heads"]) * int(raw["linear_value_head_dim"])
+            tensor = _rank_major(tensor, [key_all, key_all, value_all], self.tp.world_size)
+            if assembled and name.endswith("in_proj_qkv.weight"):
+                return tensor
+        elif not name.endswith(("A_log", "dt_bias")):
+            kind = name.rpartition(".")[2]
+            raise ValueError(
+                f"{self.cfg.architecture}: tensor parallel needs the linear attention's in_proj_qkv in float "
+                f"(this checkpoint stores it as {kind!r}): use one rank, or a float checkpoint"
+            )
+        share = tensor.shape[0] // self.tp.world_size
+        return tensor[self.tp.rank * share : (self.tp.rank + 1) * share]
+
+    def checkpoint_slices(self, name: str, assembled: bool) -> tuple[slice, ...] | None:
+        text_name = _text_name(name)
+        if text_name is not None and text_name.endswith(_PER_HEAD):
+            return None  # (read whole: `_rank_share` cuts them)
+        return super().checkpoint_slices(name, assembled)
 
     def holds(self, name: str) -> bool:
         text_name = _text_name(name)
@@ -394,6 +452,27 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
     """The text model of a Qwen3.5-MoE vision-language checkpoint (images are not supported)."""
+
+
+# The linear attention's tensors whose rank shares `checkpoint_slices` cannot name as one slice of the
+# checkpoint's tensor (`in_proj_qkv`'s and `conv1d`'s: three runs of rows), or that are no linear's (A_log,
+# dt_bias): read whole, cut at load. in_proj_qkv's other kinds (a quantized checkpoint's) are refused there.
+_PER_HEAD = (
+    "linear_attn.in_proj_qkv.weight",
+    "linear_attn.conv1d.weight",
+    "linear_attn.A_log",
+    "linear_attn.dt_bias",
+    "linear_attn.in_proj_qkv.qweight",
+    "linear_attn.in_proj_qkv.weight_packed",
+    "linear_attn.in_proj_qkv.gguf_blocks",
+)
+
+
+def _rank_major(tensor: torch.Tensor, parts: list[int], world: int) -> torch.Tensor:
+    """Rows in `parts` runs (query, key, value heads), each split evenly over `world` ranks, reordered so that
+    each rank's pieces of every run are adjacent: [q0 k0 v0 q1 k1 v1 ...]."""
+    pieces = [run.chunk(world) for run in tensor.split(parts)]
+    return torch.cat([piece for rank in range(world) for piece in (run[rank] for run in pieces)])
 
 
 def _text_name(name: str) -> str | None:

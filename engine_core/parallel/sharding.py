@@ -115,7 +115,13 @@ def check_model_splits(model_cfg, world_size: int, pipeline_stages: int = 1, exp
     heads = AttentionHeads(model_cfg.num_heads, model_cfg.num_kv_heads)
     for rank in range(world_size):
         heads.of_rank(rank, world_size)
-    if model_cfg.intermediate_size < world_size:
+    linear_heads = [int(model_cfg.raw.get(k) or 0) for k in ("linear_num_key_heads", "linear_num_value_heads")]
+    if any(heads % world_size for heads in linear_heads):
+        raise ValueError(
+            f"tensor_parallel_size {world_size} must divide the linear attention's {linear_heads[0]} key heads and "
+            f"{linear_heads[1]} value heads"
+        )
+    if model_cfg.intermediate_size and model_cfg.intermediate_size < world_size:  # (0: every MLP is experts)
         raise ValueError(
             f"tensor_parallel_size {world_size} exceeds the model's intermediate size {model_cfg.intermediate_size}"
         )

@@ -2,7 +2,8 @@
 pool (engine_core/state_pool.py), its full-attention layers paged KV. Greedy tokens equal HF generate's
 under chunked prefill, a batch joining and leaving, preemption (recompute from a fresh state) and aborts;
 the pool holds exactly one slot per running request; prefix caching is off without state snapshots
-(test_recurrent_prefix_cache.py tests it with them) and speculative decoding refused for these models.
+(test_recurrent_prefix_cache.py tests it with them) and speculative decoding refused for these models;
+tensor parallel over two ranks (float, and int8 at load) gives one rank's tokens.
 (test_tiny_models.py checks the dense and MoE models on the golden lengths.)"""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pagoda.engine_core.config import EngineConfig
 from pagoda.engine_core.engine import EngineCore
 from pagoda.engine_core.sampling_params import SamplingParams
 from tests import tiny_models
-from tests.helpers import hf_greedy, run_engine
+from tests.helpers import greedy_with_first_logprobs, hf_greedy, run_engine
+from tests.parallel_checks import compare_runs
 
 
 @pytest.fixture(scope="module", params=tiny_models.QWEN3_5)
@@ -84,3 +86,37 @@ def test_prefix_caching_is_off_without_snapshots_and_speculation_refused(saved):
                 speculative_config='{"method": "ngram", "num_speculative_tokens": 2}',
             )
         )
+
+
+def _tensor_parallel_runs(path, **args):
+    prompts = _prompts([1, 6, 17, 40])
+    return [
+        greedy_with_first_logprobs(path, prompts, 16, tensor_parallel_size=tp, num_kv_blocks=64, **args)
+        for tp in (1, 2)
+    ]
+
+
+def test_tensor_parallel_matches_one_rank(saved):
+    """TP=2 over gloo: each rank holds one of the Gated DeltaNet's two key heads and two of its four value
+    heads (their rows in in_proj_qkv and conv1d put in rank-major order at load), its own recurrent states,
+    half the gated attention's heads and half of each MLP or expert."""
+    _, path = saved
+    compare_runs(_tensor_parallel_runs(path), min_identical=3)
+
+
+def test_tensor_parallel_with_int8_at_load_matches_one_rank(tmp_path):
+    """The dense model quantized at load under TP=2: in_proj_qkv in rank-major order quantized whole, then
+    cut. Int8 activations are off: each rank would round its 48 value columns in other groups of 32 than one
+    rank rounds all 96, a difference of rounding, not of the split (and the MoE's down projections are scaled
+    per rank's columns: tests/engine_core/test_moe_parallel.py)."""
+    tiny_models.build("qwen3_5").save_pretrained(tmp_path)
+    compare_runs(_tensor_parallel_runs(tmp_path, quantization="int8", int8_activations=False), min_identical=3)
+
+
+def test_a_split_that_cuts_linear_attention_heads_is_refused(saved):
+    from pagoda.engine_core.model_config import ModelConfig
+    from pagoda.engine_core.parallel.sharding import check_model_splits
+
+    _, path = saved
+    with pytest.raises(ValueError, match="must divide the linear attention's 2 key heads"):
+        check_model_splits(ModelConfig.from_dir(path), 4)

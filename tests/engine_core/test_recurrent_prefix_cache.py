@@ -64,6 +64,21 @@ def test_a_shared_1024_token_prefix_is_computed_once(saved):
     engine.check_integrity()
 
 
+def test_every_tensor_parallel_rank_resumes_its_share_of_the_state(saved):
+    """TP=2: each rank keeps and loads the snapshots of its own heads' states (the copies travel with the
+    step); the resumed request's tokens are HF's."""
+    hf_model, path = saved
+    prefix = _tokens(512, 13)
+    prompts = [prefix + _tokens(20, 14), prefix + _tokens(3, 15)]
+    want = [hf_greedy(hf_model, p, NEW_TOKENS, stop_at_eos=False) for p in prompts]
+    engine = _engine(path, tensor_parallel_size=2)
+    try:
+        assert run_engine(engine, prompts[:1], PARAMS) + run_engine(engine, prompts[1:], PARAMS) == want
+        assert engine.kv_manager.snapshots.loaded == 1
+    finally:
+        engine.close()
+
+
 def test_a_next_turn_resumes_at_the_last_prompts_last_boundary(saved):
     """Turn two is turn one's prompt (600 tokens), its answer and 20 more tokens: it resumes at 592, the last
     block boundary before turn one's last prompt token."""
@@ -133,10 +148,40 @@ def test_preemption_and_aborts_leak_nothing(saved):
 def test_the_snapshot_rows_are_reused_least_recently_used_first():
     snapshots = StateSnapshots(2, first_row=5)
     assert snapshots.reserve(b"a") == 5 and snapshots.reserve(b"b") == 6
+    snapshots.begin_step()
     assert snapshots.reserve(b"a") is None  # (kept already; now the most recently used)
     assert snapshots.reserve(b"c") == 6  # (b was the least recently used)
+    snapshots.begin_step()
     assert snapshots.lookup(b"b") is None and snapshots.lookup(b"a") == 5
     assert snapshots.reserve(b"d") == 6  # (c: a was just looked up)
     snapshots.check_integrity()
     assert snapshots.reset() == 2 and len(snapshots) == 0
     snapshots.check_integrity()
+
+
+def test_one_step_never_copies_two_states_into_one_row():
+    """More saves in a step than rows: the extra ones are dropped, not copied over a row this step fills."""
+    snapshots = StateSnapshots(2, first_row=5)
+    snapshots.begin_step()
+    assert [snapshots.reserve(h) for h in (b"a", b"b", b"c")] == [5, 6, None]
+    snapshots.begin_step()
+    assert snapshots.reserve(b"c") == 5  # (a, the least recently used, now goes)
+    snapshots.check_integrity()
+
+
+def test_a_burst_of_prompts_saves_each_state_in_its_own_row(saved):
+    """Six short prompts admitted in one step with two snapshot rows: that step's saves go to distinct rows
+    (the scheduler's outputs observed as the engine runs them), and each kept snapshot gives back its own
+    prompt's state: longer prompts resuming from them get HF's tokens."""
+    hf_model, path = saved
+    prompts = [_tokens(20, 30 + i) for i in range(6)]
+    engine = _engine(path, recurrent_state_snapshots=2)
+    steps, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda *args, **kwargs: steps.append(schedule(*args, **kwargs)) or steps[-1]
+    run_engine(engine, prompts, PARAMS)
+    assert len(steps[0].requests) == 6
+    destinations = [row for _, row in steps[0].state_saves]
+    assert len(destinations) == 2 and len(set(destinations)) == 2
+    resumed = [prompt + _tokens(3, 50) for prompt in prompts[:2]]
+    want = [hf_greedy(hf_model, p, NEW_TOKENS, stop_at_eos=False) for p in resumed]
+    assert run_engine(engine, resumed, PARAMS) == want
