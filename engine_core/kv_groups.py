@@ -52,12 +52,12 @@ class KVLayout:
 
     @property
     def row_elements(self) -> int:
-        """Elements per token and slot in the pool: a multiple of every group's row."""
+        """Elements per token and slot in the pool: a multiple of every group's row (0: no layer keeps K/V)."""
         return math.lcm(*(group.row for group in self.groups))
 
     def block_scale(self, group: int) -> int:
         """How many of group `group`'s blocks one pool block spans (1 where its rows are the pool's)."""
-        return self.row_elements // self.groups[group].row
+        return self.row_elements // self.groups[group].row if self.groups[group].row else 1
 
     def place(self, layer: int) -> tuple[int, int]:
         """(group, slot) of layer `layer` (a model layer index)."""
@@ -80,6 +80,8 @@ def plan_layout(windows: list[int | None], layers: Sequence[int], split: bool, s
     (pipeline stages, a draft model): one group of them all, sliding only where every layer slides alike,
     which needs every layer's K/V shape alike."""
     held = list(layers)
+    if not held:  # (a pipeline stage of recurrent layers alone: no K/V to keep, an empty pool)
+        return KVLayout((KVGroup(None, (), (0, 0)),), 0)
     shape_of = dict(zip(held, shapes, strict=True))
     kinds = list(dict.fromkeys((windows[i], shape_of[i]) for i in held))  # (in the order of their first layer)
     if not split or len(kinds) == 1:

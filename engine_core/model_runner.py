@@ -61,6 +61,9 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
 # what the request that first computed it computed, as bulk rows or not; the two round differently in the
 # last bits, so there a sample can depend on what ran before. PAGODA_DISABLE_AMX=1: every row alike.)
 BULK_PROMPT_TOKENS = 96
+# The block count a rank whose layers keep no K/V can hold (a pipeline stage of recurrent layers alone):
+# the smallest over the ranks is what every rank allocates.
+NO_KV_LIMIT = 1 << 40
 
 
 @dataclass
@@ -245,6 +248,8 @@ class ModelRunner:
             per_block += self.draft.kv_bytes_per_block()
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
+        if per_block == 0:  # (a stage without attention layers: the other stages' pools set the size)
+            return NO_KV_LIMIT
         if self.config.kv_cache_memory is not None:
             return self.config.kv_cache_memory // per_block
         if self.device.type != "cuda":

@@ -37,8 +37,9 @@ rank-major order (each rank's query, key and value heads together), so that each
 contiguous run (`_rank_major`); the others split as ordinary column-parallel rows. That needs float weights
 (or quantization at load): a quantized checkpoint's `in_proj_qkv` under tensor parallel is refused.
 
-Not supported (refused at build): pipeline parallel, activations other than SiLU. The fused CPU decode step
-is off (it runs Llama's layer).
+Pipeline parallel: each stage holds its layers' states (a stage of linear-attention layers alone keeps no KV
+pool). Not supported (refused at build): activations other than SiLU. The fused CPU decode step is off (it
+runs Llama's layer).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from pagoda.engine_core.models.gemma import GemmaRMSNorm
 from pagoda.engine_core.models.llama import LlamaForCausalLM
 from pagoda.engine_core.models.llama_layers import _bulk_after
 from pagoda.engine_core.models.moe import MoEForCausalLM, stacked_expert_pieces
-from pagoda.engine_core.parallel.distributed import building_group, building_stage
+from pagoda.engine_core.parallel.distributed import building_group
 from pagoda.engine_core.parallel.sharding import AttentionHeads
 from pagoda.engine_core.quantization.assembly import LinearAssembler
 from pagoda.kernels import ops
@@ -309,8 +310,6 @@ def layer_kinds(cfg: ModelConfig) -> tuple[str, ...]:
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, pooling: bool = False):
         name = cfg.architecture
-        if building_stage().count > 1:
-            raise ValueError(f"{name}: pipeline parallel is not supported for this family yet")
         activation = cfg.raw.get("hidden_act") or "silu"
         if activation != "silu":
             raise ValueError(f"{name}: hidden activation {activation!r} is not supported (silu)")
@@ -436,6 +435,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         module_path, _, kind = text_name.removeprefix("model.").rpartition(".")
         parent, _, leaf = module_path.rpartition(".")
         if leaf in _IN_PROJ:
+            if not self._on_this_stage(parent):
+                return None
             return f"{parent}.in_proj.{kind}", _IN_PROJ[leaf]
         return super()._target(text_name)
 

@@ -3,7 +3,8 @@ pool (engine_core/state_pool.py), its full-attention layers paged KV. Greedy tok
 under chunked prefill, a batch joining and leaving, preemption (recompute from a fresh state) and aborts;
 the pool holds exactly one slot per running request; prefix caching is off without state snapshots
 (test_recurrent_prefix_cache.py tests it with them) and speculative decoding refused for these models;
-tensor parallel over two ranks (float, and int8 at load) gives one rank's tokens.
+tensor parallel over two ranks (float, and int8 at load) and pipeline parallel over two stages give one
+rank's tokens.
 (test_tiny_models.py checks the dense and MoE models on the golden lengths.)"""
 
 from __future__ import annotations
@@ -111,6 +112,18 @@ def test_tensor_parallel_with_int8_at_load_matches_one_rank(tmp_path):
     per rank's columns: tests/engine_core/test_moe_parallel.py)."""
     tiny_models.build("qwen3_5").save_pretrained(tmp_path)
     compare_runs(_tensor_parallel_runs(tmp_path, quantization="int8", int8_activations=False), min_identical=3)
+
+
+def test_pipeline_parallel_matches_one_stage(saved):
+    """PP=2: each stage holds its layers' recurrent states (a stage of linear-attention layers alone keeps no
+    KV pool at all) and makes the step's state copies for them."""
+    _, path = saved
+    prompts = _prompts([1, 6, 17, 40])
+    runs = [
+        greedy_with_first_logprobs(path, prompts, 16, num_kv_blocks=64, cpu_threads_bind="none", **split)
+        for split in ({}, {"pipeline_parallel_size": 2})
+    ]
+    compare_runs(runs, min_identical=3)
 
 
 def test_a_split_that_cuts_linear_attention_heads_is_refused(saved):

@@ -64,14 +64,15 @@ def test_a_shared_1024_token_prefix_is_computed_once(saved):
     engine.check_integrity()
 
 
-def test_every_tensor_parallel_rank_resumes_its_share_of_the_state(saved):
-    """TP=2: each rank keeps and loads the snapshots of its own heads' states (the copies travel with the
-    step); the resumed request's tokens are HF's."""
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp", "pp"])
+def test_every_rank_resumes_its_share_of_the_state(saved, split):
+    """TP=2 (each rank its heads' states) and PP=2 (each stage its layers'): every rank keeps and loads the
+    snapshots of what it holds (the copies travel with the step); the resumed request's tokens are HF's."""
     hf_model, path = saved
     prefix = _tokens(512, 13)
     prompts = [prefix + _tokens(20, 14), prefix + _tokens(3, 15)]
     want = [hf_greedy(hf_model, p, NEW_TOKENS, stop_at_eos=False) for p in prompts]
-    engine = _engine(path, tensor_parallel_size=2)
+    engine = _engine(path, cpu_threads_bind="none", **split)
     try:
         assert run_engine(engine, prompts[:1], PARAMS) + run_engine(engine, prompts[1:], PARAMS) == want
         assert engine.kv_manager.snapshots.loaded == 1
