@@ -20,16 +20,18 @@ pattern, 3 linear + 1 full by default; SmolLM2's 49,152-token vocabulary so that
 of context, one stream and 16 streams: Pagoda's EngineCore (pure decode steps after every prompt is
 prefilled), HF transformers `generate` on the same checkpoint (from its first generated token to its last,
 timed by a streamer), and with `--vllm-venv` vLLM's CPU build (0.32 serves Qwen3_5ForCausalLM: its
-registry lists it and its CPU platform has a GDN state backend), over HTTP as benchmarks/moe.py measures
-it: streams x 1000 / TPOT p50, which counts the steps where other prompts' prefill chunks ride along.
-A system that cannot run the model is reported, not fatal. Heavy: 16 prompts of 8k tokens are prefilled
-by each system (tens of minutes on 2 cores); `--context 512 --steps 4` is a smoke run.
+registry lists it and its CPU platform has a GDN state backend, in bfloat16 only), over HTTP as
+benchmarks/moe.py measures it: streams x 1000 / TPOT p50, which counts the steps where other prompts'
+prefill chunks ride along. `--dtype bfloat16` runs every system in bfloat16 (vLLM fails in float32: "CPU
+GDN attention requires BF16"). A system that cannot run the model is reported, not fatal. Heavy: 16
+prompts of 8k tokens are prefilled by each system (tens of minutes on 2 cores); `--context 512 --steps 4`
+is a smoke run.
 
     python -m benchmarks.hybrid memory                          # Gemma 3 1B widths, 6 layers, 16k context
     python -m benchmarks.hybrid memory --context 4096           # quick mode (smoke run)
     python -m benchmarks.hybrid memory --size 4b --periods 2    # Gemma 3 4B widths, 12 layers
     python -m benchmarks.hybrid speed                           # 8k context, 1 and 16 streams
-    python -m benchmarks.hybrid speed --vllm-venv .peers/vllm   # and vLLM's CPU build
+    python -m benchmarks.hybrid speed --vllm-venv .peers/vllm --dtype bfloat16   # and vLLM's CPU build
     python -m benchmarks.hybrid speed --context 512 --steps 4 --streams 1 2   # smoke run
 """
 
@@ -171,7 +173,7 @@ def measure_kv(config: dict, context: int, chunk: int, decode_steps: int, thread
     try:
         kv_cache = engine.runner.kv_cache
         assert kv_cache is not None
-        # [slots, K/V, blocks, block size, KV heads, head dim]: one block id holds a K and V per slot
+        # [slots, K/V, blocks, block size x row]: one block id holds a K and V per slot
         bytes_per_block = kv_cache[:, :, 0].numel() * kv_cache.element_size()
         # (more tokens than measured: a request that reaches max_tokens is freed within that step)
         params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 8, ignore_eos=True)
@@ -292,12 +294,14 @@ def ensure_qwen3_5(layers: int) -> Path:
     return target
 
 
-def pagoda_decode(model: Path, context: int, cases: list[int], steps: int, threads: int | None) -> dict[int, float]:
+def pagoda_decode(
+    model: Path, context: int, cases: list[int], steps: int, threads: int | None, dtype: str = "float32"
+) -> dict[int, float]:
     """Decode tok/s of `streams` requests at `context` tokens: pure decode steps, every prompt prefilled."""
     engine = EngineCore(
         EngineConfig(
             model=str(model),
-            dtype="float32",
+            dtype=dtype,
             kv_cache_memory=2 * 2**30,
             max_model_len=context + steps + 32,
             max_num_seqs=max(cases),
@@ -341,11 +345,11 @@ class TokenTimes:
         pass
 
 
-def hf_decode(model_dir: Path, context: int, cases: list[int], steps: int) -> dict[int, float]:
+def hf_decode(model_dir: Path, context: int, cases: list[int], steps: int, dtype: str = "float32") -> dict[int, float]:
     """HF `generate`'s decode tok/s: its generated tokens after the first, over the time from the first."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     result = {}
     try:
         for streams in cases:
@@ -368,7 +372,9 @@ def hf_decode(model_dir: Path, context: int, cases: list[int], steps: int) -> di
     return result
 
 
-def vllm_decode(venv: Path, model: Path, context: int, cases: list[int], steps: int) -> dict[int, float]:
+def vllm_decode(
+    venv: Path, model: Path, context: int, cases: list[int], steps: int, dtype: str = "float32"
+) -> dict[int, float]:
     """vLLM's CPU server (benchmarks/peers/vllm_cpu.sh), as benchmarks/moe.py drives it: streams x 1000 /
     TPOT p50 of `streams` concurrent requests."""
     from benchmarks.moe import _vllm
@@ -383,6 +389,7 @@ def vllm_decode(venv: Path, model: Path, context: int, cases: list[int], steps: 
         for streams in cases
     }
     os.environ["MAX_MODEL_LEN"] = str(context + steps + 256)  # (text round trips may add a few tokens)
+    os.environ["DTYPE"] = dtype
     rows = _vllm(venv, model, workloads)
     return {streams: streams * rows[names[streams]]["decode_tok_s"] for streams in cases}
 
@@ -392,17 +399,23 @@ def cmd_speed(args: argparse.Namespace) -> None:
     kinds = ", ".join(json.loads((model / "config.json").read_text())["layer_types"])
     print(
         f"Qwen3.5 widths (Qwen3_5TextConfig defaults), random weights, {args.layers} layers ({kinds}), "
-        f"vocabulary {QWEN3_5_VOCAB}, fp32; decode at {args.context} tokens of context, {args.steps} timed "
+        f"vocabulary {QWEN3_5_VOCAB}, {args.dtype}; decode at {args.context} tokens of context, {args.steps} timed "
         f"steps; {cpu_name()}, {torch.get_num_threads()} threads",
         flush=True,
     )
     plan = [
-        ("Pagoda EngineCore", lambda: pagoda_decode(model, args.context, args.streams, args.steps, args.threads)),
-        ("HF transformers generate", lambda: hf_decode(model, args.context, args.streams, args.steps)),
+        (
+            "Pagoda EngineCore",
+            lambda: pagoda_decode(model, args.context, args.streams, args.steps, args.threads, args.dtype),
+        ),
+        ("HF transformers generate", lambda: hf_decode(model, args.context, args.streams, args.steps, args.dtype)),
     ]
     if args.vllm_venv is not None:
         plan.append(
-            ("vLLM-cpu (TPOT)", lambda: vllm_decode(args.vllm_venv, model, args.context, args.streams, args.steps))
+            (
+                "vLLM-cpu (TPOT)",
+                lambda: vllm_decode(args.vllm_venv, model, args.context, args.streams, args.steps, args.dtype),
+            )
         )
     rows: dict[str, dict[int, float]] = {}
     for name, measure in plan:
@@ -439,6 +452,12 @@ def main() -> None:
     speed.add_argument("--streams", type=int, nargs="+", default=[1, 16], help="concurrent streams per case")
     speed.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
     speed.add_argument("--vllm-venv", type=Path, help="vLLM's CPU venv (benchmarks/peers/vllm_cpu.sh makes one)")
+    speed.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="every system's (vLLM 0.32's CPU Gated DeltaNet runs bfloat16 only)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

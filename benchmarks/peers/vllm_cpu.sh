@@ -10,7 +10,7 @@
 # measured for benchmarks/embeddings.py --peer vllm=http://127.0.0.1:8001 (docs/embeddings.md).
 # MODEL_DIR=DIR serves that checkpoint instead, named SERVED_MODEL_NAME (default: model), with a context of
 # MAX_MODEL_LEN tokens (default 2048), as
-# benchmarks/moe.py does.
+# benchmarks/moe.py does. DTYPE=bfloat16 serves in bfloat16 (default float32).
 set -euo pipefail
 VENV=${1:-.peers/vllm}
 PORT=${2:-8001}
@@ -44,9 +44,13 @@ if __name__ == "__main__":  # vLLM spawns processes that import this file again
 
     sys.exit(main())
 PY
+# vLLM's Qwen3.5 module imports its vision-language sibling, which imports torchvision's transforms (through
+# transformers): with torchvision gone (above) that import fails and vLLM refuses the architecture. A
+# stand-in package (vllm_stubs/torchvision: the names imported, any use raising) lets text models load.
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/vllm_stubs${PYTHONPATH:+:$PYTHONPATH}"
 export VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1
 PRELOAD="$VENV/lib/libiomp5.so"
 TCMALLOC=$(ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null || true)
 export LD_PRELOAD="${TCMALLOC:+$TCMALLOC:}$PRELOAD"
-exec "$VENV/bin/python" "$VENV/vllm_cli.py" serve "$MODEL_DIR" --dtype float32 --host 127.0.0.1 --port "$PORT" \
+exec "$VENV/bin/python" "$VENV/vllm_cli.py" serve "$MODEL_DIR" --dtype "${DTYPE:-float32}" --host 127.0.0.1 --port "$PORT" \
   "${SERVE_ARGS[@]}"
