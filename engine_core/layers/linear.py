@@ -233,12 +233,24 @@ class Linear(nn.Module):
         return total
 
     def pack_for_cpu(self, tied_embedding: bool = False) -> bool:
-        """Use the panels or oneDNN's packed layout from now on (float32 on the CPU only); True if packed.
-        `tied_embedding`: the weight is also the embedding table (a tied LM head)."""
+        """Use the panels or oneDNN's packed layout from now on (float32 on the CPU; bfloat16 in oneDNN's,
+        where the CPU has bfloat16 instructions); True if packed. `tied_embedding`: the weight is also the
+        embedding table (a tied LM head)."""
         weight = self.weight
-        if self.quantized is not None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if self.quantized is not None or weight.device.type != "cpu":
             return False
-        if self.activation is None and ops.compiled("panel_linear", weight.device) and not panel_linear_disabled():
+        if weight.dtype == torch.bfloat16:
+            # oneDNN's packed bfloat16 matmul reads the weights 2.3x as fast as F.linear's at one row (a
+            # 4096 x 12288 matrix: 37.8 against 16.1 GB/s, 2-core AMD EPYC with AVX-512 BF16); the panels are
+            # float32 only. Without the CPU's bfloat16 instructions oneDNN would emulate them: F.linear then.
+            if not (_onednn_usable() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+                return False
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
+            if tied_embedding:
+                return True
+        elif weight.dtype != torch.float32:
+            return False
+        elif self.activation is None and ops.compiled("panel_linear", weight.device) and not panel_linear_disabled():
             self.panels = PanelWeight.pack(weight)  # (the embedding lookup reads its rows: no plain copy)
         elif _onednn_usable():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)

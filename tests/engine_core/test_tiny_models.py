@@ -51,7 +51,8 @@ def test_unsupported_architecture_is_named(tmp_path):
 
 
 def test_bfloat16_runs_and_mostly_agrees_with_float32(tmp_path):
-    """bf16 takes the torch reference path on the CPU (the C kernel is float32-only)."""
+    """bf16 on the CPU: linears in oneDNN's packed bfloat16 matmul where the CPU has bfloat16 instructions
+    (engine_core/layers/linear.py), the rest on the torch reference path (the C kernels are float32-only)."""
     _, model_dir = _build(tmp_path, "llama3")
     prompts = [[5, 17, 300, 41] * k for k in (1, 5, 9)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

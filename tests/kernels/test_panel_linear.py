@@ -139,6 +139,25 @@ def test_a_linear_with_a_fused_activation_keeps_onednn():
     assert torch.allclose(layer(x), F.gelu(F.linear(x, w, bias)), atol=1e-5)
 
 
+def test_a_bfloat16_linear_packs_for_onednn_where_the_cpu_has_bfloat16():
+    """bfloat16 weights go to oneDNN's packed layout (the panels are float32) where the CPU has bfloat16
+    instructions, and give F.linear's result within bfloat16's rounding of the output; elsewhere they stay
+    plain (F.linear)."""
+    w, bias, _ = case(96, 64, 0, 11)
+    layer = Linear(64, 96, bias=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(w.bfloat16())
+        layer.bias.copy_(bias.bfloat16())
+    supported = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert layer.pack_for_cpu() == supported
+    assert (layer.packed is not None) == supported and layer.panels is None
+    x = torch.randn(5, 64).bfloat16()
+    want = F.linear(x.float(), w.bfloat16().float(), bias.bfloat16().float())
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.02 * want.abs().max().item(), rtol=0)
+
+
 def test_avx2_and_avx512_builds_give_the_same_bits(variant_libraries):
     """Both sum each output over k in order with one FMA per term, whatever the tile: a model's tokens
     do not depend on which of the two a machine has (the scalar build, without FMA, rounds otherwise)."""
