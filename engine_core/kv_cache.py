@@ -118,35 +118,31 @@ class KVCacheManager:
                     return False
         return True
 
-    def snapshot_cap(self, request: Request, num_new: int) -> int:
-        """`num_new` tokens of a request about to be computed, cut to end at its next snapshot point (where a
-        recurrent model's state is worth keeping): every `snapshot_interval` tokens of its prompt, and the
-        prompt's last block boundary before its last token (what a longer prompt starting with it, a next
-        turn, resumes from)."""
-        point = self._next_snapshot_point(request)
-        if point is None:
+    def snapshot_cap(self, request: Request, start: int, num_new: int) -> int:
+        """`num_new` tokens of a request about to be computed from position `start`, cut to end at its next
+        snapshot point (where a recurrent model's state is worth keeping): every `snapshot_interval` tokens
+        of its prompt, and the prompt's last block boundary before its last token (what a longer prompt
+        starting with it, a next turn, resumes from)."""
+        last = self._last_snapshot_point(request)
+        if last is None or start >= last:
             return num_new
-        return min(num_new, point - request.num_computed_tokens)
+        point = min(last, (start // self.snapshot_interval + 1) * self.snapshot_interval)
+        return min(num_new, point - start)
 
-    def _next_snapshot_point(self, request: Request) -> int | None:
+    def _last_snapshot_point(self, request: Request) -> int | None:
+        """The prompt's last block boundary before its last token; None where no snapshot is taken."""
         if self.snapshots is None or not self.enable_caching or not request.reads_prefix_cache:
             return None
-        last = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
-        computed = request.num_computed_tokens
-        if computed >= last:
-            return None
-        return min(last, (computed // self.snapshot_interval + 1) * self.snapshot_interval)
+        return (request.num_prompt_tokens - 1) // self.block_size * self.block_size
 
-    def snapshot_save(self, request: Request, computed_before: int) -> tuple[int, int] | None:
-        """(slot, row): the copy that keeps a request's state as its step leaves it, where the step took it
-        from `computed_before` to a snapshot point not kept yet; None otherwise."""
-        if self.snapshots is None or not self.enable_caching or not request.reads_prefix_cache:
-            return None
+    def snapshot_save(self, request: Request) -> tuple[int, int] | None:
+        """(slot, row): the copy that keeps a request's state as its step leaves it, where the step ended at
+        a snapshot point not kept yet; None otherwise."""
+        last = self._last_snapshot_point(request)
         computed = request.num_computed_tokens
-        if computed % self.block_size or computed > request.num_prompt_tokens - 1:
+        if last is None or computed == 0 or computed > last:
             return None
-        last = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
-        if (computed != last and computed % self.snapshot_interval) or computed <= computed_before:
+        if computed != last and computed % self.snapshot_interval:
             return None
         row = self.snapshots.reserve(self.block_hashes(request)[computed // self.block_size - 1])
         return None if row is None else (request.state_slot, row)

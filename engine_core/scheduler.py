@@ -143,7 +143,7 @@ class Scheduler:
         for request, n in zip(out.requests, out.num_scheduled_tokens, strict=True):
             request.num_computed_tokens += n  # advanced now, so the next schedule plans the next chunk
             self.kv.cache_full_blocks(request)  # their K/V are written in this step, before any reader
-            save = self.kv.snapshot_save(request, request.num_computed_tokens - n)
+            save = self.kv.snapshot_save(request)
             if save is not None:
                 out.state_saves.append(save)
         return out
@@ -151,7 +151,8 @@ class Scheduler:
     def _with_proposals(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """How many tokens a running request computes: the rest of its prompt (or its last token), and
         when it decodes, its proposed tokens too, as many as the budget takes."""
-        num_new = self.kv.snapshot_cap(request, min(request.num_tokens - request.num_computed_tokens, budget))
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_new = self.kv.snapshot_cap(request, request.num_computed_tokens, num_new)
         spec = request.spec_token_ids[: budget - 1]
         if not spec or num_new != 1:
             return num_new
@@ -194,10 +195,7 @@ class Scheduler:
             hits = self.kv.computed_blocks(request) if request.num_computed_tokens == 0 else []
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_hit_tokens, budget)
-            if self.kv.snapshots is not None:  # (cut where the recurrent state is kept, from the resume point)
-                request.num_computed_tokens += num_hit_tokens
-                num_new = self.kv.snapshot_cap(request, num_new)
-                request.num_computed_tokens -= num_hit_tokens
+            num_new = self.kv.snapshot_cap(request, request.num_computed_tokens + num_hit_tokens, num_new)
             if prefill_tokens and prefill_tokens + num_new > self.max_joint_prefill_tokens:
                 break
             # The free-block watermark applies only when others run: alone, a request may use it all.

@@ -375,10 +375,7 @@ class Gemma4ForCausalLM(GemmaEmbeddingAndHead):
             if match is None:
                 yield name, tensor
                 continue
-            moe = self._moe(int(match[1]))
-            for piece_name, piece in stacked_expert_pieces(name, tensor):
-                part = moe.checkpoint_slices("w2" if piece_name.endswith("down_proj.weight") else "w13")
-                yield piece_name, piece[part] if cut and part is not None else piece
+            yield from stacked_expert_pieces(name, tensor, self._moe(int(match[1])), cut)
 
     def _moe(self, layer: int) -> Gemma4MoE:
         moe = getattr(self.layers[layer], "moe", None)

@@ -319,16 +319,25 @@ class MixtralForCausalLM(MoEForCausalLM):
     weights_in_hidden_dtype = False
 
 
-def stacked_expert_pieces(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+def stacked_expert_pieces(
+    name: str, tensor: torch.Tensor, mlp: MoEMLP, cut: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Stacked experts as transformers 5 holds them in memory (`experts.gate_up_proj` [E, 2I, H]: gate rows
     then up rows; `experts.down_proj` [E, H, I]) as each expert's projections (views), named as transformers
-    writes experts apart (`experts.E.gate_proj.weight`, ...)."""
+    writes experts apart (`experts.E.gate_proj.weight`, ...). With `cut` (tensor parallel without a
+    quantization assembler, which cuts after converting), each is cut to the rows or columns of `mlp`'s rank:
+    the stacked tensor is read whole, since gate's and up's rows of one rank are two runs of it."""
     prefix = name.rpartition(".")[0]
+    rows, columns = (mlp.checkpoint_slices(param) if cut else None for param in ("w13", "w2"))
     if name.endswith("gate_up_proj"):
         inter = tensor.shape[1] // 2
         for expert in range(tensor.shape[0]):
-            yield f"{prefix}.{expert}.gate_proj.weight", tensor[expert, :inter]
-            yield f"{prefix}.{expert}.up_proj.weight", tensor[expert, inter:]
+            for half, projection in enumerate(("gate_proj", "up_proj")):
+                piece = tensor[expert, half * inter : (half + 1) * inter]
+                yield f"{prefix}.{expert}.{projection}.weight", piece[rows] if rows is not None else piece
     else:
         for expert in range(tensor.shape[0]):
-            yield f"{prefix}.{expert}.down_proj.weight", tensor[expert]
+            yield (
+                f"{prefix}.{expert}.down_proj.weight",
+                tensor[expert][columns] if columns is not None else tensor[expert],
+            )

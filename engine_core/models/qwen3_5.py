@@ -58,7 +58,7 @@ from pagoda.engine_core.model_config import ModelConfig
 from pagoda.engine_core.models.gemma import GemmaRMSNorm
 from pagoda.engine_core.models.llama import LlamaForCausalLM
 from pagoda.engine_core.models.llama_layers import _bulk_after
-from pagoda.engine_core.models.moe import MoEForCausalLM, stacked_expert_pieces
+from pagoda.engine_core.models.moe import MoEForCausalLM, MoEMLP, stacked_expert_pieces
 from pagoda.engine_core.parallel.distributed import building_group
 from pagoda.engine_core.parallel.sharding import AttentionHeads
 from pagoda.engine_core.quantization.assembly import LinearAssembler
@@ -392,7 +392,9 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             if name.endswith(_ONE_PLUS_W_NORMS) or name == "model.norm.weight":
                 tensor = tensor.float() if include_one else tensor.float() + 1.0
             if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-                yield from stacked_expert_pieces(name, tensor)
+                layer = int(name.removeprefix("model.layers.").split(".", 1)[0])
+                mlp = cast(MoEMLP, self.layers[layer].mlp)
+                yield from stacked_expert_pieces(name, tensor, mlp, cut=not assembled)
                 continue
             if self.tp.parallel and name.endswith(_PER_HEAD):
                 tensor = self._rank_share(name, tensor, assembled)

@@ -133,3 +133,26 @@ def test_a_split_that_cuts_linear_attention_heads_is_refused(saved):
     _, path = saved
     with pytest.raises(ValueError, match="must divide the linear attention's 2 key heads"):
         check_model_splits(ModelConfig.from_dir(path), 4)
+
+
+def test_stacked_experts_split_over_two_ranks(tmp_path):
+    """Qwen3.5-MoE with its experts stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`, as some
+    checkpoints store them): TP=2 reads each stacked tensor whole and cuts every expert's piece to the rank
+    (engine_core/models/moe.py `stacked_expert_pieces`); tokens and logprobs as one rank's."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_models.build("qwen3_5_moe").save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    for layer in range(4):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        count = sum(1 for name in tensors if name.startswith(prefix) and name.endswith("down_proj.weight"))
+        pieces = {
+            p: [tensors.pop(f"{prefix}.{e}.{p}.weight") for e in range(count)]
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat(pair) for pair in zip(pieces["gate_proj"], pieces["up_proj"], strict=True)]
+        )
+        tensors[f"{prefix}.down_proj"] = torch.stack(pieces["down_proj"])
+    save_file(tensors, tmp_path / "model.safetensors")
+    compare_runs(_tensor_parallel_runs(tmp_path), min_identical=3)

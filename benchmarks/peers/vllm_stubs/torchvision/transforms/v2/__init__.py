@@ -1,11 +1,3 @@
-import enum
+"""torchvision.transforms.v2: as the stand-in's transforms."""
 
-
-class InterpolationMode(enum.Enum):
-    NEAREST = "nearest"
-    NEAREST_EXACT = "nearest-exact"
-    BILINEAR = "bilinear"
-    BICUBIC = "bicubic"
-    BOX = "box"
-    HAMMING = "hamming"
-    LANCZOS = "lanczos"
+from torchvision.transforms import InterpolationMode  # noqa: F401

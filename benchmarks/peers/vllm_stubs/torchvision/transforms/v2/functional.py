@@ -1,8 +1,3 @@
-def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
+"""torchvision.transforms.v2.functional: as the stand-in's transforms.functional."""
 
-    def unavailable(*args, **kwargs):
-        raise ImportError(f"torchvision is a stand-in in this venv (text models only): {name} is not available")
-
-    return unavailable
+from torchvision.transforms.functional import __getattr__  # noqa: F401
