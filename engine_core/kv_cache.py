@@ -144,6 +144,7 @@ class KVCacheManager:
             return None
         if computed != last and computed % self.snapshot_interval:
             return None
+        assert self.snapshots is not None  # (as _last_snapshot_point checked)
         row = self.snapshots.reserve(self.block_hashes(request)[computed // self.block_size - 1])
         return None if row is None else (request.state_slot, row)
 
